@@ -1,0 +1,52 @@
+#pragma once
+// torch_offload's public C++ API: inline calls of the offload:: ops through the
+// PyTorch dispatcher. Load the library first (link it, or dlopen the .so that
+// torch_offload.library_path() names); then these work like at:: functions,
+// autograd included.
+#include <cstdint>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Exception.h>
+
+namespace torch_offload {
+
+namespace detail {
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+}  // namespace detail
+
+// A new contiguous CPU tensor with src's values. On CUDA the copy runs on a
+// dedicated device-to-host stream into pinned memory; with non_blocking=true the
+// call returns before the copy ends (unpack waits for it by itself; do not read
+// the result on the host or write src in place before unpacking it).
+inline at::Tensor offload_pack(const at::Tensor& src, bool non_blocking = false) {
+  TORCH_CHECK(src.defined(), "offload_pack: src is an undefined tensor; expected a defined tensor");
+  static const auto handle = detail::op<at::Tensor(const at::Tensor&, bool)>("offload::offload_pack");
+  return handle.call(src, non_blocking);
+}
+
+// A new contiguous tensor on `device` with packed's values, safe to use on the
+// current stream.
+inline at::Tensor offload_unpack(const at::Tensor& packed, c10::Device device) {
+  TORCH_CHECK(packed.defined(), "offload_unpack: packed is an undefined tensor; expected a defined tensor");
+  static const auto handle = detail::op<at::Tensor(const at::Tensor&, c10::Device)>("offload::offload_unpack");
+  return handle.call(packed, device);
+}
+
+// Most bytes of pinned host memory the pack arena may hold (default: 1/4 of RAM).
+inline void set_pinned_budget(int64_t budget_bytes) {
+  static const auto handle = detail::op<void(int64_t)>("offload::set_pinned_budget");
+  handle.call(budget_bytes);
+}
+
+// [budget, reserved, in_use, chunk_allocations, slice_allocations] of the arena.
+inline std::vector<int64_t> pinned_arena_stats() {
+  static const auto handle = detail::op<std::vector<int64_t>()>("offload::pinned_arena_stats");
+  return handle.call();
+}
+
+}  // namespace torch_offload

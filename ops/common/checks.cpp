@@ -1,0 +1,32 @@
+#include "ops/common/checks.h"
+
+#include <ATen/Context.h>
+#include <c10/util/Exception.h>
+#include <unistd.h>
+
+namespace torch_offload {
+
+void check_defined(const at::Tensor& t, const char* op, const char* arg) {
+  TORCH_CHECK(t.defined(), op, ": ", arg, " is an undefined tensor; expected a defined tensor");
+}
+
+void check_device_available(c10::Device device, const char* op, const char* arg) {
+  if (device.is_cpu() || device.is_meta()) {
+    return;
+  }
+  if (device.is_cuda()) {
+    const int64_t count = at::hasCUDA() ? at::getNumGPUs() : 0;
+    TORCH_CHECK(count > 0, op, ": ", arg, " is ", device,
+                " but no CUDA device is available in this process");
+    TORCH_CHECK(!device.has_index() || device.index() < count, op, ": ", arg, " is ", device,
+                " but only ", count, " CUDA device(s) exist");
+    return;
+  }
+  TORCH_CHECK(false, op, ": ", arg, " is ", device, "; expected a cpu or cuda device");
+}
+
+int64_t physical_host_bytes() {
+  return static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+}
+
+}  // namespace torch_offload

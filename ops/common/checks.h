@@ -1,0 +1,18 @@
+#pragma once
+// Argument checks shared by every op: each error names the op and the argument.
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+namespace torch_offload {
+
+// `op` and `arg` appear in the message, e.g. "offload_pack: src is undefined".
+void check_defined(const at::Tensor& t, const char* op, const char* arg);
+
+// Errors unless `device` exists in this process (CPU always does; CUDA needs a
+// CUDA build of torch and a visible GPU with that index).
+void check_device_available(c10::Device device, const char* op, const char* arg);
+
+// Bytes of physical host memory; byte budgets above it are rejected as absurd.
+int64_t physical_host_bytes();
+
+}  // namespace torch_offload

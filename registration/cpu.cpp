@@ -1,0 +1,8 @@
+#include <torch/library.h>
+
+#include "ops/offload/offload.h"
+
+TORCH_LIBRARY_IMPL(offload, CPU, m) {
+  m.impl("offload_pack", &torch_offload::offload_pack_cpu);
+  m.impl("offload_unpack", &torch_offload::offload_unpack_cpu);
+}

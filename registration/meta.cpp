@@ -1,0 +1,11 @@
+#include <torch/library.h>
+
+#include "ops/offload/offload.h"
+
+// Meta kernels keep meta tensors on meta. Under FakeTensor (torch.compile) the
+// device-moving ops need their real result device: torch_offload/_fake.py
+// registers those fake impls over these.
+TORCH_LIBRARY_IMPL(offload, Meta, m) {
+  m.impl("offload_pack", &torch_offload::offload_pack_meta);
+  m.impl("offload_unpack", &torch_offload::offload_unpack_meta);
+}
