@@ -1,0 +1,85 @@
+"""torch_offload: PyTorch ops (namespace ``torch.ops.offload``) for training with less memory.
+
+Importing the package loads the shared library once and registers the fake
+(FakeTensor) implementations that torch.compile needs.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "library_path",
+    "offload_pack",
+    "offload_unpack",
+    "set_pinned_budget",
+    "pinned_arena_stats",
+]
+
+
+_LIBRARY = "libtorch_offload.so"
+
+
+def library_path() -> str:
+    """Path of the ``libtorch_offload.so`` shipped in this package, for C++ users (dlopen or link)."""
+    beside = Path(__file__).with_name(_LIBRARY)
+    if beside.is_file():
+        return str(beside)
+    # Imported from a source checkout: use the .so that `pip install .` put in the environment.
+    try:
+        installed = Path(importlib.metadata.distribution("torch_offload").locate_file(f"torch_offload/{_LIBRARY}"))
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    if installed is None or not installed.is_file():
+        raise ImportError(f"{_LIBRARY} not found: build and install it with `pip install --no-build-isolation .`")
+    return str(installed)
+
+
+torch.ops.load_library(library_path())
+
+from . import _fake  # noqa: E402,F401  (registers fake impls; needs the ops loaded)
+
+
+def _require_tensor(value, op: str, arg: str) -> None:
+    # torch.ops would only say "tensor does not have a device" for None.
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError(f"{op}: {arg} is {type(value).__name__}; expected a defined tensor")
+
+
+def offload_pack(src: torch.Tensor, *, non_blocking: bool = False) -> torch.Tensor:
+    """Return a new contiguous CPU tensor with ``src``'s values (differentiable).
+
+    On CUDA the copy runs on a dedicated device-to-host stream into pinned memory
+    from a reusable arena, after the work already queued on the current stream.
+    With ``non_blocking=True`` it returns before the copy ends: ``offload_unpack``
+    waits for it by itself, but do not read the result on the host or modify
+    ``src`` in place until then. Freeing ``src`` is always safe.
+    """
+    _require_tensor(src, "offload_pack", "src")
+    return torch.ops.offload.offload_pack(src, non_blocking)
+
+
+def offload_unpack(packed: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Return a new contiguous tensor on ``device`` with ``packed``'s values (differentiable).
+
+    Host-to-GPU copies run on their own stream; the current stream waits on that
+    copy's event only, so the result is ready to use on the current stream.
+    """
+    _require_tensor(packed, "offload_unpack", "packed")
+    return torch.ops.offload.offload_unpack(packed, torch.device(device))
+
+
+def set_pinned_budget(budget_bytes: int) -> None:
+    """Cap the pinned host memory held by the pack arena (default: a quarter of RAM).
+
+    Packs that do not fit go to pageable memory with a synchronous copy.
+    """
+    torch.ops.offload.set_pinned_budget(budget_bytes)
+
+
+def pinned_arena_stats() -> dict[str, int]:
+    """Byte and call counters of the pinned arena that ``offload_pack`` uses on CUDA."""
+    keys = ("budget_bytes", "reserved_bytes", "in_use_bytes", "chunk_allocations", "slice_allocations")
+    return dict(zip(keys, torch.ops.offload.pinned_arena_stats()))

@@ -1,0 +1,16 @@
+"""FakeTensor implementations of the device-moving ops.
+
+FakeTensor would run the C++ Meta kernels with the inputs' device, which is
+wrong for ops whose result lives elsewhere; these put the result on its device.
+"""
+import torch
+
+
+@torch.library.register_fake("offload::offload_pack", allow_override=True)
+def _offload_pack_fake(src, non_blocking=False):
+    return torch.empty(src.shape, dtype=src.dtype, device="cpu")
+
+
+@torch.library.register_fake("offload::offload_unpack", allow_override=True)
+def _offload_unpack_fake(packed, device):
+    return torch.empty(packed.shape, dtype=packed.dtype, device=device)
