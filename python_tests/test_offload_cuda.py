@@ -1,0 +1,133 @@
+"""Stream semantics of pack/unpack on a GPU. Skipped on machines without one."""
+import pytest
+import torch
+
+import torch_offload
+from torch.testing._internal.optests import opcheck
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def slow_producer(n=4096):
+    """Queue enough work on the current stream that a racing copy would read stale data."""
+    a = torch.randn(n, n, device="cuda")
+    for _ in range(8):
+        a = a @ a / n
+    return a
+
+
+def test_round_trip_and_pinned_result():
+    src = torch.randn(257, 33, device="cuda")
+    packed = torch_offload.offload_pack(src)
+    assert packed.device.type == "cpu" and packed.is_pinned()
+    assert torch.equal(packed, src.cpu())
+    back = torch_offload.offload_unpack(packed, "cuda")
+    assert back.device.type == "cuda" and torch.equal(back, src)
+
+
+def test_pack_waits_for_the_producer_on_the_current_stream():
+    src = slow_producer()
+    expected = src.clone()
+    packed = torch_offload.offload_pack(src)
+    assert torch.equal(packed, expected.cpu())
+
+
+def test_source_overwritten_in_place_after_blocking_pack():
+    src = torch.randn(1 << 20, device="cuda")
+    expected = src.cpu()
+    packed = torch_offload.offload_pack(src)
+    src.fill_(float("nan"))
+    assert torch.equal(torch_offload.offload_unpack(packed, "cuda").cpu(), expected)
+
+
+def test_source_freed_and_memory_reused_after_non_blocking_pack():
+    src = slow_producer(2048)
+    expected = src.cpu()
+    packed = torch_offload.offload_pack(src, non_blocking=True)
+    del src
+    # The caching allocator must not hand the source's block to this overwrite
+    # before the copy stream has read it.
+    garbage = [torch.full((2048, 2048), float("nan"), device="cuda") for _ in range(4)]
+    back = torch_offload.offload_unpack(packed, "cuda")
+    assert torch.equal(back.cpu(), expected)
+    del garbage
+
+
+def test_unpack_result_is_ready_on_a_custom_current_stream():
+    src = torch.randn(1 << 20, device="cuda")
+    packed = torch_offload.offload_pack(src, non_blocking=True)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        back = torch_offload.offload_unpack(packed, "cuda")
+        doubled = back * 2  # runs on `side`, which must wait for the copy
+    side.synchronize()
+    assert torch.equal(doubled, src * 2)
+
+
+def test_reading_a_non_blocking_pack_on_the_host_via_unpack_cpu():
+    src = slow_producer(2048)
+    expected = src.cpu()
+    packed = torch_offload.offload_pack(src, non_blocking=True)
+    assert torch.equal(torch_offload.offload_unpack(packed, "cpu"), expected)
+
+
+def test_pinned_arena_reuses_slices_without_new_host_allocations():
+    torch_offload.offload_pack(torch.ones(1024, device="cuda"))  # the arena has a chunk now
+    torch.cuda.synchronize()
+    before = torch_offload.pinned_arena_stats()
+    for _ in range(100):
+        packed = torch_offload.offload_pack(torch.randn(1 << 16, device="cuda"))
+        torch_offload.offload_unpack(packed, "cuda")
+        del packed
+    torch.cuda.synchronize()
+    after = torch_offload.pinned_arena_stats()
+    assert after["chunk_allocations"] == before["chunk_allocations"]
+    assert after["slice_allocations"] >= before["slice_allocations"] + 100
+    assert after["in_use_bytes"] <= before["in_use_bytes"] + (1 << 18)
+
+
+def test_over_budget_falls_back_to_pageable_memory():
+    old = torch_offload.pinned_arena_stats()["budget_bytes"]
+    torch_offload.set_pinned_budget(0)
+    try:
+        src = torch.randn(4096, device="cuda")
+        packed = torch_offload.offload_pack(src, non_blocking=True)
+        assert not packed.is_pinned()
+        assert torch.equal(torch_offload.offload_unpack(packed, "cuda"), src)
+    finally:
+        torch_offload.set_pinned_budget(old)
+
+
+def test_no_call_synchronizes_through_aten():
+    src = torch.randn(1 << 16, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        packed = torch_offload.offload_pack(src, non_blocking=True)
+        back = torch_offload.offload_unpack(packed, "cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(back, src)
+
+
+def test_gradients_cross_devices():
+    x = torch.randn(64, 8, device="cuda", dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: torch_offload.offload_pack(t), (x,))
+    assert torch.autograd.gradcheck(lambda t: torch_offload.offload_unpack(t.cpu(), "cuda"), (x,))
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck_on_cuda(requires_grad):
+    src = torch.randn(3, 5, device="cuda", requires_grad=requires_grad)
+    opcheck(torch.ops.offload.offload_pack.default, (src,))
+    opcheck(torch.ops.offload.offload_unpack.default, (src.detach().cpu().requires_grad_(requires_grad), torch.device("cuda")))
+
+
+def test_compile_on_cuda_matches_eager():
+    def step(x):
+        packed = torch.ops.offload.offload_pack(x * 2, True)
+        return (torch.ops.offload.offload_unpack(packed, x.device) * x).sum()
+
+    x = torch.randn(16, 4, device="cuda", requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(x), step(x))

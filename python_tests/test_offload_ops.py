@@ -1,0 +1,210 @@
+"""offload_pack / offload_unpack from Python: values, autograd, opcheck, compile, TorchScript, errors."""
+import os
+
+import pytest
+import torch
+from torch.testing._internal.optests import opcheck
+
+import torch_offload
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.bool]
+
+
+def sample(shape, dtype=torch.float32, requires_grad=False):
+    values = torch.arange(max(1, torch.Size(shape).numel()), dtype=torch.float64)[: torch.Size(shape).numel()]
+    values = values.reshape(shape)
+    out = values.remainder(3).eq(0) if dtype == torch.bool else (values * 0.5 - 3).to(dtype)
+    return out.requires_grad_(requires_grad)
+
+
+def layouts():
+    base = sample((4, 6))
+    return {
+        "contiguous": base,
+        "transposed": base.t(),
+        "strided": base[:, ::2],
+        "expanded": sample((1, 6)).expand(5, 6),
+        "zero_size": torch.empty(0, 3),
+        "zero_dim": torch.tensor(1.5),
+    }
+
+
+def test_import_loads_the_ops_and_names_the_library():
+    assert os.path.isfile(torch_offload.library_path())
+    assert hasattr(torch.ops.offload, "offload_pack")
+    assert hasattr(torch.ops.offload, "offload_unpack")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_keeps_values_shape_and_dtype(dtype):
+    src = sample((3, 5), dtype)
+    packed = torch_offload.offload_pack(src)
+    assert packed.device.type == "cpu" and packed.is_contiguous()
+    assert packed.data_ptr() != src.data_ptr()
+    back = torch_offload.offload_unpack(packed, "cpu")
+    assert back.data_ptr() != packed.data_ptr()
+    for out in (packed, back):
+        assert out.dtype == dtype and out.shape == src.shape
+        assert torch.equal(out, src)
+
+
+@pytest.mark.parametrize("name", list(layouts()))
+def test_any_layout_comes_back_contiguous_and_equal(name):
+    src = layouts()[name]
+    for out in (torch_offload.offload_pack(src), torch_offload.offload_unpack(src, "cpu")):
+        assert out.is_contiguous() and out.shape == src.shape
+        assert torch.equal(out, src)
+
+
+def test_result_is_a_copy_not_a_view():
+    src = sample((8,))
+    packed = torch_offload.offload_pack(src)
+    src.add_(100)
+    assert torch.equal(packed, sample((8,)))
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("name", list(layouts()))
+def test_opcheck_pack(name, requires_grad):
+    src = layouts()[name].clone().requires_grad_(requires_grad)
+    opcheck(torch.ops.offload.offload_pack.default, (src,), {"non_blocking": False})
+    opcheck(torch.ops.offload.offload_pack.default, (src, True))
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("name", list(layouts()))
+def test_opcheck_unpack(name, requires_grad):
+    packed = layouts()[name].clone().requires_grad_(requires_grad)
+    opcheck(torch.ops.offload.offload_unpack.default, (packed, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool], ids=str)
+def test_opcheck_non_float(dtype):
+    opcheck(torch.ops.offload.offload_pack.default, (sample((2, 3), dtype),))
+    opcheck(torch.ops.offload.offload_unpack.default, (sample((2, 3), dtype), torch.device("cpu")))
+
+
+def test_gradcheck_float64():
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: torch_offload.offload_pack(t), (x,))
+    assert torch.autograd.gradcheck(lambda t: torch_offload.offload_unpack(t, "cpu"), (x,))
+    composed = lambda t: torch_offload.offload_unpack(torch_offload.offload_pack(t * t), "cpu").sin()
+    assert torch.autograd.gradcheck(composed, (x,))
+    assert torch.autograd.gradgradcheck(composed, (x,))
+
+
+def test_gradient_of_round_trip_equals_plain_torch():
+    x = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 7, dtype=torch.float64)
+    (torch_offload.offload_unpack(torch_offload.offload_pack(x.exp()), "cpu") * w).sum().backward()
+    assert torch.allclose(x.grad, w * x.detach().exp())
+
+
+def test_fake_tensor_results_land_on_the_asked_device():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        src = torch.empty(2, 3, dtype=torch.float16)
+        packed = torch.ops.offload.offload_pack(src)
+        back = torch.ops.offload.offload_unpack(packed, torch.device("meta"))
+    assert packed.device.type == "cpu" and packed.dtype == torch.float16 and packed.shape == (2, 3)
+    assert back.device.type == "meta"
+
+
+def pack_compute_unpack(x, w):
+    packed = torch.ops.offload.offload_pack(x * 2)
+    h = torch.tanh(x @ w)
+    y = torch.ops.offload.offload_unpack(packed, x.device)
+    return (y * h).sum()
+
+
+def test_compile_fullgraph_dynamic_matches_eager_without_graph_breaks():
+    torch._dynamo.reset()
+    compiled = torch.compile(pack_compute_unpack, fullgraph=True, dynamic=True)
+    for rows in (4, 9):  # two sequence lengths: one dynamic graph serves both
+        x = torch.randn(rows, 6, requires_grad=True)
+        w = torch.randn(6, 6, requires_grad=True)
+        eager_loss = pack_compute_unpack(x, w)
+        eager_grads = torch.autograd.grad(eager_loss, (x, w))
+        compiled_loss = compiled(x, w)
+        compiled_grads = torch.autograd.grad(compiled_loss, (x, w))
+        torch.testing.assert_close(compiled_loss, eager_loss)
+        for got, want in zip(compiled_grads, eager_grads):
+            torch.testing.assert_close(got, want)
+    explanation = torch._dynamo.explain(pack_compute_unpack)(torch.randn(4, 6), torch.randn(6, 6))
+    assert explanation.graph_break_count == 0
+    assert explanation.graph_count == 1
+
+
+@pytest.mark.skipif(not hasattr(torch.jit, "script"), reason="this torch ships no TorchScript")
+def test_torchscript_calls_the_ops():
+    @torch.jit.script
+    def scripted(x: torch.Tensor) -> torch.Tensor:
+        packed = torch.ops.offload.offload_pack(x, False)
+        return torch.ops.offload.offload_unpack(packed, torch.device("cpu"))
+
+    x = sample((3, 4))
+    assert torch.equal(scripted(x), x)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_unpack_to_missing_cuda_device_names_the_problem():
+    with pytest.raises(RuntimeError, match="offload_unpack: device is cuda.* no CUDA device is available"):
+        torch_offload.offload_unpack(sample((2,)), "cuda")
+
+
+def test_unknown_device_is_rejected():
+    with pytest.raises(RuntimeError, match="offload_unpack: device is meta|expected a cpu or cuda device"):
+        torch.ops.offload.offload_unpack(sample((2,)), torch.device("xpu"))
+
+
+def test_missing_tensor_is_rejected_by_name():
+    with pytest.raises(RuntimeError, match="offload_pack: src is NoneType; expected a defined tensor"):
+        torch_offload.offload_pack(None)
+    with pytest.raises(RuntimeError, match="offload_unpack: packed is NoneType; expected a defined tensor"):
+        torch_offload.offload_unpack(None, "cpu")
+    # The raw ops refuse it too (the dispatcher finds no device to run on).
+    with pytest.raises(RuntimeError):
+        torch.ops.offload.offload_pack(None)
+
+
+@pytest.mark.parametrize("budget, message", [(-1, "must be >= 0"), (1 << 62, "exceeds this host's physical memory")])
+def test_bad_budget_is_rejected_and_nothing_changes(budget, message):
+    before = torch_offload.pinned_arena_stats()
+    with pytest.raises(RuntimeError, match=f"set_pinned_budget: budget_bytes.*{message}"):
+        torch_offload.set_pinned_budget(budget)
+    assert torch_offload.pinned_arena_stats() == before
+
+
+def test_budget_is_stored():
+    before = torch_offload.pinned_arena_stats()["budget_bytes"]
+    try:
+        torch_offload.set_pinned_budget(1 << 20)
+        assert torch_offload.pinned_arena_stats()["budget_bytes"] == 1 << 20
+    finally:
+        torch_offload.set_pinned_budget(before)
+
+
+def test_saved_tensor_hooks_round_trip_matches_plain_training_step():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    x, target = torch.randn(32, 8), torch.randn(32, 1)
+
+    def loss_and_grads(hooks):
+        model.zero_grad()
+        if hooks:
+            with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: (t.device, torch_offload.offload_pack(t)),
+                lambda saved: torch_offload.offload_unpack(saved[1], saved[0]),
+            ):
+                loss = torch.nn.functional.mse_loss(model(x), target)
+        else:
+            loss = torch.nn.functional.mse_loss(model(x), target)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    plain_loss, plain_grads = loss_and_grads(False)
+    hooked_loss, hooked_grads = loss_and_grads(True)
+    assert torch.equal(plain_loss, hooked_loss)
+    for a, b in zip(plain_grads, hooked_grads):
+        assert torch.equal(a, b)
