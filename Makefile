@@ -1,0 +1,68 @@
+# The README's two commands, `make demo` and `make test`, each set up what they
+# need on a fresh machine: .venv/ with torch, the build, GoogleTest, the package.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+DEV_PACKAGES := pytest numpy expecttest scikit-build-core ninja cmake
+BUILD_DIR := build/python
+
+# The CUDA compile check: a CUDA build of torch in its own venv, and nvcc.
+CUDA_VENV := .venv-cuda
+CUDA_TORCH_VERSION ?= 2.14.1
+CUDA_HOME ?= /usr/local/cuda
+CUDA_BUILD_DIR := build/cuda
+
+.PHONY: demo test build gtest cuda-check clean
+
+demo: build
+	$(PY) examples/demo.py
+
+test: build
+	$(VENV)/bin/ctest --test-dir $(BUILD_DIR) --output-on-failure
+	$(PY) -m pytest python_tests
+
+$(VENV)/.ready:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install torch==$(TORCH_VERSION) $(DEV_PACKAGES)
+	touch $@
+
+# GoogleTest comes from Debian; install it only when CMake could not find it.
+gtest:
+	@if [ ! -f /usr/include/gtest/gtest.h ]; then \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libgtest-dev; \
+	fi
+
+# scikit-build-core reuses $(BUILD_DIR), so a second build only recompiles what changed.
+build: $(VENV)/.ready gtest
+	$(PY) -m pip install --no-build-isolation --no-deps \
+	  -C build-dir=$(BUILD_DIR) -C cmake.define.TORCH_OFFLOAD_BUILD_TESTS=ON .
+
+$(CUDA_VENV)/.ready:
+	$(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/pip install torch==$(CUDA_TORCH_VERSION)
+	touch $@
+
+# Compiles every .cu file with nvcc (sm_80, sm_90) and links the CUDA-enabled
+# library and its C++ tests against a CUDA build of torch, then runs those tests:
+# on a machine without a GPU that checks the CPU paths of the CUDA build and
+# skips the GPU tests. torch's CMake config wants libnvrtc, which a toolkit
+# without the math libraries lacks: take the one torch's wheels ship.
+cuda-check: $(VENV)/.ready $(CUDA_VENV)/.ready gtest
+	@nvrtc=$$(ls $(CUDA_HOME)/lib64/libnvrtc.so* 2>/dev/null | head -n1); \
+	[ -n "$$nvrtc" ] || nvrtc=$$(ls $$PWD/$(CUDA_VENV)/lib/python3*/site-packages/nvidia/*/lib/libnvrtc.so.* | head -n1); \
+	set -x; \
+	$(VENV)/bin/cmake -S . -B $(CUDA_BUILD_DIR) -G Ninja \
+	  -DPython3_EXECUTABLE=$$PWD/$(CUDA_VENV)/bin/python \
+	  -DTORCH_OFFLOAD_CUDA=ON -DTORCH_OFFLOAD_BUILD_TESTS=ON \
+	  -DCMAKE_CUDA_COMPILER=$(CUDA_HOME)/bin/nvcc \
+	  -DCUDA_TOOLKIT_ROOT_DIR=$(CUDA_HOME) -DCUDA_nvrtc_LIBRARY=$$nvrtc
+	PATH=$$PWD/$(VENV)/bin:$$PATH cmake --build $(CUDA_BUILD_DIR) --verbose
+	$(VENV)/bin/ctest --test-dir $(CUDA_BUILD_DIR) --output-on-failure
+
+clean:
+	rm -rf build
