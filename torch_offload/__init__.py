@@ -6,6 +6,7 @@ Importing the package loads the shared library once and registers the fake
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from pathlib import Path
 
 import torch
@@ -23,7 +24,14 @@ _LIBRARY = "libtorch_offload.so"
 
 
 def library_path() -> str:
-    """Path of the ``libtorch_offload.so`` shipped in this package, for C++ users (dlopen or link)."""
+    """Path of the ``libtorch_offload.so`` shipped in this package, for C++ users (dlopen or link).
+
+    ``TORCH_OFFLOAD_LIBRARY`` overrides it, e.g. to test a library built by CMake
+    from a source checkout without installing it.
+    """
+    override = os.environ.get("TORCH_OFFLOAD_LIBRARY")
+    if override:
+        return override
     beside = Path(__file__).with_name(_LIBRARY)
     if beside.is_file():
         return str(beside)
