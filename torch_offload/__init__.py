@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "checkpoint",
     "library_path",
+    "offload_activations",
     "offload_pack",
     "offload_unpack",
     "set_pinned_budget",
@@ -48,6 +50,7 @@ def library_path() -> str:
 torch.ops.load_library(library_path())
 
 from . import _fake  # noqa: E402,F401  (registers fake impls; needs the ops loaded)
+from .activations import checkpoint, offload_activations  # noqa: E402
 
 
 def _require_tensor(value, op: str, arg: str) -> None:

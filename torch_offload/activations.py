@@ -1,0 +1,134 @@
+"""Activation offloading: saved activations wait for backward on the host.
+
+The hooks here are thin: ``torch.classes.offload.ActivationStore`` (C++) decides
+what to offload, deduplicates storages, keeps the host budget, prefetches during
+backward and counts.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.utils.checkpoint
+
+__all__ = ["offload_activations", "checkpoint"]
+
+_TIERS = ("cpu",)
+_active = threading.local()  # per thread, like PyTorch's saved-tensor hooks
+
+
+def _active_stack() -> list:
+    if not hasattr(_active, "stack"):
+        _active.stack = []
+    return _active.stack
+
+
+class offload_activations:
+    """Context manager that moves saved activations to the host until backward needs them.
+
+    Every tensor autograd saves inside the context goes through ``offload_pack``
+    and comes back through ``offload_unpack``, except:
+
+    - parameters (leaves that require grad) and views of them, and the storages of
+      ``module``'s parameters and buffers when ``module`` is given;
+    - tensors smaller than ``min_bytes``;
+    - CPU tensors, unless ``offload_cpu_tensors=True`` (then they take the same
+      path, host to host: how the logic is tested without a GPU).
+
+    Tensors that share a storage (views, expanded tensors, the same tensor saved
+    twice) are offloaded once and rebuilt exactly. When ``max_host_bytes`` would be
+    exceeded a tensor simply stays on its device. During backward the tensors
+    packed just before the one being unpacked are restored ahead of need, up to
+    ``prefetch_bytes`` in flight. Host copies are freed with the graph.
+
+    Args:
+        min_bytes: smallest tensor (in bytes) worth offloading.
+        max_host_bytes: most host bytes held at once by this context; None: no limit.
+        prefetch_bytes: most bytes restored ahead of need during backward; 0 disables it.
+        tier: where activations wait; "cpu" (host memory).
+        offload_cpu_tensors: offload tensors that already live on the CPU too.
+        module: a module (or list of modules) whose parameters and buffers are never offloaded.
+    """
+
+    def __init__(
+        self,
+        *,
+        min_bytes: int = 1 << 20,
+        max_host_bytes: int | None = None,
+        prefetch_bytes: int = 256 << 20,
+        tier: str = "cpu",
+        offload_cpu_tensors: bool = False,
+        module: torch.nn.Module | list[torch.nn.Module] | None = None,
+    ):
+        if tier not in _TIERS:
+            raise ValueError(f"offload_activations: tier must be one of {_TIERS}, got {tier!r}")
+        if max_host_bytes is not None and max_host_bytes < 0:
+            raise ValueError(f"offload_activations: max_host_bytes must be >= 0 or None, got {max_host_bytes}")
+        self._store = torch.classes.offload.ActivationStore(
+            min_bytes, -1 if max_host_bytes is None else max_host_bytes, prefetch_bytes, offload_cpu_tensors
+        )
+        modules = [] if module is None else [module] if isinstance(module, torch.nn.Module) else list(module)
+        self._skipped = [t for m in modules for t in (*m.parameters(), *m.buffers())]
+        self._hooks: list[torch.autograd.graph.saved_tensors_hooks] = []
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        return self._store.pack(tensor)
+
+    @staticmethod
+    def _unpack(saved: Any) -> torch.Tensor:
+        return saved.unpack()
+
+    def __enter__(self) -> "offload_activations":
+        if not self._hooks:
+            self._store.skip_storages_of(self._skipped)
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
+        self._hooks.append(hooks)
+        _active_stack().append(self)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        _active_stack().pop()
+        self._hooks.pop().__exit__(*exc_info)
+        if not self._hooks:
+            self._store.clear_skipped_storages()
+
+    def stats(self) -> dict[str, int]:
+        """Counters: packed_bytes, unpacked_bytes, dedup_hits, kept_on_device_bytes,
+        prefetch_hits, peak_host_bytes, host_bytes (held now) and live_entries."""
+        return dict(self._store.stats())
+
+
+def _keep_saved(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach()
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def checkpoint(fn: Callable, *args, offload: bool = True, **kwargs):
+    """Non-reentrant ``torch.utils.checkpoint`` whose saved inputs are offloaded.
+
+    Only the layer's inputs are saved (everything inside is recomputed in
+    backward), through the ordinary saved-tensor mechanism, so with
+    ``offload=True`` they go to the host: through the innermost active
+    ``offload_activations`` context, or a default one for this call. With
+    ``offload=False`` they stay on the device even inside an offload context:
+    use it for the last layer(s), whose activations backward needs first, e.g.
+    ``checkpoint(layer, x, offload=(i < len(layers) - 1))``.
+
+    Non-reentrant checkpointing keeps DDP's hooks firing once per parameter;
+    ``use_reentrant=True`` is refused.
+    """
+    if kwargs.pop("use_reentrant", False):
+        raise ValueError("torch_offload.checkpoint: use_reentrant=True is not supported (it breaks DDP)")
+    run = lambda: torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)  # noqa: E731
+    if not offload:
+        with torch.autograd.graph.saved_tensors_hooks(_keep_saved, _identity):
+            return run()
+    if _active_stack():
+        return run()
+    with offload_activations():
+        return run()
