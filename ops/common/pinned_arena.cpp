@@ -14,10 +14,6 @@
 namespace torch_offload {
 namespace {
 
-size_t round_up(size_t bytes, size_t to) {
-  return (bytes + to - 1) / to * to;
-}
-
 bool all_done(const std::vector<std::shared_ptr<Fence>>& fences) {
   return std::all_of(fences.begin(), fences.end(), [](const auto& f) { return f->done(); });
 }
@@ -46,27 +42,11 @@ const PinnedArena::Slice* PinnedArena::find_slice_locked(const void* ptr) const 
   return address < it->first + slice.bytes ? &slice : nullptr;
 }
 
-void PinnedArena::free_range_locked(Chunk& chunk, size_t offset, size_t bytes) {
-  auto next = chunk.free_ranges.lower_bound(offset);
-  if (next != chunk.free_ranges.end() && offset + bytes == next->first) {
-    bytes += next->second;
-    next = chunk.free_ranges.erase(next);
-  }
-  if (next != chunk.free_ranges.begin()) {
-    auto prev = std::prev(next);
-    if (prev->first + prev->second == offset) {
-      prev->second += bytes;
-      return;
-    }
-  }
-  chunk.free_ranges.emplace(offset, bytes);
-}
-
 void PinnedArena::reclaim_locked() {
   for (auto it = slices_.begin(); it != slices_.end();) {
     Slice& slice = it->second;
     if (slice.released && all_done(slice.fences)) {
-      free_range_locked(chunks_[slice.chunk], slice.offset, slice.bytes);
+      chunks_[slice.chunk].free.add(slice.offset, slice.bytes);
       in_use_bytes_ -= slice.bytes;
       it = slices_.erase(it);
     } else {
@@ -78,18 +58,9 @@ void PinnedArena::reclaim_locked() {
 void* PinnedArena::carve_locked(size_t bytes) {
   for (size_t index = 0; index < chunks_.size(); ++index) {
     Chunk& chunk = chunks_[index];
-    for (auto it = chunk.free_ranges.begin(); it != chunk.free_ranges.end(); ++it) {
-      if (it->second < bytes) {
-        continue;
-      }
-      const size_t offset = it->first;
-      const size_t rest = it->second - bytes;
-      chunk.free_ranges.erase(it);
-      if (rest > 0) {
-        chunk.free_ranges.emplace(offset + bytes, rest);
-      }
-      char* start = chunk.base + offset;
-      slices_.emplace(reinterpret_cast<uintptr_t>(start), Slice{index, offset, bytes, false, {}});
+    if (const auto offset = chunk.free.take(bytes)) {
+      char* start = chunk.base + *offset;
+      slices_.emplace(reinterpret_cast<uintptr_t>(start), Slice{index, *offset, bytes, false, {}});
       in_use_bytes_ += bytes;
       ++slice_allocations_;
       return start;
@@ -103,13 +74,11 @@ void PinnedArena::free_idle_chunks_locked(size_t keep_reserved_at_most) {
     if (reserved_bytes_ <= keep_reserved_at_most) {
       return;
     }
-    const bool idle = chunk.base != nullptr && chunk.free_ranges.size() == 1 &&
-                      chunk.free_ranges.begin()->second == chunk.bytes;
-    if (idle) {
+    if (chunk.base != nullptr && chunk.free.is_one_range(0, chunk.bytes)) {
       memory_.free(chunk.base);
       reserved_bytes_ -= chunk.bytes;
       chunk.base = nullptr;
-      chunk.free_ranges.clear();
+      chunk.free.clear();
     }
   }
 }
@@ -137,7 +106,8 @@ void* PinnedArena::allocate(size_t bytes) {
   }
   ++chunk_allocations_;
   reserved_bytes_ += grow;
-  Chunk chunk{static_cast<char*>(base), grow, {{0, grow}}};
+  Chunk chunk{static_cast<char*>(base), grow, {}};
+  chunk.free.add(0, grow);
   auto reuse = std::find_if(chunks_.begin(), chunks_.end(), [](const Chunk& c) { return c.base == nullptr; });
   if (reuse != chunks_.end()) {
     *reuse = std::move(chunk);

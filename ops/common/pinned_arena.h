@@ -16,6 +16,8 @@
 #include <mutex>
 #include <vector>
 
+#include "ops/common/free_ranges.h"
+
 namespace torch_offload {
 
 // A copy in flight that reads or writes a slice.
@@ -66,7 +68,7 @@ class PinnedArena {
   struct Chunk {
     char* base;
     size_t bytes;
-    std::map<size_t, size_t> free_ranges;  // offset -> length, coalesced
+    FreeRanges free;
   };
   struct Slice {
     size_t chunk;
@@ -78,7 +80,6 @@ class PinnedArena {
 
   const Slice* find_slice_locked(const void* ptr) const;
   void reclaim_locked();
-  void free_range_locked(Chunk& chunk, size_t offset, size_t bytes);
   void* carve_locked(size_t bytes);
   void free_idle_chunks_locked(size_t keep_reserved_at_most);
 
