@@ -1,6 +1,7 @@
 // Autograd formulas, registered in C++ so that C++ callers get gradients too.
 // Each forward re-dispatches below autograd; each backward calls the ops again,
 // so higher-order gradients work as well.
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -60,4 +61,7 @@ at::Tensor offload_unpack_autograd(const at::Tensor& packed, c10::Device device)
 TORCH_LIBRARY_IMPL(offload, Autograd, m) {
   m.impl("offload_pack", &torch_offload::offload_pack_autograd);
   m.impl("offload_unpack", &torch_offload::offload_unpack_autograd);
+  // Tickets carry no gradient: run below autograd, nothing to record.
+  m.impl("disk_spill", torch::autograd::autogradNotImplementedFallback());
+  m.impl("disk_restore", torch::autograd::autogradNotImplementedFallback());
 }

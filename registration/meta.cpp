@@ -1,5 +1,6 @@
 #include <torch/library.h>
 
+#include "ops/disk_spill/disk_spill.h"
 #include "ops/offload/offload.h"
 
 // Meta kernels keep meta tensors on meta. Under FakeTensor (torch.compile) the
@@ -8,4 +9,6 @@
 TORCH_LIBRARY_IMPL(offload, Meta, m) {
   m.impl("offload_pack", &torch_offload::offload_pack_meta);
   m.impl("offload_unpack", &torch_offload::offload_unpack_meta);
+  m.impl("disk_spill", &torch_offload::disk_spill_meta);
+  m.impl("disk_restore", &torch_offload::disk_restore_meta);
 }

@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "ops/common/pinned_arena.h"
+#include "ops/disk_spill/disk_spill.h"
 #include "ops/offload/activation_store.h"
 
 TORCH_LIBRARY(offload, m) {
@@ -13,12 +14,27 @@ TORCH_LIBRARY(offload, m) {
   m.def("set_pinned_budget(int budget_bytes) -> ()", &torch_offload::set_pinned_budget_kernel);
   m.def("pinned_arena_stats() -> int[]", &torch_offload::pinned_arena_stats_kernel);
 
+  // The disk tier. disk_spill returns a ticket (a CPU int64 tensor [2]) at once
+  // and writes asynchronously; disk_restore takes the size, dtype and device so
+  // fake kernels know its result. A failed write raises in disk_wait or
+  // disk_restore. _disk_ticket_location ([fd, offset, header bytes]) is for tests.
+  m.def("disk_spill(Tensor src, str? directory=None, bool allow_tmpfs=False) -> Tensor");
+  m.def("disk_restore(Tensor ticket, SymInt[] size, ScalarType dtype, Device device) -> Tensor");
+  m.def("disk_prefetch(Tensor ticket) -> ()");
+  m.def("disk_wait(Tensor ticket) -> ()");
+  m.def("_disk_ticket_location(Tensor ticket) -> int[]");
+  m.def(
+      "disk_spill_configure(int num_threads=4, int extent_bytes=8388608, bool checksums=True, "
+      "int max_in_flight_bytes=536870912) -> ()",
+      &torch_offload::disk_spill_configure_kernel);
+  m.def("disk_spill_stats() -> int[]", &torch_offload::disk_spill_stats_kernel);
+
   // State of torch_offload.offload_activations(): torch.classes.offload.*.
   m.class_<torch_offload::ActivationEntry>("ActivationEntry");
   m.class_<torch_offload::SavedActivation>("SavedActivation")
       .def("unpack", &torch_offload::SavedActivation::unpack);
   m.class_<torch_offload::ActivationStore>("ActivationStore")
-      .def(torch::init<int64_t, int64_t, int64_t, bool>())
+      .def(torch::init<int64_t, int64_t, int64_t, bool, bool, std::optional<std::string>, bool>())
       .def("pack", &torch_offload::ActivationStore::pack)
       .def("skip_storages_of", &torch_offload::ActivationStore::skip_storages_of)
       .def("clear_skipped_storages", &torch_offload::ActivationStore::clear_skipped_storages)

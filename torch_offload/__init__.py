@@ -13,6 +13,12 @@ import torch
 
 __all__ = [
     "checkpoint",
+    "configure_disk_spill",
+    "disk_prefetch",
+    "disk_restore",
+    "disk_spill",
+    "disk_spill_stats",
+    "disk_wait",
     "library_path",
     "offload_activations",
     "offload_pack",
@@ -51,6 +57,14 @@ torch.ops.load_library(library_path())
 
 from . import _fake  # noqa: E402,F401  (registers fake impls; needs the ops loaded)
 from .activations import checkpoint, offload_activations  # noqa: E402
+from .disk import (  # noqa: E402
+    configure_disk_spill,
+    disk_prefetch,
+    disk_restore,
+    disk_spill,
+    disk_spill_stats,
+    disk_wait,
+)
 
 
 def _require_tensor(value, op: str, arg: str) -> None:

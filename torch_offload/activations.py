@@ -14,7 +14,7 @@ import torch.utils.checkpoint
 
 __all__ = ["offload_activations", "checkpoint"]
 
-_TIERS = ("cpu",)
+_TIERS = ("cpu", "disk")
 _active = threading.local()  # per thread, like PyTorch's saved-tensor hooks
 
 
@@ -37,16 +37,21 @@ class offload_activations:
       path, host to host: how the logic is tested without a GPU).
 
     Tensors that share a storage (views, expanded tensors, the same tensor saved
-    twice) are offloaded once and rebuilt exactly. When ``max_host_bytes`` would be
-    exceeded a tensor simply stays on its device. During backward the tensors
-    packed just before the one being unpacked are restored ahead of need, up to
-    ``prefetch_bytes`` in flight. Host copies are freed with the graph.
+    twice) are offloaded once and rebuilt exactly. Host memory is used up to
+    ``max_host_bytes``; past it a tensor goes to disk with ``tier="disk"``
+    (``torch_offload.disk_spill``) and stays on its device with ``tier="cpu"``.
+    During backward the tensors packed just before the one being unpacked are
+    restored ahead of need, up to ``prefetch_bytes`` in flight. Host copies and
+    disk space are freed with the graph.
 
     Args:
         min_bytes: smallest tensor (in bytes) worth offloading.
-        max_host_bytes: most host bytes held at once by this context; None: no limit.
+        max_host_bytes: most host bytes held at once by this context; None: no limit
+            with tier="cpu", no host copies at all with tier="disk".
         prefetch_bytes: most bytes restored ahead of need during backward; 0 disables it.
-        tier: where activations wait; "cpu" (host memory).
+        tier: where activations wait: "cpu" (host memory) or "disk" (host memory up to
+            max_host_bytes, then the spill file).
+        spill_directory, allow_tmpfs: where the disk tier writes, as for ``disk_spill``.
         offload_cpu_tensors: offload tensors that already live on the CPU too.
         module: a module (or list of modules) whose parameters and buffers are never offloaded.
     """
@@ -60,13 +65,17 @@ class offload_activations:
         tier: str = "cpu",
         offload_cpu_tensors: bool = False,
         module: torch.nn.Module | list[torch.nn.Module] | None = None,
+        spill_directory: str | None = None,
+        allow_tmpfs: bool = False,
     ):
         if tier not in _TIERS:
             raise ValueError(f"offload_activations: tier must be one of {_TIERS}, got {tier!r}")
         if max_host_bytes is not None and max_host_bytes < 0:
             raise ValueError(f"offload_activations: max_host_bytes must be >= 0 or None, got {max_host_bytes}")
+        if max_host_bytes is None:
+            max_host_bytes = 0 if tier == "disk" else -1
         self._store = torch.classes.offload.ActivationStore(
-            min_bytes, -1 if max_host_bytes is None else max_host_bytes, prefetch_bytes, offload_cpu_tensors
+            min_bytes, max_host_bytes, prefetch_bytes, offload_cpu_tensors, tier == "disk", spill_directory, allow_tmpfs
         )
         modules = [] if module is None else [module] if isinstance(module, torch.nn.Module) else list(module)
         self._skipped = [t for m in modules for t in (*m.parameters(), *m.buffers())]
@@ -95,8 +104,9 @@ class offload_activations:
             self._store.clear_skipped_storages()
 
     def stats(self) -> dict[str, int]:
-        """Counters: packed_bytes, unpacked_bytes, dedup_hits, kept_on_device_bytes,
-        prefetch_hits, peak_host_bytes, host_bytes (held now) and live_entries."""
+        """Counters: packed_bytes (host and disk), unpacked_bytes, dedup_hits,
+        kept_on_device_bytes, disk_bytes, prefetch_hits, peak_host_bytes, host_bytes
+        (held now) and live_entries."""
         return dict(self._store.stats())
 
 

@@ -4,6 +4,8 @@
 // torch_offload.library_path() names); then these work like at:: functions,
 // autograd included.
 #include <cstdint>
+#include <optional>
+#include <string_view>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -47,6 +49,38 @@ inline void set_pinned_budget(int64_t budget_bytes) {
 inline std::vector<int64_t> pinned_arena_stats() {
   static const auto handle = detail::op<std::vector<int64_t>()>("offload::pinned_arena_stats");
   return handle.call();
+}
+
+// Writes src asynchronously to this process's anonymous spill file in `directory`
+// (default: $TORCH_OFFLOAD_SPILL_DIR, else the temp directory) and returns a
+// ticket at once. Freeing the ticket frees the disk space.
+inline at::Tensor disk_spill(const at::Tensor& src, std::optional<std::string_view> directory = std::nullopt,
+                             bool allow_tmpfs = false) {
+  TORCH_CHECK(src.defined(), "disk_spill: src is an undefined tensor; expected a defined tensor");
+  static const auto handle =
+      detail::op<at::Tensor(const at::Tensor&, std::optional<c10::string_view>, bool)>("offload::disk_spill");
+  return handle.call(src, directory ? std::optional<c10::string_view>(c10::string_view(directory->data(), directory->size())) : std::nullopt,
+                     allow_tmpfs);
+}
+
+// The spilled tensor back on `device`; a ticket is restored once.
+inline at::Tensor disk_restore(const at::Tensor& ticket, at::IntArrayRef size, c10::ScalarType dtype,
+                               c10::Device device) {
+  static const auto handle = detail::op<at::Tensor(const at::Tensor&, c10::SymIntArrayRef, c10::ScalarType, c10::Device)>(
+      "offload::disk_restore");
+  return handle.call(ticket, c10::fromIntArrayRefSlow(size), dtype, device);
+}
+
+// Starts reading the ticket back so that disk_restore finds it in memory.
+inline void disk_prefetch(const at::Tensor& ticket) {
+  static const auto handle = detail::op<void(const at::Tensor&)>("offload::disk_prefetch");
+  handle.call(ticket);
+}
+
+// Blocks until the ticket is on disk; raises the write's error if it failed.
+inline void disk_wait(const at::Tensor& ticket) {
+  static const auto handle = detail::op<void(const at::Tensor&)>("offload::disk_wait");
+  handle.call(ticket);
 }
 
 }  // namespace torch_offload

@@ -28,7 +28,7 @@ bool is_parameter_like(const at::Tensor& t) {
 
 ActivationEntry::ActivationEntry(c10::intrusive_ptr<ActivationStore> store, int64_t sequence,
                                  std::pair<const c10::StorageImpl*, int64_t> dedup_key, const at::Tensor& source,
-                                 at::Tensor packed, at::Tensor kept)
+                                 at::Tensor packed, at::Tensor ticket, at::Tensor kept)
     : store_(std::move(store)),
       sequence_(sequence),
       dedup_key_(dedup_key),
@@ -36,11 +36,13 @@ ActivationEntry::ActivationEntry(c10::intrusive_ptr<ActivationStore> store, int6
       device_(source.device()),
       source_(source.storage().getWeakStorageImpl()),
       packed_(std::move(packed)),
+      ticket_(std::move(ticket)),
       kept_(std::move(kept)) {}
 
 void ActivationEntry::release_resources() {
   store_->on_entry_released(*this);
   packed_.reset();
+  ticket_.reset();  // frees its disk space
   kept_.reset();
   prefetched_.reset();
   restored_.reset();
@@ -55,6 +57,15 @@ at::Tensor ActivationEntry::restore() {
   }
   if (kept_.defined()) {
     restored_ = kept_;
+  } else if (ticket_.defined()) {
+    const c10::NoGradGuard no_grad;
+    restored_ = disk_restore(ticket_, {nbytes_}, at::kByte, device_);
+    ticket_.reset();
+    if (disk_prefetched_) {
+      store_->prefetch_in_flight_bytes_ -= nbytes_;
+      ++store_->prefetch_hits_;
+    }
+    store_->unpacked_bytes_ += nbytes_;
   } else {
     if (prefetched_.defined()) {
       restored_ = std::move(prefetched_);
@@ -99,11 +110,15 @@ at::Tensor SavedActivation::unpack() const {
 }
 
 ActivationStore::ActivationStore(int64_t min_bytes, int64_t max_host_bytes, int64_t prefetch_bytes,
-                                 bool offload_cpu_tensors)
+                                 bool offload_cpu_tensors, bool spill_to_disk,
+                                 std::optional<std::string> spill_directory, bool allow_tmpfs)
     : min_bytes_(min_bytes),
       max_host_bytes_(max_host_bytes),
       prefetch_bytes_(prefetch_bytes),
-      offload_cpu_tensors_(offload_cpu_tensors) {
+      offload_cpu_tensors_(offload_cpu_tensors),
+      spill_to_disk_(spill_to_disk),
+      spill_directory_(std::move(spill_directory)),
+      allow_tmpfs_(allow_tmpfs) {
   TORCH_CHECK(min_bytes >= 0, "offload_activations: min_bytes must be >= 0, got ", min_bytes);
   TORCH_CHECK(prefetch_bytes >= 0, "offload_activations: prefetch_bytes must be >= 0, got ", prefetch_bytes);
 }
@@ -149,19 +164,25 @@ c10::intrusive_ptr<ActivationEntry> ActivationStore::entry_for_locked(
   const int64_t nbytes = static_cast<int64_t>(t.storage().nbytes());
   at::Tensor bytes = storage_bytes(t);
   at::Tensor packed;
+  at::Tensor ticket;
   at::Tensor kept;
+  const c10::NoGradGuard no_grad;
   if (max_host_bytes_ < 0 || host_bytes_ + nbytes <= max_host_bytes_) {
-    const c10::NoGradGuard no_grad;
     packed = offload_pack(bytes, /*non_blocking=*/true);
     host_bytes_ += nbytes;
     packed_bytes_ += nbytes;
     peak_host_bytes_ = std::max(peak_host_bytes_, host_bytes_);
+  } else if (spill_to_disk_) {
+    ticket = disk_spill(bytes, spill_directory_, allow_tmpfs_);
+    packed_bytes_ += nbytes;
+    disk_bytes_ += nbytes;
   } else {
     kept = std::move(bytes);  // over the host budget: stays on its device, never an error
     kept_on_device_bytes_ += nbytes;
   }
   auto entry = c10::make_intrusive<ActivationEntry>(c10::intrusive_ptr<ActivationStore>::reclaim_copy(this),
-                                                    next_sequence_++, key, t, std::move(packed), std::move(kept));
+                                                    next_sequence_++, key, t, std::move(packed), std::move(ticket),
+                                                    std::move(kept));
   by_storage_.insert_or_assign(key, c10::weak_intrusive_ptr<ActivationEntry>(entry));
   by_sequence_.emplace(entry->sequence_, c10::weak_intrusive_ptr<ActivationEntry>(entry));
   return entry;
@@ -178,13 +199,20 @@ void ActivationStore::prefetch_before_locked(int64_t sequence,
       continue;  // released: its release_resources() is waiting for this lock
     }
     holders.push_back(entry);
-    if (!entry->packed_.defined() || entry->restored_.defined() || entry->prefetched_.defined()) {
+    const bool on_host = entry->packed_.defined() && !entry->prefetched_.defined();
+    const bool on_disk = entry->ticket_.defined() && !entry->disk_prefetched_;
+    if (entry->restored_.defined() || !(on_host || on_disk)) {
       continue;
     }
     if (prefetch_in_flight_bytes_ + entry->nbytes_ > prefetch_bytes_) {
       break;
     }
-    entry->prefetched_ = offload_unpack(entry->packed_, entry->device_);
+    if (on_host) {
+      entry->prefetched_ = offload_unpack(entry->packed_, entry->device_);
+    } else {
+      disk_prefetch(entry->ticket_);  // the I/O threads read it while backward computes
+      entry->disk_prefetched_ = true;
+    }
     prefetch_in_flight_bytes_ += entry->nbytes_;
   }
 }
@@ -194,7 +222,7 @@ void ActivationStore::on_entry_released(const ActivationEntry& entry) {
   if (entry.packed_.defined()) {
     host_bytes_ -= entry.nbytes_;
   }
-  if (entry.prefetched_.defined()) {
+  if (entry.prefetched_.defined() || (entry.disk_prefetched_ && entry.ticket_.defined())) {
     prefetch_in_flight_bytes_ -= entry.nbytes_;
   }
   // Erase only our own records: a newer entry may already own the dedup key.
@@ -228,6 +256,7 @@ c10::Dict<std::string, int64_t> ActivationStore::stats() const {
   out.insert("unpacked_bytes", unpacked_bytes_);
   out.insert("dedup_hits", dedup_hits_);
   out.insert("kept_on_device_bytes", kept_on_device_bytes_);
+  out.insert("disk_bytes", disk_bytes_);
   out.insert("prefetch_hits", prefetch_hits_);
   out.insert("peak_host_bytes", peak_host_bytes_);
   out.insert("host_bytes", host_bytes_);

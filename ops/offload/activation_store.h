@@ -1,7 +1,7 @@
 #pragma once
 // The state behind torch_offload.offload_activations(): which saved activations
-// move to the host, their host copies (deduplicated by storage), the budget, the
-// backward prefetch queue and the statistics. Python's saved-tensor hooks only
+// move to the host (or to disk), their copies (deduplicated by storage), the
+// budget, the backward prefetch queue and the statistics. Python's saved-tensor hooks only
 // call pack() and unpack(); everything that must be fast happens here.
 //
 // The unit of offload is a storage: every saved tensor that views the same
@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -26,8 +28,10 @@ class ActivationStore;
 // dies, and frees its host bytes, when autograd frees the graph.
 class ActivationEntry : public torch::CustomClassHolder {
  public:
-  ActivationEntry(c10::intrusive_ptr<ActivationStore> store, int64_t sequence, std::pair<const c10::StorageImpl*, int64_t> dedup_key,
-                  const at::Tensor& source, at::Tensor packed, at::Tensor kept);
+  // Exactly one of packed (host), ticket (disk) and kept (device) is defined.
+  ActivationEntry(c10::intrusive_ptr<ActivationStore> store, int64_t sequence,
+                  std::pair<const c10::StorageImpl*, int64_t> dedup_key, const at::Tensor& source, at::Tensor packed,
+                  at::Tensor ticket, at::Tensor kept);
   // Runs when the last strong reference goes (the store's weak ones keep the
   // object itself alive a little longer): frees the bytes, updates the store.
   void release_resources() override;
@@ -44,8 +48,10 @@ class ActivationEntry : public torch::CustomClassHolder {
   const c10::Device device_;
   const c10::weak_intrusive_ptr<c10::StorageImpl> source_;  // for dedup: alive means same storage
   at::Tensor packed_;     // host bytes when offloaded
-  at::Tensor kept_;       // device bytes when the host budget said no
-  at::Tensor prefetched_;  // restored ahead of need during backward
+  at::Tensor ticket_;     // disk_spill ticket when spilled
+  at::Tensor kept_;       // device bytes when no tier took it
+  at::Tensor prefetched_;  // restored ahead of need during backward (host tier)
+  bool disk_prefetched_ = false;  // disk_prefetch issued (disk tier)
   at::Tensor restored_;   // restored bytes, shared by every view of this storage
 };
 
@@ -72,8 +78,11 @@ class SavedActivation : public torch::CustomClassHolder {
 
 class ActivationStore : public torch::CustomClassHolder {
  public:
-  // max_host_bytes < 0: no host budget.
-  ActivationStore(int64_t min_bytes, int64_t max_host_bytes, int64_t prefetch_bytes, bool offload_cpu_tensors);
+  // max_host_bytes < 0: no host budget. Past the budget a tensor goes to disk
+  // when spill_to_disk (in spill_directory, none: disk_spill's default), else
+  // stays on its device.
+  ActivationStore(int64_t min_bytes, int64_t max_host_bytes, int64_t prefetch_bytes, bool offload_cpu_tensors,
+                  bool spill_to_disk, std::optional<std::string> spill_directory, bool allow_tmpfs);
 
   // t saved: offloaded (through an entry shared by every tensor of its storage),
   // or as it is when it is a parameter or a view of one, a skipped storage,
@@ -101,6 +110,9 @@ class ActivationStore : public torch::CustomClassHolder {
   const int64_t max_host_bytes_;
   const int64_t prefetch_bytes_;
   const bool offload_cpu_tensors_;
+  const bool spill_to_disk_;
+  const std::optional<std::string> spill_directory_;
+  const bool allow_tmpfs_;
 
   mutable std::mutex mutex_;
   int64_t next_sequence_ = 0;
@@ -115,6 +127,7 @@ class ActivationStore : public torch::CustomClassHolder {
   int64_t unpacked_bytes_ = 0;
   int64_t dedup_hits_ = 0;
   int64_t kept_on_device_bytes_ = 0;
+  int64_t disk_bytes_ = 0;
   int64_t prefetch_hits_ = 0;
   int64_t peak_host_bytes_ = 0;
 };

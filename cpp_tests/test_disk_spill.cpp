@@ -1,0 +1,69 @@
+// The disk tier's building blocks and the ops from C++.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <string>
+
+#include <ATen/ATen.h>
+
+#include "ops/common/crc32c.h"
+#include "ops/common/free_ranges.h"
+#include "torch_offload/torch_offload.h"
+
+namespace torch_offload {
+namespace {
+
+TEST(Crc32c, KnownValueAndBothImplementationsAgree) {
+  const char* check = "123456789";
+  EXPECT_EQ(crc32c(check, 9), 0xE3069283u);  // the standard CRC-32C check value
+  std::string data(100003, '\0');
+  std::mt19937 random(7);
+  for (char& c : data) {
+    c = static_cast<char>(random());
+  }
+  for (size_t length : {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{4097}, data.size()}) {
+    EXPECT_EQ(crc32c(data.data(), length), detail::crc32c_portable(data.data(), length)) << length;
+  }
+  // Chained calls equal one call over the whole buffer.
+  EXPECT_EQ(crc32c(data.data() + 1000, data.size() - 1000, crc32c(data.data(), 1000)), crc32c(data.data(), data.size()));
+  const uint32_t before = crc32c(data.data(), data.size());
+  data[5000] ^= 1;
+  EXPECT_NE(crc32c(data.data(), data.size()), before);  // one flipped bit is caught
+}
+
+TEST(FreeRanges, FirstFitSplitsAndCoalesces) {
+  FreeRanges ranges;
+  ranges.add(0, 100);
+  EXPECT_EQ(ranges.take(30), std::optional<size_t>(0));
+  EXPECT_EQ(ranges.take(30), std::optional<size_t>(30));
+  EXPECT_EQ(ranges.take(50), std::nullopt);  // 40 left
+  ranges.add(0, 30);
+  ranges.add(30, 30);  // merges with [0,30) and with [60,100)
+  EXPECT_TRUE(ranges.is_one_range(0, 100));
+}
+
+TEST(DiskSpillOps, RoundTripFromCpp) {
+  const std::string directory = std::filesystem::temp_directory_path().string();
+  const at::Tensor src = at::randn({33, 17}, at::kDouble).t();
+  const at::Tensor ticket = disk_spill(src, directory);
+  EXPECT_EQ(ticket.numel(), 2);
+  disk_prefetch(ticket);
+  const at::Tensor back = disk_restore(ticket, src.sizes(), src.scalar_type(), c10::Device(c10::kCPU));
+  EXPECT_TRUE(at::equal(back, src));
+  EXPECT_THROW(disk_restore(ticket, src.sizes(), src.scalar_type(), c10::Device(c10::kCPU)), c10::Error);
+}
+
+TEST(DiskSpillOps, MissingDirectoryIsRefused) {
+  const at::Tensor src = at::ones({8});
+  try {
+    disk_spill(src, std::string("/nonexistent/torch_offload"));
+    ADD_FAILURE() << "a missing directory was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot be used"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace torch_offload

@@ -1,0 +1,119 @@
+#include "ops/disk_spill/disk_spill.h"
+
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+
+#include "ops/common/checks.h"
+#include "ops/disk_spill/spill_engine.h"
+#include "torch_offload/torch_offload.h"
+
+#ifdef TORCH_OFFLOAD_WITH_CUDA
+#include "ops/offload/offload.h"
+#endif
+
+namespace torch_offload {
+namespace {
+
+std::string spill_directory(std::optional<c10::string_view> directory) {
+  if (directory.has_value()) {
+    return std::string(*directory);
+  }
+  if (const char* from_env = std::getenv("TORCH_OFFLOAD_SPILL_DIR"); from_env != nullptr && *from_env != '\0') {
+    return from_env;
+  }
+  return std::filesystem::temp_directory_path().string();
+}
+
+// The ticket tensor owns the ticket: when it is freed, so is the disk space.
+at::Tensor make_ticket(int64_t id) {
+  auto* data = new int64_t[2]{id, static_cast<int64_t>(SpillEngine::instance().nonce())};
+  return at::from_blob(
+      data, {2},
+      [](void* ptr) {
+        auto* fields = static_cast<int64_t*>(ptr);
+        SpillEngine::instance().release(fields[0]);
+        delete[] fields;
+      },
+      at::TensorOptions().dtype(at::kLong));
+}
+
+int64_t ticket_id(const at::Tensor& ticket, const char* op) {
+  check_defined(ticket, op, "ticket");
+  TORCH_CHECK(ticket.device().is_cpu() && ticket.scalar_type() == at::kLong && ticket.numel() == 2, op,
+              ": ticket must be the CPU int64 tensor of 2 elements that disk_spill returned, got ",
+              ticket.scalar_type(), " ", ticket.sizes(), " on ", ticket.device());
+  const at::Tensor fields = ticket.contiguous();
+  const int64_t* data = fields.const_data_ptr<int64_t>();
+  TORCH_CHECK(static_cast<uint64_t>(data[1]) == SpillEngine::instance().nonce(), op,
+              ": ticket was not made by disk_spill in this process");
+  return data[0];
+}
+
+at::Tensor spill_host_tensor(const at::Tensor& host, std::optional<c10::string_view> directory, bool allow_tmpfs,
+                             std::function<void()> source_ready) {
+  auto file = SpillEngine::instance().file_for(spill_directory(directory), allow_tmpfs);
+  return make_ticket(SpillEngine::instance().spill(host, std::move(file), std::move(source_ready)));
+}
+
+}  // namespace
+
+at::Tensor disk_spill_cpu(const at::Tensor& src, std::optional<c10::string_view> directory, bool allow_tmpfs) {
+  check_defined(src, "disk_spill", "src");
+  // Written asynchronously from src's own memory (no copy when contiguous):
+  // do not change src in place before disk_wait.
+  return spill_host_tensor(src.contiguous(), directory, allow_tmpfs, nullptr);
+}
+
+at::Tensor disk_spill_meta(const at::Tensor& src, std::optional<c10::string_view> /*directory*/,
+                           bool /*allow_tmpfs*/) {
+  return at::empty({2}, src.options().dtype(at::kLong));
+}
+
+#ifdef TORCH_OFFLOAD_WITH_CUDA
+at::Tensor disk_spill_cuda(const at::Tensor& src, std::optional<c10::string_view> directory, bool allow_tmpfs) {
+  check_defined(src, "disk_spill", "src");
+  const at::Tensor host = offload_pack(src, /*non_blocking=*/true);
+  return spill_host_tensor(host, directory, allow_tmpfs, [host] { wait_for_pending_pack(host); });
+}
+#endif
+
+at::Tensor disk_restore_cpu(const at::Tensor& ticket, c10::SymIntArrayRef size, c10::ScalarType dtype,
+                            c10::Device device) {
+  const int64_t id = ticket_id(ticket, "disk_restore");
+  check_device_available(device, "disk_restore", "device");
+  at::Tensor host = SpillEngine::instance().restore(id, C10_AS_INTARRAYREF_SLOW(size), dtype);
+  return device.is_cpu() ? host : offload_unpack(host, device);
+}
+
+at::Tensor disk_restore_meta(const at::Tensor& ticket, c10::SymIntArrayRef size, c10::ScalarType dtype,
+                             c10::Device /*device*/) {
+  return at::empty_symint(size, ticket.options().dtype(dtype));
+}
+
+void disk_prefetch_cpu(const at::Tensor& ticket) {
+  SpillEngine::instance().prefetch(ticket_id(ticket, "disk_prefetch"));
+}
+
+void disk_wait_cpu(const at::Tensor& ticket) {
+  SpillEngine::instance().wait_written(ticket_id(ticket, "disk_wait"));
+}
+
+std::vector<int64_t> disk_ticket_location_cpu(const at::Tensor& ticket) {
+  return SpillEngine::instance().location(ticket_id(ticket, "_disk_ticket_location"));
+}
+
+void disk_spill_configure_kernel(int64_t num_threads, int64_t extent_bytes, bool checksums,
+                                 int64_t max_in_flight_bytes) {
+  SpillEngine::instance().configure(SpillConfig{num_threads, extent_bytes, checksums, max_in_flight_bytes});
+}
+
+std::vector<int64_t> disk_spill_stats_kernel() {
+  const SpillStats s = SpillEngine::instance().stats();
+  return {s.bytes_written, s.bytes_read, s.extents_live, s.peak_file_bytes, s.write_ns, s.read_ns, s.tickets_live};
+}
+
+}  // namespace torch_offload

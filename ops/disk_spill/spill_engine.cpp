@@ -1,0 +1,381 @@
+#include "ops/disk_spill/spill_engine.h"
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include "ops/common/crc32c.h"
+
+namespace torch_offload {
+namespace {
+
+constexpr uint64_t kMagic = 0x314C505346464F54;  // "TOFFSPL1"
+constexpr uint32_t kHasChecksum = 1;
+
+// The first block of every extent. The payload follows at SpillFile::kBlock.
+struct ExtentHeader {
+  uint64_t magic;
+  uint64_t nonce;   // the writing process
+  uint64_t ticket;  // a reused extent still holding an older ticket is stale
+  uint64_t index;
+  uint64_t payload_bytes;
+  uint32_t flags;
+  uint32_t payload_crc;
+  uint32_t header_crc;  // over everything above
+};
+
+uint32_t header_checksum(const ExtentHeader& header) {
+  return crc32c(&header, offsetof(ExtentHeader, header_crc));
+}
+
+int64_t elapsed_ns(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - since).count();
+}
+
+}  // namespace
+
+struct SpillEngine::Ticket {
+  int64_t id;
+  std::shared_ptr<SpillFile> file;
+  int64_t nbytes;
+  size_t extent_bytes;
+  std::vector<size_t> offsets;  // file offset of each extent
+  c10::ScalarType dtype;
+  std::vector<int64_t> sizes;
+  bool checksums;
+
+  at::Tensor source;  // kept alive until written
+  std::function<void()> source_ready;
+  at::Tensor destination;  // filled by reads
+  int64_t writes_pending = 0;
+  int64_t reads_pending = 0;
+  bool reading = false;
+  bool prefetch_requested = false;
+  bool restored = false;
+  bool released = false;
+  std::string error;
+
+  size_t extent_payload(size_t index) const {
+    return std::min(extent_bytes, static_cast<size_t>(nbytes) - index * extent_bytes);
+  }
+  size_t extent_span(size_t index) const {
+    return round_up(SpillFile::kBlock + extent_payload(index), SpillFile::kBlock);
+  }
+};
+
+SpillEngine& SpillEngine::instance() {
+  // Never destroyed: ticket tensors may be freed during interpreter teardown.
+  static auto* engine = new SpillEngine();
+  return *engine;
+}
+
+SpillEngine::SpillEngine() : nonce_(std::random_device{}() * uint64_t{0x9E3779B97F4A7C15} ^ ::getpid()) {}
+
+std::shared_ptr<SpillFile> SpillEngine::file_for(const std::string& directory, bool allow_tmpfs) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto& file = files_[directory];
+  if (!file) {
+    try {
+      file = std::make_shared<SpillFile>(directory, allow_tmpfs);
+    } catch (...) {
+      files_.erase(directory);
+      throw;
+    }
+  }
+  return file;
+}
+
+void SpillEngine::start_workers_locked() {
+  if (!workers_.empty()) {
+    return;
+  }
+  // O_DIRECT needs aligned buffers: one header block plus one extent per worker.
+  const size_t staging_bytes = SpillFile::kBlock + static_cast<size_t>(config_.extent_bytes);
+  stopping_ = false;
+  for (int64_t i = 0; i < config_.num_threads; ++i) {
+    std::shared_ptr<char> staging(static_cast<char*>(std::aligned_alloc(SpillFile::kBlock, staging_bytes)), &std::free);
+    TORCH_CHECK(staging, "disk_spill: cannot allocate a ", staging_bytes, "-byte staging buffer");
+    workers_.emplace_back([this, staging] { worker_loop(staging.get()); });
+  }
+}
+
+void SpillEngine::stop_workers(std::unique_lock<std::mutex>& lock) {
+  stopping_ = true;
+  work_cv_.notify_all();
+  std::vector<std::thread> workers = std::move(workers_);
+  workers_.clear();
+  lock.unlock();
+  for (auto& worker : workers) {
+    worker.join();
+  }
+  lock.lock();
+}
+
+void SpillEngine::configure(const SpillConfig& config) {
+  TORCH_CHECK(config.num_threads >= 1 && config.num_threads <= 64,
+              "disk_spill_configure: num_threads must be in [1, 64], got ", config.num_threads);
+  TORCH_CHECK(config.extent_bytes >= static_cast<int64_t>(SpillFile::kBlock) &&
+                  config.extent_bytes % SpillFile::kBlock == 0 && config.extent_bytes <= (int64_t{1} << 30),
+              "disk_spill_configure: extent_bytes must be a multiple of ", SpillFile::kBlock,
+              " between 4 KiB and 1 GiB, got ", config.extent_bytes);
+  TORCH_CHECK(config.max_in_flight_bytes > 0, "disk_spill_configure: max_in_flight_bytes must be > 0, got ",
+              config.max_in_flight_bytes);
+  std::unique_lock<std::mutex> lock(mutex_);
+  TORCH_CHECK(jobs_in_flight_ == 0, "disk_spill_configure: I/O is in flight; configure before spilling");
+  stop_workers(lock);
+  config_ = config;
+}
+
+int64_t SpillEngine::spill(const at::Tensor& source, std::shared_ptr<SpillFile> file,
+                           std::function<void()> source_ready) {
+  auto ticket = std::make_shared<Ticket>();
+  ticket->file = std::move(file);
+  ticket->nbytes = static_cast<int64_t>(source.numel()) * source.element_size();
+  ticket->dtype = source.scalar_type();
+  ticket->sizes = source.sizes().vec();
+  ticket->source = source;
+  ticket->source_ready = std::move(source_ready);
+
+  std::unique_lock<std::mutex> lock(mutex_);
+  ticket->extent_bytes = static_cast<size_t>(config_.extent_bytes);
+  ticket->checksums = config_.checksums;
+  // Backpressure: bound the host memory held by writes not yet done.
+  done_cv_.wait(lock, [&] {
+    return in_flight_bytes_ == 0 || in_flight_bytes_ + ticket->nbytes <= config_.max_in_flight_bytes;
+  });
+  ticket->id = next_ticket_++;
+  const size_t extents = (static_cast<size_t>(ticket->nbytes) + ticket->extent_bytes - 1) / ticket->extent_bytes;
+  for (size_t index = 0; index < extents; ++index) {
+    ticket->offsets.push_back(ticket->file->allocate(ticket->extent_span(index)));
+  }
+  stats_.extents_live += static_cast<int64_t>(extents);
+  stats_.tickets_live += 1;
+  tickets_.emplace(ticket->id, ticket);
+  if (extents == 0) {
+    ticket->source.reset();
+    return ticket->id;
+  }
+  start_workers_locked();
+  ticket->writes_pending = static_cast<int64_t>(extents);
+  in_flight_bytes_ += ticket->nbytes;
+  for (size_t index = 0; index < extents; ++index) {
+    queue_.push_back(Job{ticket, index, true});
+    ++jobs_in_flight_;
+  }
+  work_cv_.notify_all();
+  return ticket->id;
+}
+
+std::shared_ptr<SpillEngine::Ticket> SpillEngine::find_locked(int64_t id, const char* op) const {
+  auto it = tickets_.find(id);
+  TORCH_CHECK(it != tickets_.end() && !it->second->released, op, ": ticket ", id,
+              " is unknown or was released (its ticket tensor was freed)");
+  return it->second;
+}
+
+void SpillEngine::wait_written(int64_t id) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  auto ticket = find_locked(id, "disk_wait");
+  done_cv_.wait(lock, [&] { return ticket->writes_pending == 0; });
+  TORCH_CHECK(ticket->error.empty(), ticket->error);
+}
+
+void SpillEngine::start_reads_locked(const std::shared_ptr<Ticket>& ticket) {
+  ticket->reading = true;
+  ticket->destination = at::empty(ticket->sizes, at::TensorOptions().dtype(ticket->dtype));
+  ticket->reads_pending = static_cast<int64_t>(ticket->offsets.size());
+  for (size_t index = 0; index < ticket->offsets.size(); ++index) {
+    queue_.push_back(Job{ticket, index, false});
+    ++jobs_in_flight_;
+  }
+  start_workers_locked();
+  work_cv_.notify_all();
+}
+
+void SpillEngine::prefetch(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto ticket = find_locked(id, "disk_prefetch");
+  if (ticket->restored || ticket->reading || ticket->prefetch_requested) {
+    return;
+  }
+  ticket->prefetch_requested = true;
+  if (ticket->writes_pending == 0 && ticket->error.empty()) {
+    start_reads_locked(ticket);
+  }  // else the last write starts the reads
+}
+
+at::Tensor SpillEngine::restore(int64_t id, at::IntArrayRef sizes, c10::ScalarType dtype) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  auto ticket = find_locked(id, "disk_restore");
+  TORCH_CHECK(!ticket->restored, "disk_restore: ticket ", id, " was already restored; a ticket is restored once");
+  TORCH_CHECK(dtype == ticket->dtype, "disk_restore: dtype is ", dtype, " but ticket ", id, " holds ",
+              ticket->dtype);
+  TORCH_CHECK(sizes == at::IntArrayRef(ticket->sizes), "disk_restore: size is ", sizes, " but ticket ", id,
+              " holds a tensor of size ", at::IntArrayRef(ticket->sizes));
+  done_cv_.wait(lock, [&] { return ticket->writes_pending == 0; });
+  if (ticket->error.empty() && !ticket->reading) {
+    start_reads_locked(ticket);
+  }
+  done_cv_.wait(lock, [&] { return ticket->reads_pending == 0; });
+  ticket->restored = true;
+  free_extents_locked(*ticket);
+  TORCH_CHECK(ticket->error.empty(), ticket->error);
+  return std::move(ticket->destination);
+}
+
+void SpillEngine::release(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = tickets_.find(id);
+  if (it == tickets_.end()) {
+    return;
+  }
+  Ticket& ticket = *it->second;
+  ticket.released = true;
+  ticket.destination.reset();
+  if (ticket.writes_pending == 0 && ticket.reads_pending == 0) {
+    free_extents_locked(ticket);
+  }  // else the last job frees them
+  tickets_.erase(it);
+  stats_.tickets_live -= 1;
+}
+
+void SpillEngine::free_extents_locked(Ticket& ticket) {
+  for (size_t index = 0; index < ticket.offsets.size(); ++index) {
+    ticket.file->release(ticket.offsets[index], ticket.extent_span(index));
+  }
+  stats_.extents_live -= static_cast<int64_t>(ticket.offsets.size());
+  ticket.offsets.clear();
+}
+
+void SpillEngine::worker_loop(char* staging) {
+  while (true) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) {
+        return;  // stopping
+      }
+      job = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    std::string error;
+    try {
+      error = run_job(job, staging);
+    } catch (const std::exception& e) {  // e.g. a failed device-to-host copy
+      error = e.what();
+    }
+    finish_job(job, error);
+  }
+}
+
+std::string SpillEngine::run_job(const Job& job, char* staging) {
+  const Ticket& ticket = *job.ticket;
+  const size_t payload = ticket.extent_payload(job.index);
+  const size_t span = ticket.extent_span(job.index);
+  const size_t file_offset = ticket.offsets[job.index];
+  auto* header = reinterpret_cast<ExtentHeader*>(staging);
+  char* data = staging + SpillFile::kBlock;
+  const auto describe = [&](const char* what, int err) {
+    return std::string("disk_spill: ") + what + " extent " + std::to_string(job.index) + " of ticket " +
+           std::to_string(ticket.id) + " in '" + ticket.file->directory() + "' failed: " + std::strerror(err);
+  };
+  if (job.write) {
+    if (ticket.source_ready) {
+      ticket.source_ready();
+    }
+    std::memcpy(data, static_cast<const char*>(ticket.source.const_data_ptr()) + job.index * ticket.extent_bytes,
+                payload);
+    std::memset(header, 0, SpillFile::kBlock);
+    *header = ExtentHeader{kMagic, nonce_, static_cast<uint64_t>(ticket.id), job.index, payload,
+                           ticket.checksums ? kHasChecksum : 0, ticket.checksums ? crc32c(data, payload) : 0, 0};
+    header->header_crc = header_checksum(*header);
+    const auto start = std::chrono::steady_clock::now();
+    const int err = ticket.file->write_all(staging, span, file_offset);
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.write_ns += elapsed_ns(start);
+    if (err != 0) {
+      return describe("writing", err);
+    }
+    stats_.bytes_written += static_cast<int64_t>(payload);
+    return {};
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const int err = ticket.file->read_all(staging, span, file_offset);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.read_ns += elapsed_ns(start);
+  }
+  if (err != 0) {
+    return describe("reading", err);
+  }
+  const std::string where = "disk_restore: extent " + std::to_string(job.index) + " of ticket " +
+                            std::to_string(ticket.id) + " in '" + ticket.file->directory() + "' ";
+  if (header->magic != kMagic || header->header_crc != header_checksum(*header) || header->nonce != nonce_) {
+    return where + "has no valid header: the file was damaged or overwritten";
+  }
+  if (header->ticket != static_cast<uint64_t>(ticket.id) || header->index != job.index ||
+      header->payload_bytes != payload) {
+    return where + "holds other data (ticket " + std::to_string(header->ticket) + ", extent " +
+           std::to_string(header->index) + ", " + std::to_string(header->payload_bytes) + " bytes): stale or short";
+  }
+  if ((header->flags & kHasChecksum) != 0) {
+    const uint32_t crc = crc32c(data, payload);
+    if (crc != header->payload_crc) {
+      return where + "failed its checksum (stored " + std::to_string(header->payload_crc) + ", computed " +
+             std::to_string(crc) + "): the data on disk is corrupted";
+    }
+  }
+  std::memcpy(static_cast<char*>(ticket.destination.mutable_data_ptr()) + job.index * ticket.extent_bytes, data,
+              payload);
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.bytes_read += static_cast<int64_t>(payload);
+  return {};
+}
+
+void SpillEngine::finish_job(const Job& job, const std::string& error) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Ticket& ticket = *job.ticket;
+  --jobs_in_flight_;
+  if (!error.empty() && ticket.error.empty()) {
+    ticket.error = error;
+  }
+  if (job.write) {
+    if (--ticket.writes_pending == 0) {
+      ticket.source.reset();
+      ticket.source_ready = nullptr;
+      in_flight_bytes_ -= ticket.nbytes;
+      if (ticket.prefetch_requested && ticket.error.empty() && !ticket.released) {
+        start_reads_locked(job.ticket);
+      }
+    }
+  } else {
+    --ticket.reads_pending;
+  }
+  if (ticket.released && ticket.writes_pending == 0 && ticket.reads_pending == 0 && !ticket.offsets.empty()) {
+    free_extents_locked(ticket);
+  }
+  done_cv_.notify_all();
+}
+
+SpillStats SpillEngine::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  SpillStats out = stats_;
+  for (const auto& [directory, file] : files_) {
+    out.peak_file_bytes = std::max(out.peak_file_bytes, static_cast<int64_t>(file->peak_bytes()));
+  }
+  return out;
+}
+
+std::vector<int64_t> SpillEngine::location(int64_t id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto ticket = find_locked(id, "disk_spill location");
+  TORCH_CHECK(!ticket->offsets.empty(), "disk_spill location: ticket ", id, " has no extents");
+  return {ticket->file->fd(), static_cast<int64_t>(ticket->offsets[0]), static_cast<int64_t>(SpillFile::kBlock)};
+}
+
+}  // namespace torch_offload

@@ -1,0 +1,106 @@
+#pragma once
+// The process's disk tier: tickets for tensors written asynchronously, in
+// checksummed extents, to anonymous spill files by a pool of I/O threads.
+//
+// A ticket's write starts at spill() and runs on the workers; restore() (or
+// wait_written()) is where a write error surfaces, as a RuntimeError, and the
+// process stays usable. Workers block on condition variables; nothing polls.
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "ops/disk_spill/spill_file.h"
+
+namespace torch_offload {
+
+struct SpillConfig {
+  int64_t num_threads = 4;
+  int64_t extent_bytes = int64_t{8} << 20;  // payload of one extent (one header each)
+  bool checksums = true;
+  int64_t max_in_flight_bytes = int64_t{512} << 20;  // spill() waits beyond this
+};
+
+struct SpillStats {
+  int64_t bytes_written = 0;
+  int64_t bytes_read = 0;
+  int64_t extents_live = 0;
+  int64_t peak_file_bytes = 0;
+  int64_t write_ns = 0;  // summed over workers, in pwrite
+  int64_t read_ns = 0;   // summed over workers, in pread
+  int64_t tickets_live = 0;
+};
+
+class SpillEngine {
+ public:
+  static SpillEngine& instance();
+
+  // The spill file of `directory` (created on first use; errors name it).
+  std::shared_ptr<SpillFile> file_for(const std::string& directory, bool allow_tmpfs);
+  // Starts writing `source` (contiguous, on the CPU) and returns the ticket id.
+  // `source_ready`, if set, is called by a worker before it reads the source
+  // (a device-to-host copy may still be filling it).
+  int64_t spill(const at::Tensor& source, std::shared_ptr<SpillFile> file, std::function<void()> source_ready);
+  // Blocks until the ticket's write finished; raises its error.
+  void wait_written(int64_t ticket);
+  // Starts reading the ticket back (after its write) into a host buffer that
+  // restore() will hand out.
+  void prefetch(int64_t ticket);
+  // The tensor back, on the CPU. A ticket is restored once; sizes and dtype must match.
+  at::Tensor restore(int64_t ticket, at::IntArrayRef sizes, c10::ScalarType dtype);
+  // The ticket tensor is gone: its extents are freed once no I/O uses them.
+  void release(int64_t ticket);
+
+  // Only while no I/O is in flight.
+  void configure(const SpillConfig& config);
+  SpillStats stats() const;
+  // [fd, file offset of the first extent, header bytes]: for tests that corrupt data.
+  std::vector<int64_t> location(int64_t ticket) const;
+  uint64_t nonce() const {
+    return nonce_;
+  }
+
+ private:
+  struct Ticket;
+  struct Job {
+    std::shared_ptr<Ticket> ticket;
+    size_t index;
+    bool write;
+  };
+
+  SpillEngine();
+  void start_workers_locked();
+  void stop_workers(std::unique_lock<std::mutex>& lock);
+  void worker_loop(char* staging);
+  // Returns an error message, empty on success.
+  std::string run_job(const Job& job, char* staging);
+  void finish_job(const Job& job, const std::string& error);
+  void start_reads_locked(const std::shared_ptr<Ticket>& ticket);
+  void free_extents_locked(Ticket& ticket);
+  std::shared_ptr<Ticket> find_locked(int64_t ticket, const char* op) const;
+
+  const uint64_t nonce_;  // per process: extents written by anyone else never verify
+  SpillConfig config_;
+  mutable std::mutex mutex_;
+  std::condition_variable work_cv_;
+  std::condition_variable done_cv_;
+  std::deque<Job> queue_;
+  std::vector<std::thread> workers_;
+  bool stopping_ = false;
+  int64_t in_flight_bytes_ = 0;
+  int64_t jobs_in_flight_ = 0;
+  int64_t next_ticket_ = 1;
+  std::map<int64_t, std::shared_ptr<Ticket>> tickets_;
+  std::map<std::string, std::shared_ptr<SpillFile>> files_;
+  SpillStats stats_;
+};
+
+}  // namespace torch_offload

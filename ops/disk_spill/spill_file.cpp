@@ -1,0 +1,147 @@
+#include "ops/disk_spill/spill_file.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+#include <fcntl.h>
+#include <linux/magic.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
+#include <unistd.h>
+
+#include <c10/util/Exception.h>
+
+namespace torch_offload {
+namespace {
+
+int open_anonymous(const std::string& directory, int flags) {
+#ifdef O_TMPFILE
+  const int anonymous = ::open(directory.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC | flags, 0600);
+  if (anonymous >= 0 || (errno != EOPNOTSUPP && errno != EISDIR && errno != ENOENT)) {
+    return anonymous;
+  }
+#endif
+  // No O_TMPFILE here: a named file, unlinked before anything is written to it.
+  std::string path = directory + "/torch_offload_spill.XXXXXX";
+  const int fd = ::mkostemp(path.data(), O_CLOEXEC | flags);
+  if (fd >= 0) {
+    ::unlink(path.c_str());
+  }
+  return fd;
+}
+
+}  // namespace
+
+SpillFile::SpillFile(const std::string& directory, bool allow_tmpfs) : directory_(directory) {
+  struct stat info {};
+  TORCH_CHECK(::stat(directory.c_str(), &info) == 0, "disk_spill: directory '", directory,
+              "' cannot be used: ", std::strerror(errno));
+  TORCH_CHECK(S_ISDIR(info.st_mode), "disk_spill: directory '", directory, "' is not a directory");
+  TORCH_CHECK(::access(directory.c_str(), W_OK | X_OK) == 0, "disk_spill: directory '", directory,
+              "' is not writable: ", std::strerror(errno));
+  struct statfs fs {};
+  TORCH_CHECK(::statfs(directory.c_str(), &fs) == 0, "disk_spill: directory '", directory,
+              "' cannot be inspected: ", std::strerror(errno));
+  TORCH_CHECK(allow_tmpfs || fs.f_type != TMPFS_MAGIC, "disk_spill: directory '", directory,
+              "' is on tmpfs, which is RAM, not disk; choose a directory on a disk "
+              "(TORCH_OFFLOAD_SPILL_DIR), or pass allow_tmpfs=True");
+  fd_ = open_anonymous(directory, O_DIRECT);
+  direct_ = fd_ >= 0;
+  if (fd_ < 0 && errno == EINVAL) {  // the file system refuses O_DIRECT
+    fd_ = open_anonymous(directory, 0);
+  }
+  TORCH_CHECK(fd_ >= 0, "disk_spill: cannot create a spill file in directory '", directory,
+              "': ", std::strerror(errno));
+}
+
+SpillFile::~SpillFile() {
+  ::close(fd_);
+}
+
+size_t SpillFile::allocate(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (const auto offset = free_.take(bytes)) {
+    return *offset;
+  }
+  const size_t offset = end_;
+  end_ += bytes;
+  peak_ = std::max(peak_, end_);
+  return offset;
+}
+
+void SpillFile::release(size_t offset, size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  free_.add(offset, bytes);
+}
+
+bool SpillFile::direct_io() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return direct_;
+}
+
+size_t SpillFile::peak_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return peak_;
+}
+
+void SpillFile::fall_back_to_buffered() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (direct_) {
+    const int flags = ::fcntl(fd_, F_GETFL);
+    if (flags >= 0 && ::fcntl(fd_, F_SETFL, flags & ~O_DIRECT) == 0) {
+      direct_ = false;
+    }
+  }
+}
+
+int SpillFile::write_all(const void* buffer, size_t bytes, size_t offset) {
+  const auto* p = static_cast<const char*>(buffer);
+  while (bytes > 0) {
+    const ssize_t n = ::pwrite(fd_, p, bytes, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) {
+        continue;
+      }
+      if (errno == EINVAL && direct_io()) {
+        fall_back_to_buffered();
+        continue;
+      }
+      return errno;
+    }
+    if (n == 0) {
+      return EIO;
+    }
+    p += n;
+    bytes -= static_cast<size_t>(n);
+    offset += static_cast<size_t>(n);
+  }
+  return 0;
+}
+
+int SpillFile::read_all(void* buffer, size_t bytes, size_t offset) {
+  auto* p = static_cast<char*>(buffer);
+  while (bytes > 0) {
+    const ssize_t n = ::pread(fd_, p, bytes, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) {
+        continue;
+      }
+      if (errno == EINVAL && direct_io()) {
+        fall_back_to_buffered();
+        continue;
+      }
+      return errno;
+    }
+    if (n == 0) {
+      return EIO;  // the file ends before the extent does
+    }
+    p += n;
+    bytes -= static_cast<size_t>(n);
+    offset += static_cast<size_t>(n);
+  }
+  return 0;
+}
+
+}  // namespace torch_offload

@@ -1,0 +1,56 @@
+#pragma once
+// One anonymous spill file in a directory: created with O_TMPFILE (or opened and
+// unlinked at once), so it has no name and the kernel reclaims it on any exit,
+// SIGKILL included. Space is handed out in extents and reused once freed.
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "ops/common/free_ranges.h"
+
+namespace torch_offload {
+
+class SpillFile {
+ public:
+  static constexpr size_t kBlock = 4096;  // O_DIRECT alignment of offsets, lengths and buffers
+
+  // Throws (naming `directory`) if it is missing, not a writable directory, or
+  // tmpfs (RAM, not disk) while allow_tmpfs is false.
+  SpillFile(const std::string& directory, bool allow_tmpfs);
+  ~SpillFile();
+  SpillFile(const SpillFile&) = delete;
+  SpillFile& operator=(const SpillFile&) = delete;
+
+  // A file offset for `bytes` (a multiple of kBlock), reusing freed space first.
+  size_t allocate(size_t bytes);
+  void release(size_t offset, size_t bytes);
+
+  // Whole transfers: loop over short counts and EINTR. Return 0 or an errno;
+  // a read that hits the end of the file reports EIO (short read).
+  int write_all(const void* buffer, size_t bytes, size_t offset);
+  int read_all(void* buffer, size_t bytes, size_t offset);
+
+  const std::string& directory() const {
+    return directory_;
+  }
+  int fd() const {
+    return fd_;
+  }
+  bool direct_io() const;
+  size_t peak_bytes() const;
+
+ private:
+  // O_DIRECT refused for this transfer (EINVAL): drop to buffered I/O for good.
+  void fall_back_to_buffered();
+
+  const std::string directory_;
+  int fd_ = -1;
+  mutable std::mutex mutex_;
+  FreeRanges free_;
+  size_t end_ = 0;  // bytes handed out from the start of the file
+  size_t peak_ = 0;
+  bool direct_ = false;
+};
+
+}  // namespace torch_offload

@@ -1,0 +1,274 @@
+"""disk_spill / disk_restore: round trips, errors, crash safety, corruption, concurrency."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from torch.testing._internal.optests import opcheck
+
+import torch_offload
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool]
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture
+def spill_dir(tmp_path):
+    directory = tmp_path / "spill"
+    directory.mkdir()
+    return str(directory)
+
+
+def sample(shape, dtype):
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape)), dtype=torch.float64) * 100
+    return values.gt(0) if dtype == torch.bool else values.to(dtype)
+
+
+def round_trip(t, spill_dir):
+    ticket = torch_offload.disk_spill(t, directory=spill_dir)
+    return torch_offload.disk_restore(ticket, t.shape, t.dtype, "cpu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_is_bitwise_for_every_dtype(dtype, spill_dir):
+    t = sample((37, 129), dtype)
+    back = round_trip(t, spill_dir)
+    assert back.dtype == dtype and back.shape == t.shape
+    assert torch.equal(back.view(torch.uint8) if dtype != torch.bool else back, t.view(torch.uint8) if dtype != torch.bool else t)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.empty(0, 5),
+    lambda: torch.tensor(3.25),
+    lambda: sample((16, 24), torch.float32).t(),
+    lambda: sample((1, 64), torch.float32).expand(9, 64),
+    lambda: sample((8, 8, 8), torch.float16)[:, ::3, 1:],
+], ids=["zero_size", "zero_dim", "transposed", "expanded", "strided"])
+def test_round_trip_of_any_layout(make, spill_dir):
+    t = make()
+    back = round_trip(t, spill_dir)
+    assert back.is_contiguous() and torch.equal(back, t)
+
+
+def test_extents_span_many_blocks_and_leave_nothing(spill_dir):
+    torch_offload.configure_disk_spill(extent_bytes=64 << 10)
+    try:
+        t = sample((1000, 333), torch.float32)  # about 20 extents of 64 KiB
+        before = torch_offload.disk_spill_stats()
+        assert torch.equal(round_trip(t, spill_dir), t)
+        after = torch_offload.disk_spill_stats()
+        assert after["bytes_written"] - before["bytes_written"] == t.numel() * 4
+        assert after["bytes_read"] - before["bytes_read"] == t.numel() * 4
+        assert after["extents_live"] == before["extents_live"]
+    finally:
+        torch_offload.configure_disk_spill()
+
+
+def test_more_than_one_gib_round_trips(spill_dir):
+    t = torch.empty((1 << 30) + 12345, dtype=torch.uint8)
+    t.view(-1)[::4096] = torch.arange(t.numel() // 4096 + 1, dtype=torch.int64).remainder(251).to(torch.uint8)
+    back = round_trip(t, spill_dir)
+    assert torch.equal(back, t)
+
+
+def test_four_threads_spill_and_restore_concurrently(spill_dir):
+    errors, results = [], {}
+
+    def work(worker):
+        try:
+            for step in range(20):
+                t = sample((64 + worker, 100 + step), torch.float32) + worker
+                ticket = torch_offload.disk_spill(t, directory=spill_dir)
+                if step % 2:
+                    torch_offload.disk_prefetch(ticket)
+                results[(worker, step)] = torch.equal(torch_offload.disk_restore(ticket, t.shape, t.dtype, "cpu"), t)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert len(results) == 80 and all(results.values())
+
+
+def test_prefetch_reads_once_and_restore_uses_it(spill_dir):
+    t = sample((512, 512), torch.float32)
+    ticket = torch_offload.disk_spill(t, directory=spill_dir)
+    before = torch_offload.disk_spill_stats()["bytes_read"]
+    torch_offload.disk_prefetch(ticket)
+    torch_offload.disk_prefetch(ticket)  # a second prefetch is a no-op
+    assert torch.equal(torch_offload.disk_restore(ticket, t.shape, t.dtype, "cpu"), t)
+    assert torch_offload.disk_spill_stats()["bytes_read"] - before == t.numel() * 4
+
+
+def test_freeing_a_ticket_frees_its_extents(spill_dir):
+    before = torch_offload.disk_spill_stats()
+    tickets = [torch_offload.disk_spill(sample((256, 256), torch.float32), directory=spill_dir) for _ in range(3)]
+    for ticket in tickets:
+        torch_offload.disk_wait(ticket)
+    assert torch_offload.disk_spill_stats()["tickets_live"] == before["tickets_live"] + 3
+    del tickets, ticket
+    after = torch_offload.disk_spill_stats()
+    assert after["extents_live"] == before["extents_live"] and after["tickets_live"] == before["tickets_live"]
+
+
+def test_restore_errors_name_the_problem(spill_dir):
+    t = sample((4, 6), torch.float32)
+    ticket = torch_offload.disk_spill(t, directory=spill_dir)
+    with pytest.raises(RuntimeError, match=r"disk_restore: size is \[6, 4\] but ticket \d+ holds a tensor of size \[4, 6\]"):
+        torch_offload.disk_restore(ticket, (6, 4), t.dtype, "cpu")
+    with pytest.raises(RuntimeError, match="disk_restore: dtype is Half but ticket .* holds Float"):
+        torch_offload.disk_restore(ticket, t.shape, torch.float16, "cpu")
+    assert torch.equal(torch_offload.disk_restore(ticket, t.shape, t.dtype, "cpu"), t)  # still restorable
+    with pytest.raises(RuntimeError, match="was already restored"):
+        torch_offload.disk_restore(ticket, t.shape, t.dtype, "cpu")
+    with pytest.raises(RuntimeError, match="ticket must be the CPU int64 tensor of 2 elements"):
+        torch_offload.disk_restore(torch.zeros(3), t.shape, t.dtype, "cpu")
+    with pytest.raises(RuntimeError, match="not made by disk_spill in this process"):
+        torch_offload.disk_restore(torch.tensor([1, 2]), t.shape, t.dtype, "cpu")
+    if not torch.cuda.is_available():
+        fresh = torch_offload.disk_spill(t, directory=spill_dir)
+        with pytest.raises(RuntimeError, match="disk_restore: device is cuda.*no CUDA device"):
+            torch_offload.disk_restore(fresh, t.shape, t.dtype, "cuda")
+
+
+def test_bad_directories_are_refused_by_name(tmp_path):
+    t = torch.ones(4)
+    missing = tmp_path / "missing"
+    with pytest.raises(RuntimeError, match=f"disk_spill: directory '{missing}' cannot be used: No such file"):
+        torch_offload.disk_spill(t, directory=str(missing))
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(RuntimeError, match="is not a directory"):
+        torch_offload.disk_spill(t, directory=str(a_file))
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a tmpfs at /dev/shm")
+def test_tmpfs_is_refused_unless_allowed():
+    t = sample((10,), torch.float32)
+    with pytest.raises(RuntimeError, match="is on tmpfs, which is RAM, not disk"):
+        torch_offload.disk_spill(t, directory="/dev/shm")
+    ticket = torch_offload.disk_spill(t, directory="/dev/shm", allow_tmpfs=True)
+    assert torch.equal(torch_offload.disk_restore(ticket, t.shape, t.dtype, "cpu"), t)
+
+
+def run_child(code, **kwargs):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=env, timeout=300, **kwargs)
+
+
+# Root may write almost anywhere; /proc/sys refuses even root.
+@pytest.mark.skipif(os.access("/proc/sys", os.W_OK), reason="needs a directory this user cannot write")
+def test_unwritable_directory_is_refused():
+    with pytest.raises(RuntimeError, match="disk_spill: directory '/proc/sys' is not writable"):
+        torch_offload.disk_spill(torch.ones(4), directory="/proc/sys")
+
+
+def test_file_size_limit_fails_clearly_and_the_process_recovers(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    child = run_child(f"""
+        import resource, torch, torch_offload
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, 8 << 20))
+        big = torch.ones(4 << 20)  # 16 MiB: past the 8 MiB limit
+        ticket = torch_offload.disk_spill(big, directory={str(first)!r})
+        try:
+            torch_offload.disk_wait(ticket)
+            print("NO ERROR")
+        except RuntimeError as e:
+            print("ERROR", e)
+        small = torch.arange(1000.0)
+        back = torch_offload.disk_restore(torch_offload.disk_spill(small, directory={str(second)!r}), small.shape, small.dtype, "cpu")
+        print("RECOVERED", torch.equal(back, small))
+    """)
+    assert "ERROR disk_spill: writing extent" in child.stdout and "File too large" in child.stdout, child.stdout + child.stderr
+    assert "RECOVERED True" in child.stdout, child.stdout + child.stderr
+
+
+def test_sigkill_mid_spill_leaves_no_file(spill_dir):
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, torch, torch_offload
+            t = torch.randn(16 << 20)
+            tickets = []
+            while True:
+                tickets.append(torch_offload.disk_spill(t, directory={spill_dir!r}))
+                if len(tickets) == 2:
+                    print("spilling", flush=True)
+                if len(tickets) > 8:
+                    tickets.pop(0)
+        """)],
+        stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=os.path.dirname(HERE)),
+    )
+    try:
+        assert child.stdout.readline().strip() == "spilling"
+        assert os.listdir(spill_dir) == []  # anonymous even while in use
+        time.sleep(0.5)  # let it write for a while: the kill must land mid-spill
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait(timeout=60)
+    assert child.returncode == -signal.SIGKILL
+    assert os.listdir(spill_dir) == []
+
+
+def corrupt(ticket, where):
+    fd, offset, header = torch.ops.offload._disk_ticket_location(ticket)
+    with open(f"/proc/self/fd/{fd}", "r+b") as f:
+        position = offset + (header + 10 if where == "payload" else 3)
+        f.seek(position)
+        byte = f.read(1)
+        f.seek(position)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("where, message", [("payload", "failed its checksum"), ("header", "has no valid header")])
+def test_corrupted_extent_is_an_error_not_data(where, message, spill_dir):
+    t = sample((300, 300), torch.float32)
+    ticket = torch_offload.disk_spill(t, directory=spill_dir)
+    torch_offload.disk_wait(ticket)
+    corrupt(ticket, where)
+    with pytest.raises(RuntimeError, match=message):
+        torch_offload.disk_restore(ticket, t.shape, t.dtype, "cpu")
+
+
+# Each ticket is new (its id differs from eager's) and is restored once, so the
+# AOT-dispatch checks, which run an op twice and compare, do not apply; the
+# compile test below covers tracing. The other checks run with a fresh ticket each.
+OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+@pytest.mark.parametrize("check", OPCHECKS)
+def test_opcheck(check, spill_dir):
+    t = sample((5, 7), torch.float32).requires_grad_(True)
+    for src in (t, t.detach(), t.detach().to(torch.int64)):
+        opcheck(torch.ops.offload.disk_spill.default, (src,), {"directory": spill_dir}, test_utils=check)
+    ticket = torch_offload.disk_spill(t.detach(), directory=spill_dir)
+    opcheck(torch.ops.offload.disk_restore.default, (ticket, [5, 7], torch.float32, torch.device("cpu")),
+            test_utils=check)
+    ticket = torch_offload.disk_spill(t.detach(), directory=spill_dir)
+    opcheck(torch.ops.offload.disk_wait.default, (ticket,), test_utils=check)
+    opcheck(torch.ops.offload.disk_prefetch.default, (ticket,), test_utils=check)
+
+
+def test_compiled_spill_and_restore_match_eager(spill_dir):
+    def fn(x):
+        ticket = torch.ops.offload.disk_spill(x * 3, spill_dir)
+        y = x.sin()
+        return y + torch.ops.offload.disk_restore(ticket, x.shape, x.dtype, x.device)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    for n in (16, 40):
+        x = torch.randn(n, 3)
+        torch.testing.assert_close(compiled(x), fn(x))

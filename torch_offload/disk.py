@@ -1,0 +1,63 @@
+"""The disk tier: tensors written asynchronously to an anonymous per-process spill file.
+
+The spill file lives in ``directory``, else ``$TORCH_OFFLOAD_SPILL_DIR``, else the
+system temp directory. It has no name (O_TMPFILE, or unlinked at once), so
+nothing is left behind on any exit, SIGKILL included. tmpfs is refused unless
+``allow_tmpfs=True``: it is RAM, not disk.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["disk_spill", "disk_restore", "disk_prefetch", "disk_wait", "disk_spill_stats", "configure_disk_spill"]
+
+_STATS = ("bytes_written", "bytes_read", "extents_live", "peak_file_bytes", "write_ns", "read_ns", "tickets_live")
+
+
+def disk_spill(src: torch.Tensor, *, directory: str | None = None, allow_tmpfs: bool = False) -> torch.Tensor:
+    """Start writing ``src`` to disk and return its ticket (a small CPU int64 tensor) at once.
+
+    The write runs on I/O threads; do not modify ``src`` in place until
+    :func:`disk_wait` returns. Freeing the ticket frees the disk space.
+    """
+    return torch.ops.offload.disk_spill(src, directory, allow_tmpfs)
+
+
+def disk_restore(ticket: torch.Tensor, size: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
+    """The spilled tensor back on ``device``. A ticket is restored once; ``size``
+    and ``dtype`` must be those of the spilled tensor. Raises the write's error if it failed."""
+    return torch.ops.offload.disk_restore(ticket, list(size), dtype, torch.device(device))
+
+
+def disk_prefetch(ticket: torch.Tensor) -> None:
+    """Start reading the ticket back (once its write is done) so :func:`disk_restore` finds it in memory."""
+    torch.ops.offload.disk_prefetch(ticket)
+
+
+def disk_wait(ticket: torch.Tensor) -> None:
+    """Block until the ticket is on disk; raise the write's error (e.g. ENOSPC, EFBIG) if it failed."""
+    torch.ops.offload.disk_wait(ticket)
+
+
+def disk_spill_stats() -> dict[str, float]:
+    """bytes_written, bytes_read, extents_live, peak_file_bytes, tickets_live, and
+    write_seconds / read_seconds (summed over the I/O threads)."""
+    stats = dict(zip(_STATS, torch.ops.offload.disk_spill_stats()))
+    stats["write_seconds"] = stats.pop("write_ns") / 1e9
+    stats["read_seconds"] = stats.pop("read_ns") / 1e9
+    return stats
+
+
+def configure_disk_spill(
+    *,
+    num_threads: int = 4,
+    extent_bytes: int = 8 << 20,
+    checksums: bool = True,
+    max_in_flight_bytes: int = 512 << 20,
+) -> None:
+    """Set the I/O threads, the extent size (one checksummed header each), whether
+    payloads are checksummed, and how many bytes of unfinished writes ``disk_spill``
+    allows before it waits. Only while no I/O is in flight."""
+    torch.ops.offload.disk_spill_configure(num_threads, extent_bytes, checksums, max_in_flight_bytes)
