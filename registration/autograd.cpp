@@ -55,6 +55,53 @@ at::Tensor offload_unpack_autograd(const at::Tensor& packed, c10::Device device)
   return UnpackFunction::apply(packed, device);
 }
 
+// tiled_mlp saves x and the weights only. Its backward is one node that returns
+// each gradient once (what DDP's and FSDP's hooks expect), computed by the
+// tiled_mlp_backward op, which AOTAutograd traces like any other op. Gradients
+// nobody needs are not computed. No double backward: tiled_mlp_backward has none.
+class TiledMlpFunction : public torch::autograd::Function<TiledMlpFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w_gate,
+                            const std::optional<at::Tensor>& w_up, const at::Tensor& w_down,
+                            const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& b_up,
+                            const std::optional<at::Tensor>& b_down, c10::string_view activation,
+                            c10::SymInt num_shards) {
+    const auto or_undefined = [](const std::optional<at::Tensor>& t) { return t.value_or(at::Tensor()); };
+    ctx->save_for_backward({x, w_gate, or_undefined(w_up), w_down, or_undefined(b_gate), or_undefined(b_up),
+                            or_undefined(b_down)});
+    ctx->saved_data["activation"] = std::string(activation);
+    ctx->saved_data["num_shards"] = num_shards;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return tiled_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, num_shards);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    // Absent optional inputs have no autograd edge: count the edges of those given.
+    std::array<bool, 7> output_mask{};
+    size_t edge = 0;
+    for (size_t i = 0; i < output_mask.size(); ++i) {
+      if (saved[i].defined()) {
+        output_mask[i] = ctx->needs_input_grad(edge++);
+      }
+    }
+    const auto or_nullopt = [](const at::Tensor& t) {
+      return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+    };
+    const std::string activation = ctx->saved_data["activation"].toStringRef();
+    const auto [x, w_gate, w_up, w_down, b_gate, b_up, b_down] = tiled_mlp_backward(
+        grads[0], saved[0], saved[1], or_nullopt(saved[2]), saved[3], or_nullopt(saved[4]), or_nullopt(saved[5]),
+        or_nullopt(saved[6]), activation, ctx->saved_data["num_shards"].toSymInt(), output_mask);
+    return {x, w_gate, w_up, w_down, b_gate, b_up, b_down, at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor tiled_mlp_autograd(const at::Tensor& x, const at::Tensor& w_gate, const std::optional<at::Tensor>& w_up,
+                              const at::Tensor& w_down, const std::optional<at::Tensor>& b_gate,
+                              const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& b_down,
+                              c10::string_view activation, c10::SymInt num_shards) {
+  return TiledMlpFunction::apply(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, std::move(num_shards));
+}
+
 }  // namespace
 }  // namespace torch_offload
 
@@ -64,4 +111,7 @@ TORCH_LIBRARY_IMPL(offload, Autograd, m) {
   // Tickets carry no gradient: run below autograd, nothing to record.
   m.impl("disk_spill", torch::autograd::autogradNotImplementedFallback());
   m.impl("disk_restore", torch::autograd::autogradNotImplementedFallback());
+  m.impl("tiled_mlp", &torch_offload::tiled_mlp_autograd);
+  // Computing gradients of gradients is not supported: an error if backward reaches it.
+  m.impl("tiled_mlp_backward", torch::autograd::autogradNotImplementedFallback());
 }

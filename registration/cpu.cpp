@@ -2,6 +2,7 @@
 
 #include "ops/disk_spill/disk_spill.h"
 #include "ops/offload/offload.h"
+#include "ops/tiled_mlp/tiled_mlp.h"
 
 TORCH_LIBRARY_IMPL(offload, CPU, m) {
   m.impl("offload_pack", &torch_offload::offload_pack_cpu);
@@ -11,4 +12,6 @@ TORCH_LIBRARY_IMPL(offload, CPU, m) {
   m.impl("disk_prefetch", &torch_offload::disk_prefetch_cpu);
   m.impl("disk_wait", &torch_offload::disk_wait_cpu);
   m.impl("_disk_ticket_location", &torch_offload::disk_ticket_location_cpu);
+  m.impl("tiled_mlp", &torch_offload::tiled_mlp_cpu);
+  m.impl("tiled_mlp_backward", &torch_offload::tiled_mlp_backward_cpu);
 }

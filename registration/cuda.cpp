@@ -2,9 +2,12 @@
 
 #include "ops/disk_spill/disk_spill.h"
 #include "ops/offload/offload.h"
+#include "ops/tiled_mlp/tiled_mlp.h"
 
 TORCH_LIBRARY_IMPL(offload, CUDA, m) {
   m.impl("offload_pack", &torch_offload::offload_pack_cuda);
   m.impl("offload_unpack", &torch_offload::offload_unpack_cuda);
   m.impl("disk_spill", &torch_offload::disk_spill_cuda);
+  m.impl("tiled_mlp", &torch_offload::tiled_mlp_cuda);
+  m.impl("tiled_mlp_backward", &torch_offload::tiled_mlp_backward_cuda);
 }

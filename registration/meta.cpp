@@ -2,6 +2,7 @@
 
 #include "ops/disk_spill/disk_spill.h"
 #include "ops/offload/offload.h"
+#include "ops/tiled_mlp/tiled_mlp.h"
 
 // Meta kernels keep meta tensors on meta. Under FakeTensor (torch.compile) the
 // device-moving ops need their real result device: torch_offload/_fake.py
@@ -11,4 +12,7 @@ TORCH_LIBRARY_IMPL(offload, Meta, m) {
   m.impl("offload_unpack", &torch_offload::offload_unpack_meta);
   m.impl("disk_spill", &torch_offload::disk_spill_meta);
   m.impl("disk_restore", &torch_offload::disk_restore_meta);
+  // tiled_mlp's results live on x's device, which FakeTensor derives by itself.
+  m.impl("tiled_mlp", &torch_offload::tiled_mlp_meta);
+  m.impl("tiled_mlp_backward", &torch_offload::tiled_mlp_backward_meta);
 }

@@ -3,12 +3,28 @@
 #include <torch/library.h>
 
 #include "ops/common/pinned_arena.h"
+#include "ops/tiled_mlp/tiled_mlp.h"
 #include "ops/disk_spill/disk_spill.h"
 #include "ops/offload/activation_store.h"
 
 TORCH_LIBRARY(offload, m) {
   m.def("offload_pack(Tensor src, bool non_blocking=False) -> Tensor");
   m.def("offload_unpack(Tensor packed, Device device) -> Tensor");
+
+  // The MLP down(act(x w_gate^T + b_gate) * (x w_up^T + b_up)) + b_down, or
+  // down(act(x w_gate^T + b_gate)) + b_down without w_up, computed in shards of
+  // tokens. The backward op returns the gradients output_mask asks for (x, w_gate,
+  // w_up, w_down, b_gate, b_up, b_down), undefined where not asked or absent.
+  m.def(
+      "tiled_mlp(Tensor x, Tensor w_gate, Tensor? w_up, Tensor w_down, Tensor? b_gate=None, Tensor? b_up=None, "
+      "Tensor? b_down=None, str activation=\"silu\", SymInt num_shards=0) -> Tensor");
+  m.def(
+      "tiled_mlp_backward(Tensor grad_out, Tensor x, Tensor w_gate, Tensor? w_up, Tensor w_down, Tensor? b_gate, "
+      "Tensor? b_up, Tensor? b_down, str activation, SymInt num_shards, bool[7] output_mask) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // tiled_mlp's automatic shard count for these shapes; takes no tensor, so one kernel serves every backend.
+  m.def("tiled_mlp_num_shards(int tokens, int intermediate, bool gated, ScalarType dtype) -> int",
+        &torch_offload::tiled_mlp_num_shards_kernel);
 
   // Arena controls take no tensor, so one kernel serves every backend.
   m.def("set_pinned_budget(int budget_bytes) -> ()", &torch_offload::set_pinned_budget_kernel);

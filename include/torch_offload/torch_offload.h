@@ -3,9 +3,11 @@
 // PyTorch dispatcher. Load the library first (link it, or dlopen the .so that
 // torch_offload.library_path() names); then these work like at:: functions,
 // autograd included.
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -81,6 +83,56 @@ inline void disk_prefetch(const at::Tensor& ticket) {
 inline void disk_wait(const at::Tensor& ticket) {
   static const auto handle = detail::op<void(const at::Tensor&)>("offload::disk_wait");
   handle.call(ticket);
+}
+
+// The MLP down(act(x w_gate^T + b_gate) * (x w_up^T + b_up)) + b_down (without
+// w_up: down(act(x w_gate^T + b_gate)) + b_down) over x [..., h], w_gate and w_up
+// [I, h], w_down [h, I], computed in shards of tokens so that no [tokens, I]
+// intermediate exists whole; backward saves only x and the weights and recomputes
+// each shard. activation: "silu", "gelu", "gelu_tanh" or "relu"; num_shards <= 0
+// picks the count from a memory budget.
+inline at::Tensor tiled_mlp(const at::Tensor& x, const at::Tensor& w_gate, const std::optional<at::Tensor>& w_up,
+                            const at::Tensor& w_down, const std::optional<at::Tensor>& b_gate = std::nullopt,
+                            const std::optional<at::Tensor>& b_up = std::nullopt,
+                            const std::optional<at::Tensor>& b_down = std::nullopt,
+                            std::string_view activation = "silu", c10::SymInt num_shards = 0) {
+  TORCH_CHECK(x.defined(), "tiled_mlp: x is an undefined tensor; expected a defined tensor");
+  static const auto handle =
+      detail::op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                            const std::optional<at::Tensor>&, std::string_view, c10::SymInt)>("offload::tiled_mlp");
+  return handle.call(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, std::move(num_shards));
+}
+
+// The gradients of tiled_mlp with respect to (x, w_gate, w_up, w_down, b_gate,
+// b_up, b_down), each computed only where output_mask asks for it and the input
+// exists (undefined otherwise). Weight and bias gradients of bf16/fp16 weights
+// add up in float32 and are rounded once.
+using TiledMlpGradients =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+inline TiledMlpGradients tiled_mlp_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_gate,
+                                            const std::optional<at::Tensor>& w_up, const at::Tensor& w_down,
+                                            const std::optional<at::Tensor>& b_gate,
+                                            const std::optional<at::Tensor>& b_up,
+                                            const std::optional<at::Tensor>& b_down, std::string_view activation,
+                                            c10::SymInt num_shards, std::array<bool, 7> output_mask) {
+  TORCH_CHECK(grad_out.defined(), "tiled_mlp_backward: grad_out is an undefined tensor; expected a defined tensor");
+  TORCH_CHECK(x.defined(), "tiled_mlp_backward: x is an undefined tensor; expected a defined tensor");
+  static const auto handle = detail::op<TiledMlpGradients(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+      std::string_view, c10::SymInt, std::array<bool, 7>)>("offload::tiled_mlp_backward");
+  return handle.call(grad_out, x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, std::move(num_shards),
+                     output_mask);
+}
+
+// The shard count tiled_mlp picks when num_shards <= 0, for `tokens` tokens of an MLP
+// with `intermediate` (I) hidden units, gated (with w_up) or not, in `dtype`. It
+// depends on these only, so every rank with the same shapes picks the same.
+inline int64_t tiled_mlp_num_shards(int64_t tokens, int64_t intermediate, bool gated, c10::ScalarType dtype) {
+  static const auto handle =
+      detail::op<int64_t(int64_t, int64_t, bool, c10::ScalarType)>("offload::tiled_mlp_num_shards");
+  return handle.call(tokens, intermediate, gated, dtype);
 }
 
 }  // namespace torch_offload
