@@ -25,6 +25,10 @@ __all__ = [
     "offload_unpack",
     "set_pinned_budget",
     "pinned_arena_stats",
+    "TiledMLP",
+    "tiled_apply",
+    "tiled_mlp",
+    "tiled_mlp_num_shards",
 ]
 
 
@@ -108,3 +112,6 @@ def pinned_arena_stats() -> dict[str, int]:
     """Byte and call counters of the pinned arena that ``offload_pack`` uses on CUDA."""
     keys = ("budget_bytes", "reserved_bytes", "in_use_bytes", "chunk_allocations", "slice_allocations")
     return dict(zip(keys, torch.ops.offload.pinned_arena_stats()))
+
+
+from .tiled_mlp import TiledMLP, tiled_apply, tiled_mlp, tiled_mlp_num_shards  # noqa: E402  (uses _require_tensor above)

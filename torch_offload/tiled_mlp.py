@@ -1,0 +1,219 @@
+"""The MLP block computed in shards of tokens, so that its [tokens, I] intermediate never exists whole.
+
+- ``tiled_mlp``: the ``torch.ops.offload.tiled_mlp`` op (gated or plain MLP, fused activation).
+- ``TiledMLP``: wraps a Hugging Face style MLP module so that it calls the op.
+- ``tiled_apply``: the generic fallback for any token-wise module (LoRA/PEFT-wrapped, quantized).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _require_tensor
+
+__all__ = ["TiledMLP", "tiled_apply", "tiled_mlp", "tiled_mlp_num_shards"]
+
+
+def tiled_mlp(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor | None,
+    w_down: torch.Tensor,
+    *,
+    activation: str = "silu",
+    num_shards: int = 0,
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``down(act(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)) + b_down`` in shards of tokens (differentiable).
+
+    Without ``w_up`` it is the plain MLP ``down(act(x @ w_gate.T + b_gate)) + b_down``.
+    ``x`` is ``[..., h]``, ``w_gate``/``w_up`` ``[I, h]``, ``w_down`` ``[h, I]``; ``activation``
+    is ``"silu"``, ``"gelu"``, ``"gelu_tanh"`` or ``"relu"``. Forward writes each shard into
+    the output and saves only ``x`` and the weights; backward recomputes each shard and
+    returns every gradient once (bf16/fp16 weight gradients add up in float32), computing
+    none that is not needed. ``num_shards <= 0`` picks the count from a per-shard memory
+    budget that depends on the shapes only (see the README).
+    """
+    for value, arg in ((x, "x"), (w_gate, "w_gate"), (w_down, "w_down")):
+        _require_tensor(value, "tiled_mlp", arg)
+    return torch.ops.offload.tiled_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, num_shards)
+
+
+def tiled_mlp_num_shards(tokens: int, intermediate: int, *, gated: bool = True, dtype: torch.dtype = torch.float32) -> int:
+    """The shard count ``tiled_mlp`` picks for ``num_shards <= 0``.
+
+    A shard holds at most 256 MiB of ``[tokens, I]`` buffers (3 of them for a gated MLP,
+    2 for a plain one) and between 2048 and 32768 tokens. It depends on the shapes and
+    the dtype only, so every rank with the same shapes picks the same count. Handy to
+    give ``tiled_apply`` the count ``tiled_mlp`` would use.
+    """
+    return torch.ops.offload.tiled_mlp_num_shards(tokens, intermediate, gated, dtype)
+
+
+# Activation modules by class name (torch.nn and transformers' ACT2FN classes), by what they compute.
+_ACTIVATION_CLASSES = {
+    "SiLU": "silu",
+    "SiLUActivation": "silu",
+    "ReLU": "relu",
+    "GELUActivation": "gelu",
+    "NewGELUActivation": "gelu_tanh",
+    "GELUTanh": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh",
+    "FastGELUActivation": "gelu_tanh",
+    "AccurateGELUActivation": "gelu_tanh",
+}
+_ACTIVATION_FUNCTIONS = {F.silu: "silu", F.relu: "relu", torch.relu: "relu", F.gelu: "gelu"}
+
+# (gate, up, down) attribute names of the MLP layouts TiledMLP knows; up is None for plain MLPs.
+_LAYOUTS = (("gate_proj", "up_proj", "down_proj"), ("fc1", None, "fc2"))
+
+
+def _activation_name(act) -> str:
+    if isinstance(act, nn.GELU):
+        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    name = _ACTIVATION_CLASSES.get(type(act).__name__) or _ACTIVATION_FUNCTIONS.get(act)
+    if name is None:
+        raise ValueError(
+            f"TiledMLP: activation {act!r} is not one tiled_mlp computes (silu, gelu, gelu_tanh, relu); "
+            "use torch_offload.tiled_apply for this module instead"
+        )
+    return name
+
+
+def _check_linear(module, attr: str) -> None:
+    # Anything but a plain nn.Linear (LoRA layers, quantized linears, hooks) would be bypassed by the op.
+    plain = isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+    if not plain or module._forward_hooks or module._forward_pre_hooks:
+        raise ValueError(
+            f"TiledMLP: {attr} is {type(module).__name__}, not a plain nn.Linear without hooks "
+            "(LoRA-wrapped or quantized?); use torch_offload.tiled_apply for this module instead"
+        )
+
+
+class TiledMLP(nn.Module):
+    """A Hugging Face style MLP computed by ``tiled_mlp``, with the same parameters.
+
+    ``mlp`` has ``gate_proj``/``up_proj``/``down_proj`` (LLaMA, Mistral, Qwen) or
+    ``fc1``/``fc2`` (plain MLP) ``nn.Linear`` layers and its activation in ``act_fn`` or
+    ``activation_fn``. The wrapper holds the same layer objects under the same names,
+    so ``layer.mlp = TiledMLP(layer.mlp)`` keeps the state dict's keys and the
+    optimizer's parameters. Other modules: ``tiled_apply``.
+    """
+
+    def __init__(self, mlp: nn.Module, num_shards: int = 0):
+        super().__init__()
+        layout = next((names for names in _LAYOUTS if all(hasattr(mlp, n) for n in names if n)), None)
+        if layout is None:
+            raise ValueError(
+                f"TiledMLP: {type(mlp).__name__} has neither gate_proj/up_proj/down_proj nor fc1/fc2; "
+                "use torch_offload.tiled_apply for this module instead"
+            )
+        act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+        if act is None:
+            raise ValueError(f"TiledMLP: {type(mlp).__name__} has no act_fn or activation_fn")
+        self.activation = _activation_name(act)
+        for attr in layout:
+            if attr:
+                _check_linear(getattr(mlp, attr), attr)
+                self.add_module(attr, getattr(mlp, attr))
+        self._layout = layout
+        self.num_shards = num_shards
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (getattr(self, attr) if attr else None for attr in self._layout)
+        return tiled_mlp(
+            x,
+            gate.weight,
+            up.weight if up is not None else None,
+            down.weight,
+            activation=self.activation,
+            num_shards=self.num_shards,
+            b_gate=gate.bias,
+            b_up=up.bias if up is not None else None,
+            b_down=down.bias,
+        )
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}, num_shards={self.num_shards}"
+
+
+def tiled_apply(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: Iterable[torch.Tensor],
+                num_shards: int) -> torch.Tensor:
+    """``fn(x)`` computed in ``num_shards`` shards of tokens, recomputed shard by shard in backward.
+
+    The generic fallback of ``tiled_mlp`` for any token-wise module (LoRA/PEFT-wrapped,
+    quantized): ``fn`` maps ``[rows, h]`` to ``[rows, h_out]`` treating each row (token)
+    independently; ``x`` is ``[..., h]``, flattened to its tokens. ``params`` are the
+    tensors ``fn`` uses that need gradients, e.g. ``[p for p in m.parameters() if
+    p.requires_grad]``: backward computes them with ``torch.autograd.grad`` per shard,
+    adds them up (in float32 for bf16/fp16) and returns each once from one autograd node,
+    so DDP's and FSDP's hooks fire once. The random state is replayed, so dropout in
+    ``fn`` draws the same masks when recomputed. Forward saves only ``x``.
+    """
+    if not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"tiled_apply: num_shards is {num_shards!r}; expected an int >= 1")
+    _require_tensor(x, "tiled_apply", "x")
+    return _TiledApply.apply(fn, num_shards, x, *params)
+
+
+def _shards(tokens: int, num_shards: int):
+    rows = max(1, math.ceil(tokens / num_shards))
+    return [(start, min(rows, tokens - start)) for start in range(0, tokens, rows)]
+
+
+class _TiledApply(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, num_shards, x, *params):
+        flat = x.reshape(-1, x.shape[-1])
+        ctx.fn, ctx.num_shards, ctx.params = fn, num_shards, params
+        ctx.rng_states = (torch.get_rng_state(), torch.cuda.get_rng_state(x.device) if x.is_cuda else None)
+        ctx.save_for_backward(x)
+        shards = _shards(flat.shape[0], num_shards)
+        if not shards:
+            y = fn(flat)
+            return y.reshape(*x.shape[:-1], *y.shape[1:])
+        out = None
+        for start, rows in shards:
+            y = fn(flat.narrow(0, start, rows))
+            if out is None:
+                out = y.new_empty((flat.shape[0], *y.shape[1:]))
+            out.narrow(0, start, rows).copy_(y)
+        return out.reshape(*x.shape[:-1], *out.shape[1:])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        flat = x.detach().reshape(-1, x.shape[-1])
+        grad_flat = grad_out.reshape(-1, grad_out.shape[-1])
+        want_x = ctx.needs_input_grad[2]
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[3:]) if need]
+        reduced = (torch.bfloat16, torch.float16)
+        sums = [torch.zeros_like(ctx.params[i], dtype=torch.float32 if ctx.params[i].dtype in reduced else None)
+                for i in wanted]
+        grad_x = torch.zeros_like(flat) if want_x else None
+        cpu_state, cuda_state = ctx.rng_states
+        with torch.random.fork_rng(devices=[x.device] if x.is_cuda else []):
+            torch.set_rng_state(cpu_state)
+            if cuda_state is not None:
+                torch.cuda.set_rng_state(cuda_state, x.device)
+            for start, rows in _shards(flat.shape[0], ctx.num_shards):
+                shard = flat.narrow(0, start, rows).detach().requires_grad_(want_x)
+                with torch.enable_grad():
+                    y = ctx.fn(shard)
+                inputs = ([shard] if want_x else []) + [ctx.params[i] for i in wanted]
+                grads = torch.autograd.grad(y, inputs, grad_flat.narrow(0, start, rows), allow_unused=True)
+                if want_x and grads[0] is not None:
+                    grad_x.narrow(0, start, rows).copy_(grads[0])
+                for total, grad in zip(sums, grads[int(want_x):]):
+                    if grad is not None:
+                        total.add_(grad)
+        param_grads = [None] * len(ctx.params)
+        for i, total in zip(wanted, sums):
+            param_grads[i] = total.to(ctx.params[i].dtype)
+        return None, None, grad_x.view_as(x) if want_x else None, *param_grads
