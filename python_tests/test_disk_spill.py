@@ -120,6 +120,18 @@ def test_freeing_a_ticket_frees_its_extents(spill_dir):
     assert after["extents_live"] == before["extents_live"] and after["tickets_live"] == before["tickets_live"]
 
 
+def test_tickets_freed_while_their_io_is_in_flight(spill_dir):
+    before = torch_offload.disk_spill_stats()
+    for _ in range(50):
+        ticket = torch_offload.disk_spill(torch.randn(1 << 18), directory=spill_dir)
+        torch_offload.disk_prefetch(ticket)  # reads start once the write is done
+        del ticket  # the buffers must outlive the I/O still running on them
+    t = torch.randn(1000)
+    assert torch.equal(round_trip(t, spill_dir), t)
+    after = torch_offload.disk_spill_stats()
+    assert after["tickets_live"] == before["tickets_live"]
+
+
 def test_restore_errors_name_the_problem(spill_dir):
     t = sample((4, 6), torch.float32)
     ticket = torch_offload.disk_spill(t, directory=spill_dir)

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <random>
 
-#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 
 #include "ops/common/crc32c.h"
@@ -186,7 +186,11 @@ void SpillEngine::wait_written(int64_t id) {
 
 void SpillEngine::start_reads_locked(const std::shared_ptr<Ticket>& ticket) {
   ticket->reading = true;
-  ticket->destination = at::empty(ticket->sizes, at::TensorOptions().dtype(ticket->dtype));
+  // Block-aligned so that O_DIRECT reads whole blocks of payload straight into it.
+  void* memory = std::aligned_alloc(SpillFile::kBlock, round_up(std::max<size_t>(ticket->nbytes, 1), SpillFile::kBlock));
+  TORCH_CHECK(memory != nullptr, "disk_restore: cannot allocate ", ticket->nbytes, " bytes");
+  ticket->destination =
+      at::from_blob(memory, ticket->sizes, [](void* ptr) { std::free(ptr); }, at::TensorOptions().dtype(ticket->dtype));
   ticket->reads_pending = static_cast<int64_t>(ticket->offsets.size());
   for (size_t index = 0; index < ticket->offsets.size(); ++index) {
     queue_.push_back(Job{ticket, index, false});
@@ -235,7 +239,7 @@ void SpillEngine::release(int64_t id) {
   }
   Ticket& ticket = *it->second;
   ticket.released = true;
-  ticket.destination.reset();
+  // Buffers stay with the Ticket, which jobs in flight still hold: they go with the last one.
   if (ticket.writes_pending == 0 && ticket.reads_pending == 0) {
     free_extents_locked(ticket);
   }  // else the last job frees them
@@ -304,8 +308,22 @@ std::string SpillEngine::run_job(const Job& job, char* staging) {
     stats_.bytes_written += static_cast<int64_t>(payload);
     return {};
   }
+  // Header into staging, whole payload blocks into the destination, the last
+  // partial block (if any) into staging after the header.
+  char* destination = static_cast<char*>(ticket.destination.mutable_data_ptr()) + job.index * ticket.extent_bytes;
+  const size_t in_place = payload / SpillFile::kBlock * SpillFile::kBlock;
+  const size_t tail = payload - in_place;
+  iovec parts[3];
+  int count = 0;
+  parts[count++] = iovec{staging, SpillFile::kBlock};
+  if (in_place > 0) {
+    parts[count++] = iovec{destination, in_place};
+  }
+  if (tail > 0) {
+    parts[count++] = iovec{data, round_up(tail, SpillFile::kBlock)};
+  }
   const auto start = std::chrono::steady_clock::now();
-  const int err = ticket.file->read_all(staging, span, file_offset);
+  const int err = ticket.file->read_all(parts, count, file_offset);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stats_.read_ns += elapsed_ns(start);
@@ -324,14 +342,13 @@ std::string SpillEngine::run_job(const Job& job, char* staging) {
            std::to_string(header->index) + ", " + std::to_string(header->payload_bytes) + " bytes): stale or short";
   }
   if ((header->flags & kHasChecksum) != 0) {
-    const uint32_t crc = crc32c(data, payload);
+    const uint32_t crc = crc32c(data, tail, crc32c(destination, in_place));
     if (crc != header->payload_crc) {
       return where + "failed its checksum (stored " + std::to_string(header->payload_crc) + ", computed " +
              std::to_string(crc) + "): the data on disk is corrupted";
     }
   }
-  std::memcpy(static_cast<char*>(ticket.destination.mutable_data_ptr()) + job.index * ticket.extent_bytes, data,
-              payload);
+  std::memcpy(destination + in_place, data, tail);
   std::lock_guard<std::mutex> lock(mutex_);
   stats_.bytes_read += static_cast<int64_t>(payload);
   return {};

@@ -120,10 +120,9 @@ int SpillFile::write_all(const void* buffer, size_t bytes, size_t offset) {
   return 0;
 }
 
-int SpillFile::read_all(void* buffer, size_t bytes, size_t offset) {
-  auto* p = static_cast<char*>(buffer);
-  while (bytes > 0) {
-    const ssize_t n = ::pread(fd_, p, bytes, static_cast<off_t>(offset));
+int SpillFile::read_all(iovec* parts, int count, size_t offset) {
+  while (count > 0) {
+    const ssize_t n = ::preadv(fd_, parts, count, static_cast<off_t>(offset));
     if (n < 0) {
       if (errno == EINTR) {
         continue;
@@ -137,9 +136,17 @@ int SpillFile::read_all(void* buffer, size_t bytes, size_t offset) {
     if (n == 0) {
       return EIO;  // the file ends before the extent does
     }
-    p += n;
-    bytes -= static_cast<size_t>(n);
     offset += static_cast<size_t>(n);
+    for (size_t left = static_cast<size_t>(n); left > 0;) {  // skip what was read
+      const size_t used = std::min(left, parts->iov_len);
+      parts->iov_base = static_cast<char*>(parts->iov_base) + used;
+      parts->iov_len -= used;
+      left -= used;
+      if (parts->iov_len == 0) {
+        ++parts;
+        --count;
+      }
+    }
   }
   return 0;
 }

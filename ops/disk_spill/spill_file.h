@@ -7,6 +7,8 @@
 #include <mutex>
 #include <string>
 
+#include <sys/uio.h>
+
 #include "ops/common/free_ranges.h"
 
 namespace torch_offload {
@@ -27,9 +29,10 @@ class SpillFile {
   void release(size_t offset, size_t bytes);
 
   // Whole transfers: loop over short counts and EINTR. Return 0 or an errno;
-  // a read that hits the end of the file reports EIO (short read).
+  // a read that hits the end of the file reports EIO (short read). The read
+  // scatters into `parts` (consumed as it goes), so payloads can land in place.
   int write_all(const void* buffer, size_t bytes, size_t offset);
-  int read_all(void* buffer, size_t bytes, size_t offset);
+  int read_all(iovec* parts, int count, size_t offset);
 
   const std::string& directory() const {
     return directory_;
