@@ -4,17 +4,21 @@
 
 Measures, on DIR's file system:
   raw     dd with oflag=direct / iflag=direct: the disk's own sequential bandwidth;
-  spill   torch_offload.disk_spill of N tensors until all are on disk, then disk_restore;
+  spill   torch_offload.disk_spill of N tensors until all are on disk, then
+          disk_prefetch of all and disk_restore of each (as backward does);
   save    torch.save / torch.load of one file per tensor from a 4-thread pool, the
           method in use today; fsync'd, and evicted from the page cache before loading,
           so both sides are measured against the disk, not RAM.
 And CPU-seconds per GB moved by the spill engine with and without checksums.
-Prints a Markdown table of GB/s and ratios.
+A virtual disk's bandwidth varies from run to run: every measurement is taken
+--repeats times, interleaved, and the median is reported. Prints a Markdown table
+of GB/s and ratios.
 """
 import argparse
 import concurrent.futures
 import os
 import re
+import statistics
 import subprocess
 import tempfile
 import time
@@ -47,6 +51,8 @@ def spill_round(directory, tensors):
     for ticket in tickets:
         torch_offload.disk_wait(ticket)
     spilled = time.perf_counter()
+    for ticket in tickets:
+        torch_offload.disk_prefetch(ticket)
     restored = [torch_offload.disk_restore(k, t.shape, t.dtype, "cpu") for k, t in zip(tickets, tensors)]
     end = time.perf_counter()
     assert all(torch.equal(a, b) for a, b in zip(restored, tensors))
@@ -99,14 +105,21 @@ def main():
     parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: temp dir)")
     parser.add_argument("--tensors", type=int, default=8)
     parser.add_argument("--mib", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         tensors = [torch.randn(args.mib << 18) for _ in range(args.tensors)]  # float32: mib MiB each
         gb = sum(t.numel() * 4 for t in tensors) / 1e9
-        raw_write, raw_read = raw_disk(directory, args.tensors * args.mib)
         spill_round(directory, tensors[:1])  # warm up: file, threads
-        spill_write, spill_read = spill_round(directory, tensors)
-        save_write, save_read = save_round(directory, tensors)
+        runs = {"raw": [], "spill": [], "save": []}
+        for _ in range(args.repeats):
+            runs["raw"].append(raw_disk(directory, args.tensors * args.mib))
+            runs["spill"].append(spill_round(directory, tensors))
+            runs["save"].append(save_round(directory, tensors))
+        median = {k: [statistics.median(column) for column in zip(*v)] for k, v in runs.items()}
+        raw_write, raw_read = median["raw"]
+        spill_write, spill_read = median["spill"]
+        save_write, save_read = median["save"]
         cpu_with = cpu_seconds_per_gb(directory, tensors, True)
         cpu_without = cpu_seconds_per_gb(directory, tensors, False)
     rows = [
@@ -114,7 +127,8 @@ def main():
         (f"disk_spill / disk_restore ({args.tensors} x {args.mib} MiB)", gb / spill_write, gb / spill_read),
         ("torch.save / torch.load, 4 threads, 1 file per tensor", gb / save_write, gb / save_read),
     ]
-    print(f"directory: {args.dir or tempfile.gettempdir()}, {gb:.2f} GB per direction\n")
+    print(f"directory: {args.dir or tempfile.gettempdir()}, {gb:.2f} GB per direction, "
+          f"median of {args.repeats} interleaved runs\n")
     print("| method | write GB/s | read GB/s |")
     print("| --- | --- | --- |")
     for name, write, read in rows:

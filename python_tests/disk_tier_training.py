@@ -1,9 +1,8 @@
 """One training run for the disk-tier RSS test, in a fresh process.
 
 usage: python disk_tier_training.py {baseline|disk} SPILL_DIR OUT.pt
-Saves the losses, the last step's gradients and the peak RSS (ru_maxrss) to OUT.pt.
+Saves the losses, the last step's gradients and the peak RSS to OUT.pt.
 """
-import resource
 import sys
 
 import torch
@@ -12,6 +11,16 @@ import torch_offload
 from models import TinyTransformer
 
 STEPS = 5
+
+
+def peak_rss_bytes():
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent through
+    # vfork + exec, so a child of a large test process would report the parent's peak.
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def main(mode, spill_dir, out_path):
@@ -38,7 +47,7 @@ def main(mode, spill_dir, out_path):
         optimizer.step()
         losses.append(loss.detach())
     stats = context.stats() if mode == "disk" else {}
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_rss = peak_rss_bytes()
     torch.save({"losses": losses, "grads": grads, "peak_rss": peak_rss, "stats": stats}, out_path)
 
 
