@@ -1,0 +1,78 @@
+"""tiled_mlp on a GPU: the CUDA kernels against the CPU op and plain torch. Skipped without one."""
+import pytest
+import torch
+from torch.testing._internal.optests import opcheck
+
+from test_tiled_mlp import ACTIVATIONS, assert_close_f32, call_tiled, mlp_inputs, outputs_and_grads, reference_mlp
+from test_tiled_mlp import relative_error
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def to_cuda(inputs, dtype=None):
+    return [t.detach().to("cuda", dtype).requires_grad_() if t is not None else None for t in inputs]
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+def test_cuda_matches_cpu_op_float64(activation, gated, bias):
+    inputs = mlp_inputs((3, 37, 16), gated=gated, bias=bias, dtype=torch.float64)
+    gpu = to_cuda(inputs)
+    got, got_grads = outputs_and_grads(lambda: call_tiled(gpu, activation, 4), gpu)
+    want, want_grads = outputs_and_grads(lambda: call_tiled(inputs, activation, 4), inputs)
+    assert got.is_cuda
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-10, atol=1e-12)
+    for g, w in zip(got_grads, want_grads):
+        assert g.is_cuda
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+def test_cuda_float32_matches_untiled_reference(activation):
+    gpu = to_cuda(mlp_inputs((2, 300, 64), intermediate=96))
+    got, got_grads = outputs_and_grads(lambda: call_tiled(gpu, activation, 7), gpu)
+    want, want_grads = outputs_and_grads(lambda: reference_mlp(*gpu, activation=activation), gpu)
+    assert_close_f32(got, want)
+    for g, w in zip(got_grads, want_grads):
+        assert_close_f32(g, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cuda_reduced_precision_gradients_are_as_close_as_untiled(dtype):
+    inputs = to_cuda(mlp_inputs((4096, 64), intermediate=128, seed=3), dtype)
+    exact = [t.detach().double().requires_grad_() for t in inputs]
+    grad_out = torch.randn(4096, 64, device="cuda").to(dtype)
+    _, want = outputs_and_grads(lambda: reference_mlp(*exact), exact, grad_out.double())
+    _, tiled = outputs_and_grads(lambda: call_tiled(inputs, num_shards=16), inputs, grad_out)
+    _, untiled = outputs_and_grads(lambda: reference_mlp(*inputs), inputs, grad_out)
+    for t, u, w in zip(tiled, untiled, want):
+        assert t.dtype == dtype
+        assert relative_error(t, w) <= relative_error(u, w) * 1.05
+
+
+def test_cuda_runs_on_the_current_stream_and_device_of_x():
+    gpu = to_cuda(mlp_inputs((64, 16)))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out = call_tiled(gpu, num_shards=3)
+        grads = torch.autograd.grad(out.sum(), gpu)
+    stream.synchronize()
+    want = reference_mlp(*gpu)
+    assert_close_f32(out, want)
+    for g, w in zip(grads, torch.autograd.grad(want.sum(), gpu)):
+        assert_close_f32(g, w)
+
+
+def test_opcheck_cuda():
+    gpu = to_cuda(mlp_inputs((2, 9, 16)))
+    opcheck(torch.ops.offload.tiled_mlp.default, (*gpu, "gelu", 2))
+    detached = [t.detach() for t in gpu]
+    opcheck(torch.ops.offload.tiled_mlp_backward.default,
+            (torch.randn(2, 9, 16, device="cuda"), *detached, "gelu", 2, [True] * 7))
+
+
+def test_device_mismatch_is_rejected_by_name():
+    x, w_gate, w_up, w_down, *_ = mlp_inputs((3, 16))
+    with pytest.raises(RuntimeError, match="tiled_mlp: w_gate is on cpu but x is on cuda"):
+        torch.ops.offload.tiled_mlp(x.detach().cuda(), w_gate, w_up.detach().cuda(), w_down.detach().cuda())
