@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
-DEV_PACKAGES := pytest numpy expecttest scikit-build-core ninja cmake
+DEV_PACKAGES := pytest numpy expecttest scikit-build-core ninja cmake transformers peft matplotlib tqdm
 BUILD_DIR := build/python
 
 # The CUDA compile check: a CUDA build of torch in its own venv, and nvcc.

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "OffloadHandle",
+    "apply",
     "checkpoint",
     "configure_disk_spill",
     "disk_prefetch",
@@ -115,3 +117,4 @@ def pinned_arena_stats() -> dict[str, int]:
 
 
 from .tiled_mlp import TiledMLP, tiled_apply, tiled_mlp, tiled_mlp_num_shards  # noqa: E402  (uses _require_tensor above)
+from .integrations import OffloadHandle, apply  # noqa: E402
