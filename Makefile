@@ -14,14 +14,27 @@ CUDA_TORCH_VERSION ?= 2.14.1
 CUDA_HOME ?= /usr/local/cuda
 CUDA_BUILD_DIR := build/cuda
 
-.PHONY: demo test build gtest cuda-check clean
+.PHONY: demo test build gtest example-cpp cuda-check clean
 
 demo: build
 	$(PY) examples/demo.py
 
+# The C++ example, built like a user's project: find_package(torch_offload)
+# against the package pip installed into .venv; it fails if its loss does not go down.
+define run-example-cpp
+	$(VENV)/bin/cmake -S examples/cpp -B build/example-cpp -G Ninja \
+	  -DCMAKE_PREFIX_PATH="$$($(PY) -c 'import torch_offload; print(torch_offload.cmake_prefix_path())');$$($(PY) -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
+	PATH=$$PWD/$(VENV)/bin:$$PATH cmake --build build/example-cpp
+	build/example-cpp/train_mlp_stack
+endef
+
 test: build
 	$(VENV)/bin/ctest --test-dir $(BUILD_DIR) --output-on-failure
+	$(run-example-cpp)
 	$(PY) -m pytest python_tests
+
+example-cpp: build
+	$(run-example-cpp)
 
 $(VENV)/.ready:
 	$(PYTHON) -m venv $(VENV)

@@ -15,6 +15,7 @@ __all__ = [
     "OffloadHandle",
     "apply",
     "checkpoint",
+    "cmake_prefix_path",
     "configure_disk_spill",
     "disk_prefetch",
     "disk_restore",
@@ -57,6 +58,16 @@ def library_path() -> str:
     if installed is None or not installed.is_file():
         raise ImportError(f"{_LIBRARY} not found: build and install it with `pip install --no-build-isolation .`")
     return str(installed)
+
+
+def cmake_prefix_path() -> str:
+    """Prefix for CMake's ``find_package(torch_offload)`` against this installed package.
+
+    Use it with torch's: ``-DCMAKE_PREFIX_PATH="$(python -c 'import torch_offload;
+    print(torch_offload.cmake_prefix_path())');$(python -c 'import torch;
+    print(torch.utils.cmake_prefix_path)')"``.
+    """
+    return str(Path(library_path()).parent)
 
 
 torch.ops.load_library(library_path())
