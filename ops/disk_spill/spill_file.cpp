@@ -96,33 +96,10 @@ void SpillFile::fall_back_to_buffered() {
   }
 }
 
-int SpillFile::write_all(const void* buffer, size_t bytes, size_t offset) {
-  const auto* p = static_cast<const char*>(buffer);
-  while (bytes > 0) {
-    const ssize_t n = ::pwrite(fd_, p, bytes, static_cast<off_t>(offset));
-    if (n < 0) {
-      if (errno == EINTR) {
-        continue;
-      }
-      if (errno == EINVAL && direct_io()) {
-        fall_back_to_buffered();
-        continue;
-      }
-      return errno;
-    }
-    if (n == 0) {
-      return EIO;
-    }
-    p += n;
-    bytes -= static_cast<size_t>(n);
-    offset += static_cast<size_t>(n);
-  }
-  return 0;
-}
-
-int SpillFile::read_all(iovec* parts, int count, size_t offset) {
+int SpillFile::transfer_all(bool write, iovec* parts, int count, size_t offset) {
   while (count > 0) {
-    const ssize_t n = ::preadv(fd_, parts, count, static_cast<off_t>(offset));
+    const auto at = static_cast<off_t>(offset);
+    const ssize_t n = write ? ::pwritev(fd_, parts, count, at) : ::preadv(fd_, parts, count, at);
     if (n < 0) {
       if (errno == EINTR) {
         continue;
@@ -134,10 +111,10 @@ int SpillFile::read_all(iovec* parts, int count, size_t offset) {
       return errno;
     }
     if (n == 0) {
-      return EIO;  // the file ends before the extent does
+      return EIO;  // a read past the end of the file (short extent), or a write that made no progress
     }
     offset += static_cast<size_t>(n);
-    for (size_t left = static_cast<size_t>(n); left > 0;) {  // skip what was read
+    for (size_t left = static_cast<size_t>(n); left > 0;) {  // skip what was transferred
       const size_t used = std::min(left, parts->iov_len);
       parts->iov_base = static_cast<char*>(parts->iov_base) + used;
       parts->iov_len -= used;
@@ -149,6 +126,15 @@ int SpillFile::read_all(iovec* parts, int count, size_t offset) {
     }
   }
   return 0;
+}
+
+int SpillFile::write_all(const void* buffer, size_t bytes, size_t offset) {
+  iovec part{const_cast<void*>(buffer), bytes};
+  return transfer_all(/*write=*/true, &part, 1, offset);
+}
+
+int SpillFile::read_all(iovec* parts, int count, size_t offset) {
+  return transfer_all(/*write=*/false, parts, count, offset);
 }
 
 }  // namespace torch_offload

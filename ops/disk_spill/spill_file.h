@@ -46,6 +46,7 @@ class SpillFile {
  private:
   // O_DIRECT refused for this transfer (EINVAL): drop to buffered I/O for good.
   void fall_back_to_buffered();
+  int transfer_all(bool write, iovec* parts, int count, size_t offset);
 
   const std::string directory_;
   int fd_ = -1;
