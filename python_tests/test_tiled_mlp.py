@@ -130,9 +130,9 @@ def relative_error(got, want):
 @pytest.mark.parametrize(
     "tokens, intermediate, gated, dtype, shards",
     [
-        (32768, 2816, True, torch.float32, 5),  # 256 MiB / (3 x 2816 x 4 B) = 7943 tokens per shard
-        (32768, 2816, False, torch.float32, 3),  # 2 buffers: 11915 tokens per shard
-        (131072, 14336, True, torch.bfloat16, 43),  # Llama-3-8B MLP: 3120 tokens per shard
+        (32768, 2816, True, torch.float32, 9),  # 128 MiB / (3 x 2816 x 4 B) = 3971 tokens per shard
+        (32768, 2816, False, torch.float32, 6),  # 2 buffers: 5957 tokens per shard
+        (131072, 14336, True, torch.bfloat16, 64),  # Llama-3-8B MLP: 1560, so 2048 tokens per shard
         (100000, 16, True, torch.float32, 4),  # at most 32768 tokens per shard
         (8192, 100000, True, torch.bfloat16, 4),  # at least 2048 tokens per shard
         (1, 2816, True, torch.float32, 1),
@@ -144,11 +144,11 @@ def test_automatic_shard_count_follows_the_documented_budget(tokens, intermediat
 
 
 def test_automatic_shards_are_the_reported_count():
-    inputs = mlp_inputs((16000, 8), intermediate=2816)  # 7943 tokens per shard
-    assert torch_offload.tiled_mlp_num_shards(16000, 2816) == 3
+    inputs = mlp_inputs((15000, 8), intermediate=2816)  # 3971 tokens per shard
+    assert torch_offload.tiled_mlp_num_shards(15000, 2816) == 4
     auto = outputs_and_grads(lambda: call_tiled(inputs, num_shards=0), inputs)
-    explicit = outputs_and_grads(lambda: call_tiled(inputs, num_shards=3), inputs)
-    other = outputs_and_grads(lambda: call_tiled(inputs, num_shards=2), inputs)
+    explicit = outputs_and_grads(lambda: call_tiled(inputs, num_shards=4), inputs)
+    other = outputs_and_grads(lambda: call_tiled(inputs, num_shards=3), inputs)
     assert all(torch.equal(a, b) for a, b in zip([auto[0], *auto[1]], [explicit[0], *explicit[1]]))
     assert not all(torch.equal(a, b) for a, b in zip([auto[0], *auto[1]], [other[0], *other[1]]))
 

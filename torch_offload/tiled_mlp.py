@@ -45,10 +45,11 @@ def tiled_mlp(
     return torch.ops.offload.tiled_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, num_shards)
 
 
-def tiled_mlp_num_shards(tokens: int, intermediate: int, *, gated: bool = True, dtype: torch.dtype = torch.float32) -> int:
+def tiled_mlp_num_shards(tokens: int, intermediate: int, *, gated: bool = True,
+                         dtype: torch.dtype = torch.float32) -> int:
     """The shard count ``tiled_mlp`` picks for ``num_shards <= 0``.
 
-    A shard holds at most 256 MiB of ``[tokens, I]`` buffers (3 of them for a gated MLP,
+    A shard holds at most 128 MiB of ``[tokens, I]`` buffers (3 of them for a gated MLP,
     2 for a plain one) and between 2048 and 32768 tokens. It depends on the shapes and
     the dtype only, so every rank with the same shapes picks the same count. Handy to
     give ``tiled_apply`` the count ``tiled_mlp`` would use.

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <string>
 
+#include <ATen/OpMathType.h>
 #include <ATen/Version.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
@@ -27,7 +28,7 @@ namespace torch_offload {
 // kMaxShardTokens tokens (~32K per shard is where the field measured tiling at its
 // fastest, 3x faster than ceil(tokens / h) shards). The count depends only on the
 // shapes and the dtype, so every rank with the same shapes agrees on it.
-constexpr int64_t kShardBytes = int64_t{256} << 20;
+constexpr int64_t kShardBytes = int64_t{128} << 20;
 constexpr int64_t kMinShardTokens = 2048;
 constexpr int64_t kMaxShardTokens = 32768;
 
@@ -135,11 +136,6 @@ void accumulate_mm(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b) {
   }
 }
 
-// Weight and bias gradients of bf16/fp16 MLPs add up in float32 and are rounded once.
-at::ScalarType accumulation_type(at::ScalarType dtype) {
-  return dtype == at::kBFloat16 || dtype == at::kHalf ? at::kFloat : dtype;
-}
-
 }  // namespace
 
 const HiddenKernels& cpu_hidden_kernels() {
@@ -233,7 +229,8 @@ TiledMlpGradients tiled_mlp_backward_impl(const HiddenKernels& kernels, const at
   // Every gradient but w_down's and b_down's goes through d_gate / d_up.
   const bool want_inner = want_x || want_w_gate || want_w_up || want_b_gate || want_b_up;
 
-  const at::ScalarType acc_type = accumulation_type(x.scalar_type());
+  // Weight and bias gradients of bf16/fp16 MLPs add up in float32 and are rounded once.
+  const at::ScalarType acc_type = at::toOpMathType(x.scalar_type());
   const auto acc_options = x.options().dtype(acc_type);
   at::Tensor grad_x = want_x ? at::empty({tokens, h}, x.options()) : at::Tensor();
   at::Tensor grad_w_gate = want_w_gate ? at::zeros({intermediate, h}, acc_options) : at::Tensor();
@@ -273,11 +270,15 @@ TiledMlpGradients tiled_mlp_backward_impl(const HiddenKernels& kernels, const at
       if (want_w_down) {
         accumulate_mm(grad_w_down, grad_shard.t(), hidden);
       }
+      // Both weight gradients multiply by x_shard: where accumulate_mm converts operands
+      // to float32, convert it once.
+      const bool convert_x = want_w_gate && want_w_up && acc_type != x.scalar_type() && !x.is_cuda();
+      const at::Tensor x_operand = convert_x ? x_shard.to(acc_type) : x_shard;
       if (want_w_gate) {
-        accumulate_mm(grad_w_gate, gate.t(), x_shard);
+        accumulate_mm(grad_w_gate, gate.t(), x_operand);
       }
       if (want_w_up) {
-        accumulate_mm(grad_w_up, up.t(), x_shard);
+        accumulate_mm(grad_w_up, up.t(), x_operand);
       }
       if (want_b_gate) {
         grad_b_gate.add_(at::sum(gate, {0}, false, acc_type));
