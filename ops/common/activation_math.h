@@ -18,6 +18,16 @@ namespace torch_offload {
 
 enum class Activation : int8_t { kSilu, kGelu, kGeluTanh, kRelu };
 
+// The CPU kernels are compiled once per vector ISA (CPU_CAPABILITY): each build gets
+// its own copy of the inline functions below, so that the linker cannot hand an
+// AVX512-compiled one to the DEFAULT kernels.
+#ifdef CPU_CAPABILITY
+#define TORCH_OFFLOAD_MATH_NAMESPACE CPU_CAPABILITY
+#else
+#define TORCH_OFFLOAD_MATH_NAMESPACE generic
+#endif
+inline namespace TORCH_OFFLOAD_MATH_NAMESPACE {
+
 // Elementary functions for one element type. relu keeps NaN (like torch.relu);
 // step is relu's derivative, 1 where x > 0 and 0 elsewhere.
 template <typename T>
@@ -104,6 +114,8 @@ TORCH_OFFLOAD_HOST_DEVICE inline void mlp_hidden_backward(T gate, T up, T d_hidd
     *d_gate = d_hidden * act_grad;
   }
 }
+
+}  // namespace TORCH_OFFLOAD_MATH_NAMESPACE
 
 // Calls f(std::integral_constant<Activation, a>{}) so kernels take the activation
 // as a template argument: the per-element code has no switch.

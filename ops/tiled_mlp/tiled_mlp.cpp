@@ -156,11 +156,11 @@ const HiddenKernels& cpu_hidden_kernels() {
 #endif
 }
 
-at::Tensor tiled_mlp_forward(const HiddenKernels& kernels, const at::Tensor& x, const at::Tensor& w_gate,
-                             const std::optional<at::Tensor>& w_up_opt, const at::Tensor& w_down,
-                             const std::optional<at::Tensor>& b_gate_opt, const std::optional<at::Tensor>& b_up_opt,
-                             const std::optional<at::Tensor>& b_down_opt, std::string_view activation,
-                             const c10::SymInt& num_shards) {
+at::Tensor tiled_mlp_impl(const HiddenKernels& kernels, const at::Tensor& x, const at::Tensor& w_gate,
+                          const std::optional<at::Tensor>& w_up_opt, const at::Tensor& w_down,
+                          const std::optional<at::Tensor>& b_gate_opt, const std::optional<at::Tensor>& b_up_opt,
+                          const std::optional<at::Tensor>& b_down_opt, std::string_view activation,
+                          const c10::SymInt& num_shards) {
   const at::Tensor w_up = value_or_undefined(w_up_opt);
   const at::Tensor b_gate = value_or_undefined(b_gate_opt);
   const at::Tensor b_up = value_or_undefined(b_up_opt);
@@ -305,8 +305,8 @@ at::Tensor tiled_mlp_cpu(const at::Tensor& x, const at::Tensor& w_gate, const st
                          const at::Tensor& w_down, const std::optional<at::Tensor>& b_gate,
                          const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& b_down,
                          c10::string_view activation, c10::SymInt num_shards) {
-  return tiled_mlp_forward(cpu_hidden_kernels(), x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation,
-                           num_shards);
+  return tiled_mlp_impl(cpu_hidden_kernels(), x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation,
+                        num_shards);
 }
 
 TiledMlpGradients tiled_mlp_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_gate,

@@ -24,11 +24,11 @@ struct HiddenKernels {
 };
 
 // The device-generic forward and backward: the sharding loop, with GEMMs by ATen.
-at::Tensor tiled_mlp_forward(const HiddenKernels& kernels, const at::Tensor& x, const at::Tensor& w_gate,
-                             const std::optional<at::Tensor>& w_up, const at::Tensor& w_down,
-                             const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& b_up,
-                             const std::optional<at::Tensor>& b_down, std::string_view activation,
-                             const c10::SymInt& num_shards);
+at::Tensor tiled_mlp_impl(const HiddenKernels& kernels, const at::Tensor& x, const at::Tensor& w_gate,
+                          const std::optional<at::Tensor>& w_up, const at::Tensor& w_down,
+                          const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& b_up,
+                          const std::optional<at::Tensor>& b_down, std::string_view activation,
+                          const c10::SymInt& num_shards);
 TiledMlpGradients tiled_mlp_backward_impl(const HiddenKernels& kernels, const at::Tensor& grad_out, const at::Tensor& x,
                                       const at::Tensor& w_gate, const std::optional<at::Tensor>& w_up,
                                       const at::Tensor& w_down, const std::optional<at::Tensor>& b_gate,

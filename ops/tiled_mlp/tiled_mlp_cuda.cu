@@ -99,7 +99,7 @@ at::Tensor tiled_mlp_cuda(const at::Tensor& x, const at::Tensor& w_gate, const s
                           const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& b_down,
                           c10::string_view activation, c10::SymInt num_shards) {
   const c10::cuda::CUDAGuard device_guard(x.device());
-  return tiled_mlp_forward(kCudaKernels, x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, num_shards);
+  return tiled_mlp_impl(kCudaKernels, x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, num_shards);
 }
 
 TiledMlpGradients tiled_mlp_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_gate,
