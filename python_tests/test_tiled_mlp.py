@@ -454,6 +454,39 @@ def test_tiled_apply_replays_dropout_masks_in_backward():
     assert (out == 0).any()
 
 
+def test_autocast_runs_the_op_in_the_autocast_dtype_like_the_linear_layers():
+    torch.manual_seed(0)
+    mlp = GatedMLP(bias=True)
+    tiled = torch_offload.TiledMLP(mlp, num_shards=3)
+    x = torch.randn(2, 11, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = tiled(x), mlp(x)
+    assert got.dtype == want.dtype == torch.bfloat16
+    params = [x, *mlp.parameters()]
+    got_grads = torch.autograd.grad(got.float().square().sum(), params)
+    want_grads = torch.autograd.grad(want.float().square().sum(), params)
+    assert relative_error(got, want) < 1e-2
+    for g, w in zip(got_grads, want_grads):
+        assert g.dtype == w.dtype == torch.float32  # the parameters' own dtype
+        assert relative_error(g, w) < 2e-2
+
+
+def test_tiled_apply_recomputes_under_the_forward_autocast_state():
+    weight = torch.randn(8, 16, requires_grad=True)
+    seen = []
+
+    def fn(rows):
+        out = F.linear(rows, weight)
+        seen.append(out.dtype)
+        return out
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch_offload.tiled_apply(fn, torch.randn(10, 16), [weight], 2)
+    out.float().sum().backward()
+    assert seen == [torch.bfloat16] * 4  # 2 shards in forward, 2 recomputed in backward
+    assert weight.grad.dtype == torch.float32
+
+
 def test_tiled_apply_rejects_bad_shard_counts():
     for bad in (0, -1, 2.0):
         with pytest.raises(ValueError, match="tiled_apply: num_shards"):

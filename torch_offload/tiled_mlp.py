@@ -154,8 +154,9 @@ def tiled_apply(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, par
     tensors ``fn`` uses that need gradients, e.g. ``[p for p in m.parameters() if
     p.requires_grad]``: backward computes them with ``torch.autograd.grad`` per shard,
     adds them up (in float32 for bf16/fp16) and returns each once from one autograd node,
-    so DDP's and FSDP's hooks fire once. The random state is replayed, so dropout in
-    ``fn`` draws the same masks when recomputed. Forward saves only ``x``.
+    so DDP's and FSDP's hooks fire once. The random state and the autocast state are
+    replayed, so dropout in ``fn`` draws the same masks and the recompute runs in the same
+    dtypes. Forward saves only ``x``.
     """
     if not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"tiled_apply: num_shards is {num_shards!r}; expected an int >= 1")
@@ -174,6 +175,9 @@ class _TiledApply(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])
         ctx.fn, ctx.num_shards, ctx.params = fn, num_shards, params
         ctx.rng_states = (torch.get_rng_state(), torch.cuda.get_rng_state(x.device) if x.is_cuda else None)
+        device_type = x.device.type
+        ctx.autocast = {"device_type": device_type, "enabled": torch.is_autocast_enabled(device_type),
+                        "dtype": torch.get_autocast_dtype(device_type)}
         ctx.save_for_backward(x)
         shards = _shards(flat.shape[0], num_shards)
         if not shards:
@@ -205,7 +209,7 @@ class _TiledApply(torch.autograd.Function):
                 torch.cuda.set_rng_state(cuda_state, x.device)
             for start, rows in _shards(flat.shape[0], ctx.num_shards):
                 shard = flat.narrow(0, start, rows).detach().requires_grad_(want_x)
-                with torch.enable_grad():
+                with torch.enable_grad(), torch.autocast(**ctx.autocast):
                     y = ctx.fn(shard)
                 inputs = ([shard] if want_x else []) + [ctx.params[i] for i in wanted]
                 grads = torch.autograd.grad(y, inputs, grad_flat.narrow(0, start, rows), allow_unused=True)

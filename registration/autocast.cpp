@@ -1,0 +1,34 @@
+// Under torch.autocast, tiled_mlp runs in the autocast dtype, as the linear layers it
+// replaces would: every floating tensor is cast to it (the weights through autocast's
+// cast cache), then the op runs below autocast. Its backward needs nothing here: the
+// tensors it saved are already cast.
+#include <ATen/autocast_mode.h>
+#include <torch/library.h>
+
+#include "torch_offload/torch_offload.h"
+
+namespace torch_offload {
+namespace {
+
+template <c10::DeviceType kDevice>
+at::Tensor tiled_mlp_autocast(const at::Tensor& x, const at::Tensor& w_gate, const std::optional<at::Tensor>& w_up,
+                              const at::Tensor& w_down, const std::optional<at::Tensor>& b_gate,
+                              const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& b_down,
+                              c10::string_view activation, c10::SymInt num_shards) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
+  const auto cast = [&](const auto& t) { return at::autocast::cached_cast(dtype, t, kDevice); };
+  return tiled_mlp(cast(x), cast(w_gate), cast(w_up), cast(w_down), cast(b_gate), cast(b_up), cast(b_down), activation,
+                   std::move(num_shards));
+}
+
+}  // namespace
+}  // namespace torch_offload
+
+TORCH_LIBRARY_IMPL(offload, AutocastCPU, m) {
+  m.impl("tiled_mlp", &torch_offload::tiled_mlp_autocast<c10::DeviceType::CPU>);
+}
+
+TORCH_LIBRARY_IMPL(offload, AutocastCUDA, m) {
+  m.impl("tiled_mlp", &torch_offload::tiled_mlp_autocast<c10::DeviceType::CUDA>);
+}
