@@ -24,7 +24,7 @@ int open_anonymous(const std::string& directory, int flags) {
   }
 #endif
   // No O_TMPFILE here: a named file, unlinked before anything is written to it.
-  std::string path = directory + "/torch_offload_spill.XXXXXX";
+  std::string path = directory + "/torch_offload_spill." + std::string(6, 'X');  // mkostemp fills in the Xs
   const int fd = ::mkostemp(path.data(), O_CLOEXEC | flags);
   if (fd >= 0) {
     ::unlink(path.c_str());
