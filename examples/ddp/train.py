@@ -69,6 +69,8 @@ def main():
             with open(args.out, "w") as f:
                 json.dump(losses, f)
     if distributed:
+        del trained
+        dist.barrier()  # every rank is done with its collectives before teardown
         dist.destroy_process_group()
     spill.cleanup()
 
