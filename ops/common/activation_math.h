@@ -115,6 +115,30 @@ TORCH_OFFLOAD_HOST_DEVICE inline void mlp_hidden_backward(T gate, T up, T d_hidd
   }
 }
 
+// One element in memory, computed in opmath_t (float for bf16/fp16): the CPU
+// kernels' scalar loops and the CUDA kernels run these same lines.
+// gate[i] <- mlp_hidden(gate[i], up[i]).
+template <Activation kAct, bool kGated, typename opmath_t, typename scalar_t>
+TORCH_OFFLOAD_HOST_DEVICE inline void hidden_forward_element(scalar_t* gate, const scalar_t* up, int64_t i) {
+  const auto g = static_cast<opmath_t>(gate[i]);
+  gate[i] = static_cast<scalar_t>(mlp_hidden<kAct, kGated>(g, kGated ? static_cast<opmath_t>(up[i]) : g));
+}
+
+// (gate[i], up[i], d_hidden[i]) <- (d_gate, d_up, hidden).
+template <Activation kAct, bool kGated, typename opmath_t, typename scalar_t>
+TORCH_OFFLOAD_HOST_DEVICE inline void hidden_backward_element(scalar_t* gate, scalar_t* up, scalar_t* d_hidden,
+                                                              int64_t i) {
+  const auto g = static_cast<opmath_t>(gate[i]);
+  opmath_t hidden, d_gate, d_up;
+  mlp_hidden_backward<kAct, kGated>(g, kGated ? static_cast<opmath_t>(up[i]) : g, static_cast<opmath_t>(d_hidden[i]),
+                                    &hidden, &d_gate, &d_up);
+  gate[i] = static_cast<scalar_t>(d_gate);
+  d_hidden[i] = static_cast<scalar_t>(hidden);
+  if constexpr (kGated) {
+    up[i] = static_cast<scalar_t>(d_up);
+  }
+}
+
 }  // namespace TORCH_OFFLOAD_MATH_NAMESPACE
 
 // Calls f(std::integral_constant<Activation, a>{}) so kernels take the activation

@@ -68,8 +68,7 @@ void forward_loop(scalar_t* gate, const scalar_t* up, int64_t n) {
       L::store(gate + i, g);
     }
     for (; i < end; ++i) {
-      const auto g = static_cast<opmath_t>(gate[i]);
-      gate[i] = static_cast<scalar_t>(mlp_hidden<kAct, kGated>(g, kGated ? static_cast<opmath_t>(up[i]) : g));
+      hidden_forward_element<kAct, kGated, opmath_t>(gate, up, i);
     }
   });
 }
@@ -99,15 +98,7 @@ void backward_loop(scalar_t* gate, scalar_t* up, scalar_t* d_hidden, int64_t n) 
       }
     }
     for (; i < end; ++i) {
-      const auto g = static_cast<opmath_t>(gate[i]);
-      opmath_t hidden, d_gate, d_up;
-      mlp_hidden_backward<kAct, kGated>(g, kGated ? static_cast<opmath_t>(up[i]) : g,
-                                        static_cast<opmath_t>(d_hidden[i]), &hidden, &d_gate, &d_up);
-      gate[i] = static_cast<scalar_t>(d_gate);
-      d_hidden[i] = static_cast<scalar_t>(hidden);
-      if constexpr (kGated) {
-        up[i] = static_cast<scalar_t>(d_up);
-      }
+      hidden_backward_element<kAct, kGated, opmath_t>(gate, up, d_hidden, i);
     }
   });
 }

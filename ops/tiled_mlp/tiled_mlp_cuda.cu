@@ -22,8 +22,7 @@ template <Activation kAct, bool kGated, typename scalar_t>
 __global__ void hidden_forward_kernel(scalar_t* gate, const scalar_t* up, int64_t n) {
   using opmath_t = at::opmath_type<scalar_t>;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{blockDim.x} * gridDim.x) {
-    const auto g = static_cast<opmath_t>(gate[i]);
-    gate[i] = static_cast<scalar_t>(mlp_hidden<kAct, kGated>(g, kGated ? static_cast<opmath_t>(up[i]) : g));
+    hidden_forward_element<kAct, kGated, opmath_t>(gate, up, i);
   }
 }
 
@@ -32,15 +31,7 @@ template <Activation kAct, bool kGated, typename scalar_t>
 __global__ void hidden_backward_kernel(scalar_t* gate, scalar_t* up, scalar_t* d_hidden, int64_t n) {
   using opmath_t = at::opmath_type<scalar_t>;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{blockDim.x} * gridDim.x) {
-    const auto g = static_cast<opmath_t>(gate[i]);
-    opmath_t hidden, d_gate, d_up;
-    mlp_hidden_backward<kAct, kGated>(g, kGated ? static_cast<opmath_t>(up[i]) : g,
-                                      static_cast<opmath_t>(d_hidden[i]), &hidden, &d_gate, &d_up);
-    gate[i] = static_cast<scalar_t>(d_gate);
-    d_hidden[i] = static_cast<scalar_t>(hidden);
-    if constexpr (kGated) {
-      up[i] = static_cast<scalar_t>(d_up);
-    }
+    hidden_backward_element<kAct, kGated, opmath_t>(gate, up, d_hidden, i);
   }
 }
 
