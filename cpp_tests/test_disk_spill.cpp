@@ -1,6 +1,8 @@
 // The disk tier's building blocks and the ops from C++.
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <random>
@@ -10,6 +12,7 @@
 
 #include "ops/common/crc32c.h"
 #include "ops/common/free_ranges.h"
+#include "ops/disk_spill/restore_buffers.h"
 #include "torch_offload/torch_offload.h"
 
 namespace torch_offload {
@@ -42,6 +45,45 @@ TEST(FreeRanges, FirstFitSplitsAndCoalesces) {
   ranges.add(0, 30);
   ranges.add(30, 30);  // merges with [0,30) and with [60,100)
   EXPECT_TRUE(ranges.is_one_range(0, 100));
+}
+
+TEST(RestoreBuffers, ReusesTheSameSizeWithinCapacityOldestDroppedFirst) {
+  RestoreBuffers buffers;
+  buffers.set_capacity(2 * 8192);
+  void* a = buffers.take(8000);  // rounded up to two blocks
+  void* b = buffers.take(8192);
+  void* c = buffers.take(100);
+  ASSERT_TRUE(a && b && c);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(a) % 4096, 0u);
+  buffers.recycle(a, 8000);
+  buffers.recycle(b, 8192);
+  EXPECT_EQ(buffers.kept_bytes(), 2 * 8192u);
+  buffers.recycle(c, 100);  // no room: a, the oldest, is freed
+  EXPECT_EQ(buffers.kept_bytes(), 8192 + 4096u);
+  EXPECT_EQ(buffers.take(8192), b);  // same size: reused
+  EXPECT_EQ(buffers.hits(), 1);
+  void* fresh = buffers.take(8192);  // none kept of that size any more
+  EXPECT_EQ(buffers.hits(), 1);
+  EXPECT_EQ(buffers.take(4096), c);
+  EXPECT_EQ(buffers.hits(), 2);
+  EXPECT_EQ(buffers.kept_bytes(), 0u);
+  buffers.recycle(fresh, 8192);
+  buffers.recycle(b, 8192);
+  buffers.recycle(c, 4096);
+  buffers.clear();
+  EXPECT_EQ(buffers.kept_bytes(), 0u);
+}
+
+TEST(RestoreBuffers, ZeroCapacityKeepsNothingAndLargeBuffersAreHugePageAligned) {
+  RestoreBuffers buffers;
+  void* large = buffers.take(size_t{6} << 20);
+  ASSERT_NE(large, nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(large) % (size_t{2} << 20), 0u);
+  buffers.recycle(large, size_t{6} << 20);  // capacity 0: freed
+  EXPECT_EQ(buffers.kept_bytes(), 0u);
+  void* again = buffers.take(size_t{6} << 20);
+  EXPECT_EQ(buffers.hits(), 0);
+  std::free(again);
 }
 
 TEST(DiskSpillOps, RoundTripFromCpp) {

@@ -109,6 +109,40 @@ def test_prefetch_reads_once_and_restore_uses_it(spill_dir):
     assert torch_offload.disk_spill_stats()["bytes_read"] - before == t.numel() * 4
 
 
+def test_a_freed_restore_buffer_is_reused_for_the_next_restore_of_that_size(spill_dir):
+    first, second = sample((300, 700), torch.float32), sample((300, 700), torch.float32) + 1
+    tickets = [torch_offload.disk_spill(t, directory=spill_dir) for t in (first, second)]
+    back = torch_offload.disk_restore(tickets[0], first.shape, first.dtype, "cpu")
+    assert torch.equal(back, first)
+    address = back.data_ptr()
+    del back
+    before = torch_offload.disk_spill_stats()
+    assert before["restore_cache_kept_bytes"] >= first.numel() * 4
+    back = torch_offload.disk_restore(tickets[1], second.shape, second.dtype, "cpu")
+    after = torch_offload.disk_spill_stats()
+    assert back.data_ptr() == address and after["restore_cache_hits"] == before["restore_cache_hits"] + 1
+    assert torch.equal(back, second)  # the new data, none of the old
+    del back
+    torch_offload.disk_spill(torch.ones(3), directory=spill_dir)  # a spill frees what is kept
+    assert torch_offload.disk_spill_stats()["restore_cache_kept_bytes"] == 0
+
+
+def test_restore_cache_can_be_disabled_and_refuses_a_negative_size(spill_dir):
+    torch_offload.configure_disk_spill(restore_cache_bytes=0)
+    try:
+        t = sample((64, 64), torch.float32)
+        hits = torch_offload.disk_spill_stats()["restore_cache_hits"]
+        tickets = [torch_offload.disk_spill(t, directory=spill_dir) for _ in range(2)]
+        for ticket in tickets:
+            assert torch.equal(torch_offload.disk_restore(ticket, t.shape, t.dtype, "cpu"), t)
+        stats = torch_offload.disk_spill_stats()
+        assert stats["restore_cache_hits"] == hits and stats["restore_cache_kept_bytes"] == 0
+        with pytest.raises(RuntimeError, match="restore_cache_bytes must be >= 0, got -1"):
+            torch_offload.configure_disk_spill(restore_cache_bytes=-1)
+    finally:
+        torch_offload.configure_disk_spill()
+
+
 def test_freeing_a_ticket_frees_its_extents(spill_dir):
     before = torch_offload.disk_spill_stats()
     tickets = [torch_offload.disk_spill(sample((256, 256), torch.float32), directory=spill_dir) for _ in range(3)]
@@ -204,6 +238,37 @@ def test_file_size_limit_fails_clearly_and_the_process_recovers(tmp_path):
         print("RECOVERED", torch.equal(back, small))
     """)
     assert "ERROR disk_spill: writing extent" in child.stdout and "File too large" in child.stdout, child.stdout + child.stderr
+    assert "RECOVERED True" in child.stdout, child.stdout + child.stderr
+
+
+def test_no_memory_for_a_restore_is_an_error_and_the_process_goes_on(spill_dir):
+    # RLIMIT_AS leaves no room for the 256 MiB restore buffer, whether the prefetch
+    # allocates it (write done) or an I/O thread does (when the write finishes).
+    child = run_child(f"""
+        import resource, torch, torch_offload
+        small = torch.arange(1000.0)
+        torch_offload.disk_restore(torch_offload.disk_spill(small, directory={spill_dir!r}), small.shape, small.dtype, "cpu")
+        big = torch.ones(64 << 20)
+        with open("/proc/self/status") as status:
+            vm_size = next(int(line.split()[1]) << 10 for line in status if line.startswith("VmSize:"))
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (vm_size + (64 << 20), hard))
+        ticket = torch_offload.disk_spill(big, directory={spill_dir!r})
+        try:
+            torch_offload.disk_prefetch(ticket)
+        except RuntimeError as e:
+            print("PREFETCH", e)
+        try:
+            torch_offload.disk_restore(ticket, big.shape, big.dtype, "cpu")
+            print("NO ERROR")
+        except RuntimeError as e:
+            print("ERROR", e)
+        resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+        back = torch_offload.disk_restore(torch_offload.disk_spill(small, directory={spill_dir!r}), small.shape, small.dtype, "cpu")
+        print("RECOVERED", torch.equal(back, small))
+    """)
+    assert "ERROR disk_restore: cannot allocate 268435456 bytes" in child.stdout, child.stdout + child.stderr
+    assert "Exception raised from" not in child.stdout  # the message, not a C++ backtrace
     assert "RECOVERED True" in child.stdout, child.stdout + child.stderr
 
 

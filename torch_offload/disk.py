@@ -13,7 +13,17 @@ import torch
 
 __all__ = ["disk_spill", "disk_restore", "disk_prefetch", "disk_wait", "disk_spill_stats", "configure_disk_spill"]
 
-_STATS = ("bytes_written", "bytes_read", "extents_live", "peak_file_bytes", "write_ns", "read_ns", "tickets_live")
+_STATS = (
+    "bytes_written",
+    "bytes_read",
+    "extents_live",
+    "peak_file_bytes",
+    "write_ns",
+    "read_ns",
+    "tickets_live",
+    "restore_cache_hits",
+    "restore_cache_kept_bytes",
+)
 
 
 def disk_spill(src: torch.Tensor, *, directory: str | None = None, allow_tmpfs: bool = False) -> torch.Tensor:
@@ -42,8 +52,9 @@ def disk_wait(ticket: torch.Tensor) -> None:
 
 
 def disk_spill_stats() -> dict[str, float]:
-    """bytes_written, bytes_read, extents_live, peak_file_bytes, tickets_live, and
-    write_seconds / read_seconds (summed over the I/O threads)."""
+    """bytes_written, bytes_read, extents_live, peak_file_bytes, tickets_live,
+    write_seconds / read_seconds (summed over the I/O threads), restore_cache_hits
+    (restores that reused a freed restore buffer) and restore_cache_kept_bytes."""
     stats = dict(zip(_STATS, torch.ops.offload.disk_spill_stats()))
     stats["write_seconds"] = stats.pop("write_ns") / 1e9
     stats["read_seconds"] = stats.pop("read_ns") / 1e9
@@ -56,8 +67,14 @@ def configure_disk_spill(
     extent_bytes: int = 8 << 20,
     checksums: bool = True,
     max_in_flight_bytes: int = 512 << 20,
+    restore_cache_bytes: int = 256 << 20,
 ) -> None:
     """Set the I/O threads, the extent size (one checksummed header each), whether
-    payloads are checksummed, and how many bytes of unfinished writes ``disk_spill``
-    allows before it waits. Only while no I/O is in flight."""
-    torch.ops.offload.disk_spill_configure(num_threads, extent_bytes, checksums, max_in_flight_bytes)
+    payloads are checksummed, how many bytes of unfinished writes ``disk_spill``
+    allows before it waits, and how many bytes of freed restored tensors are kept
+    for the next restores of the same size (fresh memory costs a page fault and
+    zeroing per page; every ``disk_spill`` frees what is kept; 0 disables).
+    Only while no I/O is in flight."""
+    torch.ops.offload.disk_spill_configure(
+        num_threads, extent_bytes, checksums, max_in_flight_bytes, restore_cache_bytes
+    )

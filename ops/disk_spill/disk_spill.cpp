@@ -107,13 +107,16 @@ std::vector<int64_t> disk_ticket_location_cpu(const at::Tensor& ticket) {
 }
 
 void disk_spill_configure_kernel(int64_t num_threads, int64_t extent_bytes, bool checksums,
-                                 int64_t max_in_flight_bytes) {
-  SpillEngine::instance().configure(SpillConfig{num_threads, extent_bytes, checksums, max_in_flight_bytes});
+                                 int64_t max_in_flight_bytes, int64_t restore_cache_bytes) {
+  SpillEngine::instance().configure(
+      SpillConfig{num_threads, extent_bytes, checksums, max_in_flight_bytes, restore_cache_bytes});
 }
 
 std::vector<int64_t> disk_spill_stats_kernel() {
   const SpillStats s = SpillEngine::instance().stats();
-  return {s.bytes_written, s.bytes_read, s.extents_live, s.peak_file_bytes, s.write_ns, s.read_ns, s.tickets_live};
+  return {s.bytes_written, s.bytes_read, s.extents_live, s.peak_file_bytes,
+          s.write_ns, s.read_ns, s.tickets_live, s.restore_cache_hits,
+          s.restore_cache_kept_bytes};
 }
 
 }  // namespace torch_offload

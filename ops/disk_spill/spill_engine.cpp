@@ -32,6 +32,12 @@ uint32_t header_checksum(const ExtentHeader& header) {
   return crc32c(&header, offsetof(ExtentHeader, header_crc));
 }
 
+// An exception caught on an I/O thread, as restore() will raise it: without c10's backtrace.
+std::string message_of(const std::exception& e) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  return error != nullptr ? error->what_without_backtrace() : e.what();
+}
+
 int64_t elapsed_ns(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - since).count();
 }
@@ -73,7 +79,9 @@ SpillEngine& SpillEngine::instance() {
   return *engine;
 }
 
-SpillEngine::SpillEngine() : nonce_(std::random_device{}() * uint64_t{0x9E3779B97F4A7C15} ^ ::getpid()) {}
+SpillEngine::SpillEngine() : nonce_(std::random_device{}() * uint64_t{0x9E3779B97F4A7C15} ^ ::getpid()) {
+  restore_buffers_.set_capacity(static_cast<size_t>(config_.restore_cache_bytes));
+}
 
 std::shared_ptr<SpillFile> SpillEngine::file_for(const std::string& directory, bool allow_tmpfs) {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -124,14 +132,18 @@ void SpillEngine::configure(const SpillConfig& config) {
               " between 4 KiB and 1 GiB, got ", config.extent_bytes);
   TORCH_CHECK(config.max_in_flight_bytes > 0, "disk_spill_configure: max_in_flight_bytes must be > 0, got ",
               config.max_in_flight_bytes);
+  TORCH_CHECK(config.restore_cache_bytes >= 0, "disk_spill_configure: restore_cache_bytes must be >= 0, got ",
+              config.restore_cache_bytes);
   std::unique_lock<std::mutex> lock(mutex_);
   TORCH_CHECK(jobs_in_flight_ == 0, "disk_spill_configure: I/O is in flight; configure before spilling");
   stop_workers(lock);
   config_ = config;
+  restore_buffers_.set_capacity(static_cast<size_t>(config.restore_cache_bytes));
 }
 
 int64_t SpillEngine::spill(const at::Tensor& source, std::shared_ptr<SpillFile> file,
                            std::function<void()> source_ready) {
+  restore_buffers_.clear();  // a spill means a forward pass: idle restore buffers must not add to its peak
   auto ticket = std::make_shared<Ticket>();
   ticket->file = std::move(file);
   ticket->nbytes = static_cast<int64_t>(source.numel()) * source.element_size();
@@ -185,12 +197,14 @@ void SpillEngine::wait_written(int64_t id) {
 }
 
 void SpillEngine::start_reads_locked(const std::shared_ptr<Ticket>& ticket) {
+  const auto bytes = static_cast<size_t>(ticket->nbytes);
+  void* memory = restore_buffers_.take(bytes);
+  TORCH_CHECK(memory != nullptr, "disk_restore: cannot allocate ", bytes, " bytes for ticket ", ticket->id);
   ticket->reading = true;
-  // Block-aligned so that O_DIRECT reads whole blocks of payload straight into it.
-  void* memory = std::aligned_alloc(SpillFile::kBlock, round_up(std::max<size_t>(ticket->nbytes, 1), SpillFile::kBlock));
-  TORCH_CHECK(memory != nullptr, "disk_restore: cannot allocate ", ticket->nbytes, " bytes");
-  ticket->destination =
-      at::from_blob(memory, ticket->sizes, [](void* ptr) { std::free(ptr); }, at::TensorOptions().dtype(ticket->dtype));
+  // The engine is never destroyed, so the buffer can come back to it whenever the tensor dies.
+  ticket->destination = at::from_blob(
+      memory, ticket->sizes, [this, bytes](void* ptr) { restore_buffers_.recycle(ptr, bytes); },
+      at::TensorOptions().dtype(ticket->dtype));
   ticket->reads_pending = static_cast<int64_t>(ticket->offsets.size());
   for (size_t index = 0; index < ticket->offsets.size(); ++index) {
     queue_.push_back(Job{ticket, index, false});
@@ -271,7 +285,7 @@ void SpillEngine::worker_loop(char* staging) {
     try {
       error = run_job(job, staging);
     } catch (const std::exception& e) {  // e.g. a failed device-to-host copy
-      error = e.what();
+      error = message_of(e);
     }
     finish_job(job, error);
   }
@@ -367,7 +381,11 @@ void SpillEngine::finish_job(const Job& job, const std::string& error) {
       ticket.source_ready = nullptr;
       in_flight_bytes_ -= ticket.nbytes;
       if (ticket.prefetch_requested && ticket.error.empty() && !ticket.released) {
-        start_reads_locked(job.ticket);
+        try {
+          start_reads_locked(job.ticket);
+        } catch (const std::exception& e) {  // out of memory: restore() raises it
+          ticket.error = message_of(e);
+        }
       }
     }
   } else {
@@ -382,6 +400,8 @@ void SpillEngine::finish_job(const Job& job, const std::string& error) {
 SpillStats SpillEngine::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   SpillStats out = stats_;
+  out.restore_cache_hits = restore_buffers_.hits();
+  out.restore_cache_kept_bytes = static_cast<int64_t>(restore_buffers_.kept_bytes());
   for (const auto& [directory, file] : files_) {
     out.peak_file_bytes = std::max(out.peak_file_bytes, static_cast<int64_t>(file->peak_bytes()));
   }

@@ -18,6 +18,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "ops/disk_spill/restore_buffers.h"
 #include "ops/disk_spill/spill_file.h"
 
 namespace torch_offload {
@@ -27,6 +28,7 @@ struct SpillConfig {
   int64_t extent_bytes = int64_t{8} << 20;  // payload of one extent (one header each)
   bool checksums = true;
   int64_t max_in_flight_bytes = int64_t{512} << 20;  // spill() waits beyond this
+  int64_t restore_cache_bytes = int64_t{256} << 20;  // freed restore buffers kept for reuse
 };
 
 struct SpillStats {
@@ -37,6 +39,8 @@ struct SpillStats {
   int64_t write_ns = 0;  // summed over workers, in pwrite
   int64_t read_ns = 0;   // summed over workers, in pread
   int64_t tickets_live = 0;
+  int64_t restore_cache_hits = 0;        // restores that reused a freed buffer
+  int64_t restore_cache_kept_bytes = 0;  // freed restore buffers kept now
 };
 
 class SpillEngine {
@@ -101,6 +105,7 @@ class SpillEngine {
   std::map<int64_t, std::shared_ptr<Ticket>> tickets_;
   std::map<std::string, std::shared_ptr<SpillFile>> files_;
   SpillStats stats_;
+  RestoreBuffers restore_buffers_;  // its own lock: tensors die anywhere, under mutex_ too
 };
 
 }  // namespace torch_offload

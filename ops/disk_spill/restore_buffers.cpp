@@ -1,0 +1,91 @@
+#include "ops/disk_spill/restore_buffers.h"
+
+#include <algorithm>
+#include <cstdlib>
+
+#include <sys/mman.h>
+
+#include "ops/common/free_ranges.h"
+#include "ops/disk_spill/spill_file.h"
+
+namespace torch_offload {
+namespace {
+
+constexpr size_t kHugePage = size_t{2} << 20;
+
+void* allocate(size_t bytes) {
+  // Huge pages take one fault per 2 MiB instead of 512 (c10's CPU allocator
+  // does the same under THP_MEM_ALLOC_ENABLE); below two of them, not worth it.
+  const size_t alignment = bytes >= 2 * kHugePage ? kHugePage : SpillFile::kBlock;
+  void* memory = nullptr;
+  if (::posix_memalign(&memory, alignment, bytes) != 0) {
+    return nullptr;
+  }
+  if (alignment == kHugePage) {
+    ::madvise(memory, bytes, MADV_HUGEPAGE);  // a hint: failure is harmless
+  }
+  return memory;
+}
+
+}  // namespace
+
+void* RestoreBuffers::take(size_t bytes) {
+  bytes = round_up(std::max<size_t>(bytes, 1), SpillFile::kBlock);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto newest = std::find_if(kept_.rbegin(), kept_.rend(), [&](const auto& kept) { return kept.first == bytes; });
+    if (newest != kept_.rend()) {
+      void* buffer = newest->second;
+      kept_.erase(std::next(newest).base());
+      kept_bytes_ -= bytes;
+      ++hits_;
+      return buffer;
+    }
+  }
+  return allocate(bytes);
+}
+
+void RestoreBuffers::recycle(void* buffer, size_t bytes) {
+  bytes = round_up(std::max<size_t>(bytes, 1), SpillFile::kBlock);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (bytes > capacity_) {
+    std::free(buffer);
+    return;
+  }
+  free_until_locked(capacity_ - bytes);
+  kept_.emplace_back(bytes, buffer);
+  kept_bytes_ += bytes;
+}
+
+void RestoreBuffers::set_capacity(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  capacity_ = bytes;
+  free_until_locked(0);
+}
+
+void RestoreBuffers::clear() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  free_until_locked(0);
+}
+
+void RestoreBuffers::free_until_locked(size_t limit) {
+  size_t dropped = 0;
+  while (dropped < kept_.size() && kept_bytes_ > limit) {
+    kept_bytes_ -= kept_[dropped].first;
+    std::free(kept_[dropped].second);
+    ++dropped;
+  }
+  kept_.erase(kept_.begin(), kept_.begin() + static_cast<std::ptrdiff_t>(dropped));
+}
+
+int64_t RestoreBuffers::hits() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return hits_;
+}
+
+size_t RestoreBuffers::kept_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return kept_bytes_;
+}
+
+}  // namespace torch_offload
