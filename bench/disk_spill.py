@@ -5,7 +5,11 @@
 Measures, on DIR's file system:
   raw     dd with oflag=direct / iflag=direct: the disk's own sequential bandwidth;
   spill   torch_offload.disk_spill of N tensors until all are on disk, then
-          disk_prefetch of all and disk_restore of each (as backward does);
+          disk_restore of each as backward does it: newest first, two tensors
+          prefetched ahead, each let go once used, so its buffer serves a later
+          restore (restore_cache_bytes);
+  all at once  disk_prefetch of all, then disk_restore of all, all kept: every
+          restore lands in fresh memory, which the kernel must fault in and zero;
   save    torch.save / torch.load of one file per tensor from a 4-thread pool, the
           method in use today; fsync'd, and evicted from the page cache before loading,
           so both sides are measured against the disk, not RAM.
@@ -45,18 +49,42 @@ def raw_disk(directory, total_mib):
     return write, read
 
 
-def spill_round(directory, tensors):
-    start = time.perf_counter()
+def spill_all(directory, tensors):
     tickets = [torch_offload.disk_spill(t, directory=directory) for t in tensors]
     for ticket in tickets:
         torch_offload.disk_wait(ticket)
+    return tickets
+
+
+def spill_round(directory, tensors, window=2, verify=False):
+    """Spill all, then restore as backward does: newest first, `window` tensors
+    prefetched ahead, each let go once used (its buffer serves a later restore)."""
+    start = time.perf_counter()
+    tickets = spill_all(directory, tensors)
     spilled = time.perf_counter()
+    order = list(reversed(range(len(tensors))))
+    for i in order[:window]:
+        torch_offload.disk_prefetch(tickets[i])
+    for position, i in enumerate(order):
+        restored = torch_offload.disk_restore(tickets[i], tensors[i].shape, tensors[i].dtype, "cpu")
+        assert not verify or torch.equal(restored, tensors[i])
+        del restored
+        if position + window < len(order):
+            torch_offload.disk_prefetch(tickets[order[position + window]])
+    end = time.perf_counter()
+    return spilled - start, end - spilled
+
+
+def restore_all_at_once(directory, tensors):
+    """Prefetch everything, then restore and keep everything: every restore needs fresh memory."""
+    tickets = spill_all(directory, tensors)
+    start = time.perf_counter()
     for ticket in tickets:
         torch_offload.disk_prefetch(ticket)
     restored = [torch_offload.disk_restore(k, t.shape, t.dtype, "cpu") for k, t in zip(tickets, tensors)]
     end = time.perf_counter()
     assert all(torch.equal(a, b) for a, b in zip(restored, tensors))
-    return spilled - start, end - spilled
+    return end - start
 
 
 def save_one(path, tensor):
@@ -105,26 +133,30 @@ def main():
     parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: temp dir)")
     parser.add_argument("--tensors", type=int, default=8)
     parser.add_argument("--mib", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         tensors = [torch.randn(args.mib << 18) for _ in range(args.tensors)]  # float32: mib MiB each
         gb = sum(t.numel() * 4 for t in tensors) / 1e9
-        spill_round(directory, tensors[:1])  # warm up: file, threads
-        runs = {"raw": [], "spill": [], "save": []}
+        spill_round(directory, tensors, verify=True)  # warm up (file, threads) and check every byte
+        runs = {"raw": [], "spill": [], "save": [], "all_at_once": []}
         for _ in range(args.repeats):
             runs["raw"].append(raw_disk(directory, args.tensors * args.mib))
             runs["spill"].append(spill_round(directory, tensors))
+            runs["all_at_once"].append((restore_all_at_once(directory, tensors),))
             runs["save"].append(save_round(directory, tensors))
         median = {k: [statistics.median(column) for column in zip(*v)] for k, v in runs.items()}
         raw_write, raw_read = median["raw"]
         spill_write, spill_read = median["spill"]
         save_write, save_read = median["save"]
+        (all_at_once_read,) = median["all_at_once"]
         cpu_with = cpu_seconds_per_gb(directory, tensors, True)
         cpu_without = cpu_seconds_per_gb(directory, tensors, False)
     rows = [
         ("raw disk (dd, O_DIRECT)", raw_write, raw_read),
-        (f"disk_spill / disk_restore ({args.tensors} x {args.mib} MiB)", gb / spill_write, gb / spill_read),
+        (f"disk_spill / disk_restore ({args.tensors} x {args.mib} MiB, backward order)", gb / spill_write,
+         gb / spill_read),
+        ("disk_restore of all at once into fresh memory", None, gb / all_at_once_read),
         ("torch.save / torch.load, 4 threads, 1 file per tensor", gb / save_write, gb / save_read),
     ]
     print(f"directory: {args.dir or tempfile.gettempdir()}, {gb:.2f} GB per direction, "
@@ -132,10 +164,12 @@ def main():
     print("| method | write GB/s | read GB/s |")
     print("| --- | --- | --- |")
     for name, write, read in rows:
-        print(f"| {name} | {write:.2f} | {read:.2f} |")
+        print(f"| {name} | {'' if write is None else f'{write:.2f}'} | {read:.2f} |")
     print()
     print(f"spill vs raw disk: write {gb / spill_write / raw_write:.2f}x, read {gb / spill_read / raw_read:.2f}x")
     print(f"spill vs torch.save baseline: write {save_write / spill_write:.2f}x, read {save_read / spill_read:.2f}x")
+    print(f"all at once into fresh memory: read {gb / all_at_once_read / raw_read:.2f}x raw disk, "
+          f"{save_read / all_at_once_read:.2f}x torch.load")
     print(f"CPU-seconds per GB moved: {cpu_with:.3f} with checksums, {cpu_without:.3f} without")
 
 
