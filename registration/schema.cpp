@@ -40,7 +40,7 @@ TORCH_LIBRARY(offload, m) {
   m.def("disk_wait(Tensor ticket) -> ()");
   m.def("_disk_ticket_location(Tensor ticket) -> int[]");
   m.def(
-      "disk_spill_configure(int num_threads=4, int extent_bytes=8388608, bool checksums=True, "
+      "disk_spill_configure(int num_threads=4, int extent_bytes=33554432, bool checksums=True, "
       "int max_in_flight_bytes=536870912, int restore_cache_bytes=268435456) -> ()",
       &torch_offload::disk_spill_configure_kernel);
   m.def("disk_spill_stats() -> int[]", &torch_offload::disk_spill_stats_kernel);

@@ -64,7 +64,7 @@ def disk_spill_stats() -> dict[str, float]:
 def configure_disk_spill(
     *,
     num_threads: int = 4,
-    extent_bytes: int = 8 << 20,
+    extent_bytes: int = 32 << 20,
     checksums: bool = True,
     max_in_flight_bytes: int = 512 << 20,
     restore_cache_bytes: int = 256 << 20,

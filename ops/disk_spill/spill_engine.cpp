@@ -1,6 +1,7 @@
 #include "ops/disk_spill/spill_engine.h"
 
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -16,7 +17,7 @@ namespace {
 constexpr uint64_t kMagic = 0x314C505346464F54;  // "TOFFSPL1"
 constexpr uint32_t kHasChecksum = 1;
 
-// The first block of every extent. The payload follows at SpillFile::kBlock.
+// The first block of every extent; ExtentLayout says where the payload follows.
 struct ExtentHeader {
   uint64_t magic;
   uint64_t nonce;   // the writing process
@@ -37,6 +38,23 @@ std::string message_of(const std::exception& e) {
   const auto* error = dynamic_cast<const c10::Error*>(&e);
   return error != nullptr ? error->what_without_backtrace() : e.what();
 }
+
+// An extent on disk: the header block, then the payload, contiguous, split by
+// memory alignment so that its bulk moves straight between the tensor and the
+// disk with O_DIRECT, no copy: the `head` bytes before the tensor's first block
+// boundary fill the end of a block of their own, then `middle` whole blocks,
+// then `tail` bytes at the start of a last block. Head and tail go through
+// per-worker staging blocks.
+struct ExtentLayout {
+  size_t payload, head, middle, tail;
+
+  size_t span() const {
+    return SpillFile::kBlock * (1 + (head > 0) + (tail > 0)) + middle;
+  }
+  size_t payload_at() const {  // the payload's first byte, from the extent's start
+    return SpillFile::kBlock + (head > 0 ? SpillFile::kBlock - head : 0);
+  }
+};
 
 int64_t elapsed_ns(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - since).count();
@@ -65,11 +83,14 @@ struct SpillEngine::Ticket {
   bool released = false;
   std::string error;
 
-  size_t extent_payload(size_t index) const {
-    return std::min(extent_bytes, static_cast<size_t>(nbytes) - index * extent_bytes);
-  }
-  size_t extent_span(size_t index) const {
-    return round_up(SpillFile::kBlock + extent_payload(index), SpillFile::kBlock);
+  size_t memory_offset;  // of the source's data within a block; the restore buffer's data gets the same
+
+  ExtentLayout layout(size_t index) const {
+    const size_t payload = std::min(extent_bytes, static_cast<size_t>(nbytes) - index * extent_bytes);
+    // Extents start extent_bytes apart, a multiple of kBlock: all share memory_offset.
+    const size_t head = std::min(payload, (SpillFile::kBlock - memory_offset) % SpillFile::kBlock);
+    const size_t middle = (payload - head) / SpillFile::kBlock * SpillFile::kBlock;
+    return ExtentLayout{payload, head, middle, payload - head - middle};
   }
 };
 
@@ -86,7 +107,9 @@ SpillEngine::SpillEngine() : nonce_(std::random_device{}() * uint64_t{0x9E3779B9
 std::shared_ptr<SpillFile> SpillEngine::file_for(const std::string& directory, bool allow_tmpfs) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto& file = files_[directory];
-  if (!file) {
+  if (file) {
+    file->check_allowed(allow_tmpfs);
+  } else {
     try {
       file = std::make_shared<SpillFile>(directory, allow_tmpfs);
     } catch (...) {
@@ -101,8 +124,8 @@ void SpillEngine::start_workers_locked() {
   if (!workers_.empty()) {
     return;
   }
-  // O_DIRECT needs aligned buffers: one header block plus one extent per worker.
-  const size_t staging_bytes = SpillFile::kBlock + static_cast<size_t>(config_.extent_bytes);
+  // O_DIRECT needs aligned buffers: a header, a head and a tail block per worker.
+  const size_t staging_bytes = 3 * SpillFile::kBlock;
   stopping_ = false;
   for (int64_t i = 0; i < config_.num_threads; ++i) {
     std::shared_ptr<char> staging(static_cast<char*>(std::aligned_alloc(SpillFile::kBlock, staging_bytes)), &std::free);
@@ -149,6 +172,7 @@ int64_t SpillEngine::spill(const at::Tensor& source, std::shared_ptr<SpillFile> 
   ticket->nbytes = static_cast<int64_t>(source.numel()) * source.element_size();
   ticket->dtype = source.scalar_type();
   ticket->sizes = source.sizes().vec();
+  ticket->memory_offset = reinterpret_cast<uintptr_t>(source.const_data_ptr()) % SpillFile::kBlock;
   ticket->source = source;
   ticket->source_ready = std::move(source_ready);
 
@@ -162,7 +186,7 @@ int64_t SpillEngine::spill(const at::Tensor& source, std::shared_ptr<SpillFile> 
   ticket->id = next_ticket_++;
   const size_t extents = (static_cast<size_t>(ticket->nbytes) + ticket->extent_bytes - 1) / ticket->extent_bytes;
   for (size_t index = 0; index < extents; ++index) {
-    ticket->offsets.push_back(ticket->file->allocate(ticket->extent_span(index)));
+    ticket->offsets.push_back(ticket->file->allocate(ticket->layout(index).span()));
   }
   stats_.extents_live += static_cast<int64_t>(extents);
   stats_.tickets_live += 1;
@@ -197,13 +221,18 @@ void SpillEngine::wait_written(int64_t id) {
 }
 
 void SpillEngine::start_reads_locked(const std::shared_ptr<Ticket>& ticket) {
-  const auto bytes = static_cast<size_t>(ticket->nbytes);
-  void* memory = restore_buffers_.take(bytes);
-  TORCH_CHECK(memory != nullptr, "disk_restore: cannot allocate ", bytes, " bytes for ticket ", ticket->id);
+  // The data starts at the source's offset within a block, so that the bulk of
+  // every extent is read in place (ExtentLayout). A whole block is set aside for
+  // that offset: buffers of one tensor size are interchangeable, whatever it is.
+  const size_t offset = ticket->memory_offset;
+  const size_t bytes = static_cast<size_t>(ticket->nbytes) + SpillFile::kBlock;
+  char* memory = static_cast<char*>(restore_buffers_.take(bytes));
+  TORCH_CHECK(memory != nullptr, "disk_restore: cannot allocate ", ticket->nbytes, " bytes for ticket ", ticket->id);
   ticket->reading = true;
   // The engine is never destroyed, so the buffer can come back to it whenever the tensor dies.
   ticket->destination = at::from_blob(
-      memory, ticket->sizes, [this, bytes](void* ptr) { restore_buffers_.recycle(ptr, bytes); },
+      memory + offset, ticket->sizes,
+      [this, offset, bytes](void* data) { restore_buffers_.recycle(static_cast<char*>(data) - offset, bytes); },
       at::TensorOptions().dtype(ticket->dtype));
   ticket->reads_pending = static_cast<int64_t>(ticket->offsets.size());
   for (size_t index = 0; index < ticket->offsets.size(); ++index) {
@@ -263,7 +292,7 @@ void SpillEngine::release(int64_t id) {
 
 void SpillEngine::free_extents_locked(Ticket& ticket) {
   for (size_t index = 0; index < ticket.offsets.size(); ++index) {
-    ticket.file->release(ticket.offsets[index], ticket.extent_span(index));
+    ticket.file->release(ticket.offsets[index], ticket.layout(index).span());
   }
   stats_.extents_live -= static_cast<int64_t>(ticket.offsets.size());
   ticket.offsets.clear();
@@ -293,48 +322,55 @@ void SpillEngine::worker_loop(char* staging) {
 
 std::string SpillEngine::run_job(const Job& job, char* staging) {
   const Ticket& ticket = *job.ticket;
-  const size_t payload = ticket.extent_payload(job.index);
-  const size_t span = ticket.extent_span(job.index);
+  const ExtentLayout extent = ticket.layout(job.index);
   const size_t file_offset = ticket.offsets[job.index];
   auto* header = reinterpret_cast<ExtentHeader*>(staging);
-  char* data = staging + SpillFile::kBlock;
+  char* head_block = staging + SpillFile::kBlock;
+  char* tail_block = staging + 2 * SpillFile::kBlock;
   const auto describe = [&](const char* what, int err) {
     return std::string("disk_spill: ") + what + " extent " + std::to_string(job.index) + " of ticket " +
            std::to_string(ticket.id) + " in '" + ticket.file->directory() + "' failed: " + std::strerror(err);
   };
+  // The extent's memory: the source's for a write, the restore buffer's for a read.
+  char* memory = static_cast<char*>(job.write ? const_cast<void*>(ticket.source.const_data_ptr())
+                                              : ticket.destination.mutable_data_ptr()) +
+                 job.index * ticket.extent_bytes;
+  iovec parts[4];
+  int count = 0;
+  parts[count++] = iovec{staging, SpillFile::kBlock};
+  if (extent.head > 0) {
+    parts[count++] = iovec{head_block, SpillFile::kBlock};
+  }
+  if (extent.middle > 0) {
+    parts[count++] = iovec{memory + extent.head, extent.middle};
+  }
+  if (extent.tail > 0) {
+    parts[count++] = iovec{tail_block, SpillFile::kBlock};
+  }
+  char* head_bytes = head_block + SpillFile::kBlock - extent.head;
+  char* tail_bytes = memory + extent.head + extent.middle;
+
   if (job.write) {
     if (ticket.source_ready) {
       ticket.source_ready();
     }
-    std::memcpy(data, static_cast<const char*>(ticket.source.const_data_ptr()) + job.index * ticket.extent_bytes,
-                payload);
-    std::memset(header, 0, SpillFile::kBlock);
-    *header = ExtentHeader{kMagic, nonce_, static_cast<uint64_t>(ticket.id), job.index, payload,
-                           ticket.checksums ? kHasChecksum : 0, ticket.checksums ? crc32c(data, payload) : 0, 0};
+    // Padding is zeroed: nothing of earlier extents goes to disk again.
+    std::memset(staging, 0, 3 * SpillFile::kBlock);
+    std::memcpy(head_bytes, memory, extent.head);
+    std::memcpy(tail_block, tail_bytes, extent.tail);
+    *header = ExtentHeader{kMagic, nonce_, static_cast<uint64_t>(ticket.id), job.index, extent.payload,
+                           ticket.checksums ? kHasChecksum : 0, ticket.checksums ? crc32c(memory, extent.payload) : 0,
+                           0};
     header->header_crc = header_checksum(*header);
     const auto start = std::chrono::steady_clock::now();
-    const int err = ticket.file->write_all(staging, span, file_offset);
+    const int err = ticket.file->write_all(parts, count, file_offset);
     std::lock_guard<std::mutex> lock(mutex_);
     stats_.write_ns += elapsed_ns(start);
     if (err != 0) {
       return describe("writing", err);
     }
-    stats_.bytes_written += static_cast<int64_t>(payload);
+    stats_.bytes_written += static_cast<int64_t>(extent.payload);
     return {};
-  }
-  // Header into staging, whole payload blocks into the destination, the last
-  // partial block (if any) into staging after the header.
-  char* destination = static_cast<char*>(ticket.destination.mutable_data_ptr()) + job.index * ticket.extent_bytes;
-  const size_t in_place = payload / SpillFile::kBlock * SpillFile::kBlock;
-  const size_t tail = payload - in_place;
-  iovec parts[3];
-  int count = 0;
-  parts[count++] = iovec{staging, SpillFile::kBlock};
-  if (in_place > 0) {
-    parts[count++] = iovec{destination, in_place};
-  }
-  if (tail > 0) {
-    parts[count++] = iovec{data, round_up(tail, SpillFile::kBlock)};
   }
   const auto start = std::chrono::steady_clock::now();
   const int err = ticket.file->read_all(parts, count, file_offset);
@@ -351,20 +387,21 @@ std::string SpillEngine::run_job(const Job& job, char* staging) {
     return where + "has no valid header: the file was damaged or overwritten";
   }
   if (header->ticket != static_cast<uint64_t>(ticket.id) || header->index != job.index ||
-      header->payload_bytes != payload) {
+      header->payload_bytes != extent.payload) {
     return where + "holds other data (ticket " + std::to_string(header->ticket) + ", extent " +
            std::to_string(header->index) + ", " + std::to_string(header->payload_bytes) + " bytes): stale or short";
   }
+  std::memcpy(memory, head_bytes, extent.head);
+  std::memcpy(tail_bytes, tail_block, extent.tail);
   if ((header->flags & kHasChecksum) != 0) {
-    const uint32_t crc = crc32c(data, tail, crc32c(destination, in_place));
+    const uint32_t crc = crc32c(memory, extent.payload);
     if (crc != header->payload_crc) {
       return where + "failed its checksum (stored " + std::to_string(header->payload_crc) + ", computed " +
              std::to_string(crc) + "): the data on disk is corrupted";
     }
   }
-  std::memcpy(destination + in_place, data, tail);
   std::lock_guard<std::mutex> lock(mutex_);
-  stats_.bytes_read += static_cast<int64_t>(payload);
+  stats_.bytes_read += static_cast<int64_t>(extent.payload);
   return {};
 }
 
@@ -412,7 +449,8 @@ std::vector<int64_t> SpillEngine::location(int64_t id) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto ticket = find_locked(id, "disk_spill location");
   TORCH_CHECK(!ticket->offsets.empty(), "disk_spill location: ticket ", id, " has no extents");
-  return {ticket->file->fd(), static_cast<int64_t>(ticket->offsets[0]), static_cast<int64_t>(SpillFile::kBlock)};
+  return {ticket->file->fd(), static_cast<int64_t>(ticket->offsets[0]),
+          static_cast<int64_t>(ticket->layout(0).payload_at())};
 }
 
 }  // namespace torch_offload

@@ -44,9 +44,8 @@ SpillFile::SpillFile(const std::string& directory, bool allow_tmpfs) : directory
   struct statfs fs {};
   TORCH_CHECK(::statfs(directory.c_str(), &fs) == 0, "disk_spill: directory '", directory,
               "' cannot be inspected: ", std::strerror(errno));
-  TORCH_CHECK(allow_tmpfs || fs.f_type != TMPFS_MAGIC, "disk_spill: directory '", directory,
-              "' is on tmpfs, which is RAM, not disk; choose a directory on a disk "
-              "(TORCH_OFFLOAD_SPILL_DIR), or pass allow_tmpfs=True");
+  on_tmpfs_ = fs.f_type == TMPFS_MAGIC;
+  check_allowed(allow_tmpfs);
   fd_ = open_anonymous(directory, O_DIRECT);
   direct_ = fd_ >= 0;
   if (fd_ < 0 && errno == EINVAL) {  // the file system refuses O_DIRECT
@@ -58,6 +57,12 @@ SpillFile::SpillFile(const std::string& directory, bool allow_tmpfs) : directory
 
 SpillFile::~SpillFile() {
   ::close(fd_);
+}
+
+void SpillFile::check_allowed(bool allow_tmpfs) const {
+  TORCH_CHECK(allow_tmpfs || !on_tmpfs_, "disk_spill: directory '", directory_,
+              "' is on tmpfs, which is RAM, not disk; choose a directory on a disk "
+              "(TORCH_OFFLOAD_SPILL_DIR), or pass allow_tmpfs=True");
 }
 
 size_t SpillFile::allocate(size_t bytes) {
@@ -128,9 +133,8 @@ int SpillFile::transfer_all(bool write, iovec* parts, int count, size_t offset) 
   return 0;
 }
 
-int SpillFile::write_all(const void* buffer, size_t bytes, size_t offset) {
-  iovec part{const_cast<void*>(buffer), bytes};
-  return transfer_all(/*write=*/true, &part, 1, offset);
+int SpillFile::write_all(iovec* parts, int count, size_t offset) {
+  return transfer_all(/*write=*/true, parts, count, offset);
 }
 
 int SpillFile::read_all(iovec* parts, int count, size_t offset) {

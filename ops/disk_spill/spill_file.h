@@ -24,14 +24,18 @@ class SpillFile {
   SpillFile(const SpillFile&) = delete;
   SpillFile& operator=(const SpillFile&) = delete;
 
+  // Throws unless allow_tmpfs or the directory is not tmpfs: asked of every spill,
+  // since one call allowing tmpfs does not allow it for the next.
+  void check_allowed(bool allow_tmpfs) const;
+
   // A file offset for `bytes` (a multiple of kBlock), reusing freed space first.
   size_t allocate(size_t bytes);
   void release(size_t offset, size_t bytes);
 
   // Whole transfers: loop over short counts and EINTR. Return 0 or an errno;
-  // a read that hits the end of the file reports EIO (short read). The read
-  // scatters into `parts` (consumed as it goes), so payloads can land in place.
-  int write_all(const void* buffer, size_t bytes, size_t offset);
+  // a read that hits the end of the file reports EIO (short read). Both
+  // gather / scatter over `parts` (consumed as they go), so payloads move in place.
+  int write_all(iovec* parts, int count, size_t offset);
   int read_all(iovec* parts, int count, size_t offset);
 
   const std::string& directory() const {
@@ -55,6 +59,7 @@ class SpillFile {
   size_t end_ = 0;  // bytes handed out from the start of the file
   size_t peak_ = 0;
   bool direct_ = false;
+  bool on_tmpfs_ = false;
 };
 
 }  // namespace torch_offload
