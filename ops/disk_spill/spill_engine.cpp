@@ -67,6 +67,7 @@ struct SpillEngine::Ticket {
   std::shared_ptr<SpillFile> file;
   int64_t nbytes;
   size_t extent_bytes;
+  size_t memory_offset;  // of the source's data within a block; the restore buffer's data gets the same
   std::vector<size_t> offsets;  // file offset of each extent
   c10::ScalarType dtype;
   std::vector<int64_t> sizes;
@@ -82,8 +83,6 @@ struct SpillEngine::Ticket {
   bool restored = false;
   bool released = false;
   std::string error;
-
-  size_t memory_offset;  // of the source's data within a block; the restore buffer's data gets the same
 
   ExtentLayout layout(size_t index) const {
     const size_t payload = std::min(extent_bytes, static_cast<size_t>(nbytes) - index * extent_bytes);
