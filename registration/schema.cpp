@@ -33,7 +33,8 @@ TORCH_LIBRARY(offload, m) {
   // The disk tier. disk_spill returns a ticket (a CPU int64 tensor [2]) at once
   // and writes asynchronously; disk_restore takes the size, dtype and device so
   // fake kernels know its result. A failed write raises in disk_wait or
-  // disk_restore. _disk_ticket_location ([fd, offset, header bytes]) is for tests.
+  // disk_restore. _disk_ticket_location ([fd, extent offset,
+  // payload offset within the extent]) is for tests.
   m.def("disk_spill(Tensor src, str? directory=None, bool allow_tmpfs=False) -> Tensor");
   m.def("disk_restore(Tensor ticket, SymInt[] size, ScalarType dtype, Device device) -> Tensor");
   m.def("disk_prefetch(Tensor ticket) -> ()");

@@ -54,9 +54,9 @@ int64_t ticket_id(const at::Tensor& ticket, const char* op) {
 }
 
 at::Tensor spill_host_tensor(const at::Tensor& host, std::optional<c10::string_view> directory, bool allow_tmpfs,
-                             std::function<void()> source_ready) {
+                             std::function<void()> source_ready, bool bounce_source) {
   auto file = SpillEngine::instance().file_for(spill_directory(directory), allow_tmpfs);
-  return make_ticket(SpillEngine::instance().spill(host, std::move(file), std::move(source_ready)));
+  return make_ticket(SpillEngine::instance().spill(host, std::move(file), std::move(source_ready), bounce_source));
 }
 
 }  // namespace
@@ -64,8 +64,9 @@ at::Tensor spill_host_tensor(const at::Tensor& host, std::optional<c10::string_v
 at::Tensor disk_spill_cpu(const at::Tensor& src, std::optional<c10::string_view> directory, bool allow_tmpfs) {
   check_defined(src, "disk_spill", "src");
   // Written asynchronously from src's own memory (no copy when contiguous):
-  // do not change src in place before disk_wait.
-  return spill_host_tensor(src.contiguous(), directory, allow_tmpfs, nullptr);
+  // do not change src in place before disk_wait (the checksum, taken first,
+  // would then fail on restore).
+  return spill_host_tensor(src.contiguous(), directory, allow_tmpfs, nullptr, /*bounce_source=*/false);
 }
 
 at::Tensor disk_spill_meta(const at::Tensor& src, std::optional<c10::string_view> /*directory*/,
@@ -77,7 +78,8 @@ at::Tensor disk_spill_meta(const at::Tensor& src, std::optional<c10::string_view
 at::Tensor disk_spill_cuda(const at::Tensor& src, std::optional<c10::string_view> directory, bool allow_tmpfs) {
   check_defined(src, "disk_spill", "src");
   const at::Tensor host = offload_pack(src, /*non_blocking=*/true);
-  return spill_host_tensor(host, directory, allow_tmpfs, [host] { wait_for_pending_pack(host); });
+  return spill_host_tensor(host, directory, allow_tmpfs, [host] { wait_for_pending_pack(host); },
+                           /*bounce_source=*/true);
 }
 #endif
 

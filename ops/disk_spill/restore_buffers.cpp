@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <new>
 
 #include <sys/mman.h>
 
@@ -53,7 +54,12 @@ void RestoreBuffers::recycle(void* buffer, size_t bytes) {
     return;
   }
   free_until_locked(capacity_ - bytes);
-  kept_.emplace_back(bytes, buffer);
+  try {
+    kept_.emplace_back(bytes, buffer);
+  } catch (const std::bad_alloc&) {  // called from tensor deleters, which must not throw
+    std::free(buffer);
+    return;
+  }
   kept_bytes_ += bytes;
 }
 

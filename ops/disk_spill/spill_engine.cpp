@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <utility>
 
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
@@ -56,6 +57,35 @@ struct ExtentLayout {
   }
 };
 
+// CUDA's pinned host memory may refuse O_DIRECT (EFAULT: the kernel cannot pin
+// the pages of a driver mapping), so a pinned source's bulk, parts[bulk], goes
+// to disk through a pageable bounce buffer, kBounceBytes at a time.
+constexpr size_t kBounceBytes = size_t{4} << 20;
+
+int write_through_bounce(SpillFile& file, const iovec* parts, int count, int bulk, size_t offset, char* bounce) {
+  for (int i = 0; i < count; ++i) {
+    if (i != bulk) {
+      iovec part = parts[i];
+      if (const int err = file.write_all(&part, 1, offset)) {
+        return err;
+      }
+      offset += parts[i].iov_len;
+      continue;
+    }
+    const char* from = static_cast<const char*>(parts[i].iov_base);
+    for (size_t done = 0; done < parts[i].iov_len; done += kBounceBytes) {
+      const size_t piece = std::min(kBounceBytes, parts[i].iov_len - done);
+      std::memcpy(bounce, from + done, piece);
+      iovec part{bounce, piece};
+      if (const int err = file.write_all(&part, 1, offset)) {
+        return err;
+      }
+      offset += piece;
+    }
+  }
+  return 0;
+}
+
 int64_t elapsed_ns(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - since).count();
 }
@@ -72,6 +102,7 @@ struct SpillEngine::Ticket {
   c10::ScalarType dtype;
   std::vector<int64_t> sizes;
   bool checksums;
+  bool bounce_source;  // O_DIRECT may not read the source's memory (pinned by CUDA)
 
   at::Tensor source;  // kept alive until written
   std::function<void()> source_ready;
@@ -164,7 +195,7 @@ void SpillEngine::configure(const SpillConfig& config) {
 }
 
 int64_t SpillEngine::spill(const at::Tensor& source, std::shared_ptr<SpillFile> file,
-                           std::function<void()> source_ready) {
+                           std::function<void()> source_ready, bool bounce_source) {
   restore_buffers_.clear();  // a spill means a forward pass: idle restore buffers must not add to its peak
   auto ticket = std::make_shared<Ticket>();
   ticket->file = std::move(file);
@@ -174,6 +205,7 @@ int64_t SpillEngine::spill(const at::Tensor& source, std::shared_ptr<SpillFile> 
   ticket->memory_offset = reinterpret_cast<uintptr_t>(source.const_data_ptr()) % SpillFile::kBlock;
   ticket->source = source;
   ticket->source_ready = std::move(source_ready);
+  ticket->bounce_source = bounce_source;
 
   std::unique_lock<std::mutex> lock(mutex_);
   ticket->extent_bytes = static_cast<size_t>(config_.extent_bytes);
@@ -229,10 +261,15 @@ void SpillEngine::start_reads_locked(const std::shared_ptr<Ticket>& ticket) {
   TORCH_CHECK(memory != nullptr, "disk_restore: cannot allocate ", ticket->nbytes, " bytes for ticket ", ticket->id);
   ticket->reading = true;
   // The engine is never destroyed, so the buffer can come back to it whenever the tensor dies.
-  ticket->destination = at::from_blob(
-      memory + offset, ticket->sizes,
-      [this, offset, bytes](void* data) { restore_buffers_.recycle(static_cast<char*>(data) - offset, bytes); },
-      at::TensorOptions().dtype(ticket->dtype));
+  try {
+    ticket->destination = at::from_blob(
+        memory + offset, ticket->sizes,
+        [this, offset, bytes](void* data) { restore_buffers_.recycle(static_cast<char*>(data) - offset, bytes); },
+        at::TensorOptions().dtype(ticket->dtype));
+  } catch (...) {
+    restore_buffers_.recycle(memory, bytes);
+    throw;
+  }
   ticket->reads_pending = static_cast<int64_t>(ticket->offsets.size());
   for (size_t index = 0; index < ticket->offsets.size(); ++index) {
     queue_.push_back(Job{ticket, index, false});
@@ -274,12 +311,14 @@ at::Tensor SpillEngine::restore(int64_t id, at::IntArrayRef sizes, c10::ScalarTy
 }
 
 void SpillEngine::release(int64_t id) {
+  std::shared_ptr<Ticket> released;  // destroyed after unlocking, with whatever it still holds
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = tickets_.find(id);
   if (it == tickets_.end()) {
     return;
   }
-  Ticket& ticket = *it->second;
+  released = it->second;
+  Ticket& ticket = *released;
   ticket.released = true;
   // Buffers stay with the Ticket, which jobs in flight still hold: they go with the last one.
   if (ticket.writes_pending == 0 && ticket.reads_pending == 0) {
@@ -298,6 +337,7 @@ void SpillEngine::free_extents_locked(Ticket& ticket) {
 }
 
 void SpillEngine::worker_loop(char* staging) {
+  std::unique_ptr<char, decltype(&std::free)> bounce(nullptr, &std::free);  // made on first need
   while (true) {
     Job job;
     {
@@ -311,7 +351,7 @@ void SpillEngine::worker_loop(char* staging) {
     }
     std::string error;
     try {
-      error = run_job(job, staging);
+      error = run_job(job, staging, bounce);
     } catch (const std::exception& e) {  // e.g. a failed device-to-host copy
       error = message_of(e);
     }
@@ -319,7 +359,7 @@ void SpillEngine::worker_loop(char* staging) {
   }
 }
 
-std::string SpillEngine::run_job(const Job& job, char* staging) {
+std::string SpillEngine::run_job(const Job& job, char* staging, std::unique_ptr<char, decltype(&std::free)>& bounce) {
   const Ticket& ticket = *job.ticket;
   const ExtentLayout extent = ticket.layout(job.index);
   const size_t file_offset = ticket.offsets[job.index];
@@ -336,11 +376,13 @@ std::string SpillEngine::run_job(const Job& job, char* staging) {
                  job.index * ticket.extent_bytes;
   iovec parts[4];
   int count = 0;
+  int bulk = -1;  // the part that moves in place
   parts[count++] = iovec{staging, SpillFile::kBlock};
   if (extent.head > 0) {
     parts[count++] = iovec{head_block, SpillFile::kBlock};
   }
   if (extent.middle > 0) {
+    bulk = count;
     parts[count++] = iovec{memory + extent.head, extent.middle};
   }
   if (extent.tail > 0) {
@@ -361,8 +403,16 @@ std::string SpillEngine::run_job(const Job& job, char* staging) {
                            ticket.checksums ? kHasChecksum : 0, ticket.checksums ? crc32c(memory, extent.payload) : 0,
                            0};
     header->header_crc = header_checksum(*header);
+    const bool bounced = ticket.bounce_source && bulk >= 0;
+    if (bounced && !bounce) {
+      bounce.reset(static_cast<char*>(std::aligned_alloc(SpillFile::kBlock, kBounceBytes)));
+      if (!bounce) {
+        return describe("writing", ENOMEM);
+      }
+    }
     const auto start = std::chrono::steady_clock::now();
-    const int err = ticket.file->write_all(parts, count, file_offset);
+    const int err = bounced ? write_through_bounce(*ticket.file, parts, count, bulk, file_offset, bounce.get())
+                            : ticket.file->write_all(parts, count, file_offset);
     std::lock_guard<std::mutex> lock(mutex_);
     stats_.write_ns += elapsed_ns(start);
     if (err != 0) {
@@ -405,6 +455,10 @@ std::string SpillEngine::run_job(const Job& job, char* staging) {
 }
 
 void SpillEngine::finish_job(const Job& job, const std::string& error) {
+  // Let go of the written source after unlocking: its deleter may come back to
+  // the engine (a spilled ticket tensor releases its own ticket).
+  at::Tensor written_source;
+  std::function<void()> written_source_ready;
   std::lock_guard<std::mutex> lock(mutex_);
   Ticket& ticket = *job.ticket;
   --jobs_in_flight_;
@@ -413,14 +467,16 @@ void SpillEngine::finish_job(const Job& job, const std::string& error) {
   }
   if (job.write) {
     if (--ticket.writes_pending == 0) {
-      ticket.source.reset();
-      ticket.source_ready = nullptr;
+      written_source = std::move(ticket.source);
+      written_source_ready = std::exchange(ticket.source_ready, nullptr);
       in_flight_bytes_ -= ticket.nbytes;
       if (ticket.prefetch_requested && ticket.error.empty() && !ticket.released) {
         try {
           start_reads_locked(job.ticket);
-        } catch (const std::exception& e) {  // out of memory: restore() raises it
-          ticket.error = message_of(e);
+        } catch (const std::exception&) {
+          // No memory for the restore buffer yet: not the write's fault, so not
+          // the ticket's error. restore() tries again and raises if it must.
+          ticket.prefetch_requested = false;
         }
       }
     }

@@ -7,6 +7,7 @@
 // process stays usable. Workers block on condition variables; nothing polls.
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <deque>
 #include <functional>
 #include <map>
@@ -51,8 +52,10 @@ class SpillEngine {
   std::shared_ptr<SpillFile> file_for(const std::string& directory, bool allow_tmpfs);
   // Starts writing `source` (contiguous, on the CPU) and returns the ticket id.
   // `source_ready`, if set, is called by a worker before it reads the source
-  // (a device-to-host copy may still be filling it).
-  int64_t spill(const at::Tensor& source, std::shared_ptr<SpillFile> file, std::function<void()> source_ready);
+  // (a device-to-host copy may still be filling it). `bounce_source`: the
+  // source's memory may refuse O_DIRECT (CUDA pinned memory), copy it first.
+  int64_t spill(const at::Tensor& source, std::shared_ptr<SpillFile> file, std::function<void()> source_ready,
+                bool bounce_source = false);
   // Blocks until the ticket's write finished; raises its error.
   void wait_written(int64_t ticket);
   // Starts reading the ticket back (after its write) into a host buffer that
@@ -66,7 +69,7 @@ class SpillEngine {
   // Only while no I/O is in flight.
   void configure(const SpillConfig& config);
   SpillStats stats() const;
-  // [fd, file offset of the first extent, header bytes]: for tests that corrupt data.
+  // [fd, file offset of the first extent, offset of its payload within it]: for tests that corrupt data.
   std::vector<int64_t> location(int64_t ticket) const;
   uint64_t nonce() const {
     return nonce_;
@@ -85,7 +88,7 @@ class SpillEngine {
   void stop_workers(std::unique_lock<std::mutex>& lock);
   void worker_loop(char* staging);
   // Returns an error message, empty on success.
-  std::string run_job(const Job& job, char* staging);
+  std::string run_job(const Job& job, char* staging, std::unique_ptr<char, decltype(&std::free)>& bounce);
   void finish_job(const Job& job, const std::string& error);
   void start_reads_locked(const std::shared_ptr<Ticket>& ticket);
   void free_extents_locked(Ticket& ticket);
