@@ -1,4 +1,5 @@
 """torch_offload.apply() on tiny random-init Hugging Face causal LMs (nothing downloaded)."""
+import peft
 import pytest
 import torch
 import transformers
@@ -88,7 +89,6 @@ def test_apply_options_keep_results(options, tmp_path):
 
 
 def test_peft_lora_llama_trains_with_apply(tmp_path):
-    peft = pytest.importorskip("peft")
     model = make_model("llama")
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
                            lora_dropout=0.0, init_lora_weights=False)

@@ -77,8 +77,6 @@ def test_extents_span_many_blocks_and_leave_nothing(spill_dir):
 @pytest.mark.parametrize("offset", [0, 1, 64, 4000, 4095])
 @pytest.mark.parametrize("nbytes", [1, 96, 4096, 3 * 4096 + 5, 5 * (16 << 10) + 4097])
 def test_round_trip_at_any_offset_within_a_block(direct, offset, nbytes, spill_dir):
-    if not direct and not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm")
     directory, allow_tmpfs = (spill_dir, False) if direct else ("/dev/shm", True)
     buffer = torch.randint(0, 256, (nbytes + 8192,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
     start = (offset - buffer.data_ptr()) % 4096
@@ -235,7 +233,6 @@ def test_bad_directories_are_refused_by_name(tmp_path):
         torch_offload.disk_spill(t, directory=str(a_file))
 
 
-@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a tmpfs at /dev/shm")
 def test_tmpfs_is_refused_unless_allowed():
     t = sample((10,), torch.float32)
     with pytest.raises(RuntimeError, match="is on tmpfs, which is RAM, not disk"):
@@ -253,7 +250,6 @@ def run_child(code, **kwargs):
 
 
 # Root may write almost anywhere; /proc/sys refuses even root.
-@pytest.mark.skipif(os.access("/proc/sys", os.W_OK), reason="needs a directory this user cannot write")
 def test_unwritable_directory_is_refused():
     with pytest.raises(RuntimeError, match="disk_spill: directory '/proc/sys' is not writable"):
         torch_offload.disk_spill(torch.ones(4), directory="/proc/sys")

@@ -136,7 +136,6 @@ def test_compile_fullgraph_dynamic_matches_eager_without_graph_breaks():
     assert explanation.graph_count == 1
 
 
-@pytest.mark.skipif(not hasattr(torch.jit, "script"), reason="this torch ships no TorchScript")
 def test_torchscript_calls_the_ops():
     @torch.jit.script
     def scripted(x: torch.Tensor) -> torch.Tensor:

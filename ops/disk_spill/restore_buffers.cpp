@@ -14,6 +14,11 @@ namespace {
 
 constexpr size_t kHugePage = size_t{2} << 20;
 
+// What take() and recycle() count a buffer of `bytes` as: whole blocks, at least one.
+size_t block_bytes(size_t bytes) {
+  return round_up(std::max<size_t>(bytes, 1), SpillFile::kBlock);
+}
+
 void* allocate(size_t bytes) {
   // Huge pages take one fault per 2 MiB instead of 512 (c10's CPU allocator
   // does the same under THP_MEM_ALLOC_ENABLE); below two of them, not worth it.
@@ -31,7 +36,7 @@ void* allocate(size_t bytes) {
 }  // namespace
 
 void* RestoreBuffers::take(size_t bytes) {
-  bytes = round_up(std::max<size_t>(bytes, 1), SpillFile::kBlock);
+  bytes = block_bytes(bytes);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     const auto newest = std::find_if(kept_.rbegin(), kept_.rend(), [&](const auto& kept) { return kept.first == bytes; });
@@ -47,7 +52,7 @@ void* RestoreBuffers::take(size_t bytes) {
 }
 
 void RestoreBuffers::recycle(void* buffer, size_t bytes) {
-  bytes = round_up(std::max<size_t>(bytes, 1), SpillFile::kBlock);
+  bytes = block_bytes(bytes);
   std::lock_guard<std::mutex> lock(mutex_);
   if (bytes > capacity_) {
     std::free(buffer);
