@@ -163,6 +163,18 @@ def test_a_freed_restore_buffer_is_reused_for_the_next_restore_of_that_size(spil
     assert torch_offload.disk_spill_stats()["restore_cache_kept_bytes"] == 0
 
 
+def test_configure_waits_for_io_in_flight(spill_dir):
+    t = sample((1000, 1000), torch.float32)
+    kept = torch_offload.disk_spill(t, directory=spill_dir)
+    torch_offload.disk_spill(t, directory=spill_dir)  # freed at once, its write still running
+    torch_offload.configure_disk_spill(extent_bytes=64 << 10)
+    try:
+        assert torch.equal(torch_offload.disk_restore(kept, t.shape, t.dtype, "cpu"), t)
+        assert torch.equal(round_trip(t, spill_dir), t)  # and the new extent size works
+    finally:
+        torch_offload.configure_disk_spill()
+
+
 def test_restore_cache_can_be_disabled_and_refuses_a_negative_size(spill_dir):
     torch_offload.configure_disk_spill(restore_cache_bytes=0)
     try:

@@ -74,7 +74,7 @@ def configure_disk_spill(
     allows before it waits, and how many bytes of freed restored tensors are kept
     for the next restores of the same size (fresh memory costs a page fault and
     zeroing per page; every ``disk_spill`` frees what is kept; 0 disables).
-    Only while no I/O is in flight."""
+    Waits for the I/O in flight (freed tickets' too) to finish first."""
     torch.ops.offload.disk_spill_configure(
         num_threads, extent_bytes, checksums, max_in_flight_bytes, restore_cache_bytes
     )

@@ -188,7 +188,8 @@ void SpillEngine::configure(const SpillConfig& config) {
   TORCH_CHECK(config.restore_cache_bytes >= 0, "disk_spill_configure: restore_cache_bytes must be >= 0, got ",
               config.restore_cache_bytes);
   std::unique_lock<std::mutex> lock(mutex_);
-  TORCH_CHECK(jobs_in_flight_ == 0, "disk_spill_configure: I/O is in flight; configure before spilling");
+  // Jobs already queued (of freed tickets too) finish first, with their tickets' own settings.
+  done_cv_.wait(lock, [&] { return jobs_in_flight_ == 0; });
   stop_workers(lock);
   config_ = config;
   restore_buffers_.set_capacity(static_cast<size_t>(config.restore_cache_bytes));

@@ -66,7 +66,7 @@ class SpillEngine {
   // The ticket tensor is gone: its extents are freed once no I/O uses them.
   void release(int64_t ticket);
 
-  // Only while no I/O is in flight.
+  // Waits for the I/O in flight to finish first.
   void configure(const SpillConfig& config);
   SpillStats stats() const;
   // [fd, file offset of the first extent, offset of its payload within it]: for tests that corrupt data.
