@@ -1,4 +1,7 @@
 """torch_offload.apply() on tiny random-init Hugging Face causal LMs (nothing downloaded)."""
+import warnings
+
+import accelerate.hooks
 import peft
 import pytest
 import torch
@@ -76,7 +79,7 @@ def test_apply_matches_unpatched_and_remove_restores(name, tmp_path):
     dict(offload=None),
     dict(offload=None, checkpoint=False),
     dict(tiled_mlp=False, offload="disk", min_bytes=0, keep_last=0),
-    dict(offload="cpu", keep_last=3),
+    dict(offload="disk", min_bytes=0, keep_last=3),
 ], ids=["checkpoint_only", "tiled_only", "offload_only", "keep_all"])
 def test_apply_options_keep_results(options, tmp_path):
     if options.get("offload") == "disk":
@@ -133,3 +136,174 @@ def test_bad_inputs_are_explained(tmp_path):
     # Nothing was left patched by the failed calls.
     assert not any("forward" in vars(m) for m in model.modules())
     assert all(type(layer.mlp).__name__ == "LlamaMLP" for layer in model.model.layers)
+
+
+TINY = dict(vocab_size=128, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+MOE = dict(TINY, intermediate_size=48, num_experts_per_tok=2, output_router_logits=True)
+# Models whose decoder layers are not all plain MLPs, and what apply() does with each layer's MLP.
+FAMILIES = {
+    # Gemma3n's first layers sparsify the gate activations (_gaussian_topk): not the op's function, but token-wise.
+    "gemma3n": (lambda: transformers.Gemma3nForCausalLM(transformers.Gemma3nTextConfig(
+        **TINY, vocab_size_per_layer_input=128, hidden_size_per_layer_input=8, intermediate_size=64, head_dim=8,
+        activation_sparsity_pattern=[0.95, 0.95, 0.0], num_kv_shared_layers=0, laurel_rank=4,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+        "model.layers", ["tiled_apply", "tiled_apply", "tiled_mlp"]),
+    # Mixture-of-experts blocks (router logits recorded for the aux loss) stay as they are; dense MLPs are tiled.
+    "qwen2_moe": (lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        **MOE, moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4, decoder_sparse_step=2)),
+        "model.layers", ["tiled_mlp", "untiled", "tiled_mlp"]),
+    "qwen3_moe": (lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **MOE, moe_intermediate_size=16, num_experts=4, head_dim=8, mlp_only_layers=[0])),
+        "model.layers", ["tiled_mlp", "untiled", "untiled"]),
+    "mixtral": (lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(**MOE, num_local_experts=4)),
+                "model.layers", ["untiled", "untiled", "untiled"]),
+    # A VLM: the language model's layers, not the vision tower's blocks (which also have an `mlp`).
+    "qwen2_vl": (lambda: transformers.Qwen2VLForConditionalGeneration(transformers.Qwen2VLConfig(
+        text_config=dict(TINY, intermediate_size=64, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+        vision_config=dict(depth=2, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=2,
+                           spatial_merge_size=1, temporal_patch_size=1))),
+        "model.language_model.layers", ["tiled_mlp", "tiled_mlp", "tiled_mlp"]),
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_apply_on_moe_vlm_and_custom_mlps_matches_unpatched(name, tmp_path):
+    build, layer_path, tiling = FAMILIES[name]
+    torch.manual_seed(0)
+    model, ids = build().float().train(), batch()
+    want = loss_and_grads(model, ids)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0, num_shards=3)
+    assert_close_runs(want, loss_and_grads(model, ids))
+    assert handle.stats()["disk_bytes"] > 0
+    assert handle.layer_path == layer_path and handle.layers is model.get_submodule(layer_path)
+    assert list(handle.mlp_tiling) == [f"{layer_path}.{i}.mlp" for i in range(3)]
+    assert [how.split(":")[0] for how in handle.mlp_tiling.values()] == tiling
+    assert any("stay untiled" in str(w.message) for w in caught) == ("untiled" in tiling)
+    handle.remove()
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert_close_runs(want, loss_and_grads(model, ids))
+
+
+def test_probe_is_not_fooled_by_zero_weights():
+    # With a zero down_proj the sparse Gemma3n MLP and the op both give zeros; the probe uses random weights.
+    model = FAMILIES["gemma3n"][0]()
+    for layer in model.model.layers:
+        nn.init.zeros_(layer.mlp.down_proj.weight)
+    handle = torch_offload.apply(model, offload=None, checkpoint=False)
+    assert list(handle.mlp_tiling.values()) == ["tiled_apply", "tiled_apply", "tiled_mlp"]
+    handle.remove()
+
+
+def test_remove_restores_accelerate_forwards_exactly(tmp_path):
+    model, ids = make_model("llama"), batch()
+    hooked = [m for layer in model.model.layers for m in (layer, layer.mlp)]
+    for module in hooked:
+        accelerate.hooks.add_hook_to_module(module, accelerate.hooks.ModelHook())
+    forwards = [vars(m)["forward"] for m in hooked]
+    want = loss_and_grads(model, ids)
+    handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0, num_shards=2)
+    assert handle.tiled_applies == 3  # the op would bypass accelerate's forward: its own forward in shards
+    assert_close_runs(want, loss_and_grads(model, ids))
+    # A wrapper added after apply() must go first: remove() refuses and changes nothing.
+    layer = model.model.layers[1]
+    patched = layer.forward
+    layer.forward = lambda *args, **kwargs: patched(*args, **kwargs)
+    with pytest.raises(RuntimeError, match=r"model.layers.1.forward changed after apply\(\)"):
+        handle.remove()
+    assert_close_runs(want, loss_and_grads(model, ids))
+    layer.forward = patched
+    handle.remove()
+    assert all(vars(m)["forward"] is f for m, f in zip(hooked, forwards))
+    assert_close_runs(want, loss_and_grads(model, ids))
+
+
+def test_apply_twice_is_refused_and_remove_is_idempotent():
+    model = make_model("llama")
+    handle = torch_offload.apply(model, offload=None)
+    with pytest.raises(ValueError, match=r"model.layers.0 is already changed by an earlier apply\(\)"):
+        torch_offload.apply(model, offload=None, tiled_mlp=False)
+    handle.remove()
+    handle.remove()
+    assert not any("forward" in vars(m) for m in model.modules())
+    torch_offload.apply(model, offload=None).remove()  # after remove() it applies again
+
+
+def test_offload_default_on_a_cpu_model_says_what_it_does():
+    model = make_model("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        handle = torch_offload.apply(model)  # "auto": nothing to move from host memory, so plain checkpointing
+    assert handle.offload is None and handle.stats() == {}
+    handle.remove()
+    with pytest.warns(UserWarning, match="offload='cpu' moves nothing while the model is in host memory"):
+        handle = torch_offload.apply(model, offload="cpu")
+    assert handle.offload == "cpu"
+    handle.remove()
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, dropout=None, mix_tokens=False):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+        self.act_fn = nn.SiLU()
+        if dropout is not None:
+            self.dropout = nn.Dropout(dropout)
+        self.mix_tokens = mix_tokens
+
+    def forward(self, x):
+        y = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        if hasattr(self, "dropout"):
+            y = self.dropout(y)
+        return y - y.mean(dim=-2, keepdim=True) if self.mix_tokens else y
+
+
+class Block(nn.Module):
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x):
+        return x + self.mlp(x)
+
+
+def test_layers_are_found_or_named():
+    model = nn.Module()
+    model.vision, model.text = nn.ModuleList([Block(GatedMLP())]), nn.ModuleList([Block(GatedMLP()), Block(GatedMLP())])
+    with pytest.raises(ValueError, match=r"cannot tell which of \['vision', 'text'\] are the decoder layers"):
+        torch_offload.apply(model, offload=None)
+    handle = torch_offload.apply(model, offload=None, layers="text")
+    assert handle.layer_path == "text" and handle.mlp_tiling == {"text.0.mlp": "tiled_mlp", "text.1.mlp": "tiled_mlp"}
+    handle.remove()
+    with pytest.raises(ValueError, match=r"layers='vision.0' is a Block, not a non-empty nn.ModuleList"):
+        torch_offload.apply(model, layers="vision.0")
+    with pytest.raises(ValueError, match="nothing to change in text with tiled_mlp=False, checkpoint=False"):
+        torch_offload.apply(model, layers="text", tiled_mlp=False, checkpoint=False, offload=None)
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_each_mlp_is_tiled_only_as_its_forward_allows():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ModuleList([Block(GatedMLP()), Block(GatedMLP(dropout=0.0)),
+                                         Block(GatedMLP(mix_tokens=True))]))
+    x = torch.randn(2, 6, 8, requires_grad=True)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        y = x
+        for block in model[0]:
+            y = block(y)
+        y.square().sum().backward()
+        return y.detach(), {"x": x.grad, **{n: p.grad for n, p in model.named_parameters()}}
+
+    want = run()
+    with pytest.warns(UserWarning, match=r"1 of 3 MLPs stay untiled \(0.2.mlp: its output for a token depends"):
+        handle = torch_offload.apply(model, offload=None, num_shards=2)
+    # A dropout the op would drop (p=0 here, but p is the module's to change): its own forward, in shards.
+    assert handle.mlp_tiling == {"0.0.mlp": "tiled_mlp", "0.1.mlp": "tiled_apply",
+                                 "0.2.mlp": "untiled: its output for a token depends on the other tokens"}
+    assert_close_runs(want, run())
+    handle.remove()

@@ -1,16 +1,23 @@
 """One call for Hugging Face style causal LMs: ``torch_offload.apply(model)``.
 
-Finds the decoder layers and their MLPs by structure (a ``ModuleList`` of layers that
-each have an ``mlp``: Llama, Mistral, Qwen2/Qwen3, Gemma, Phi-3, GPT-2 and the
-like), computes each MLP in shards of tokens, and runs each layer under offloaded
-non-reentrant checkpointing. ``.remove()`` on the returned handle restores the model.
+Finds the language model's decoder layers by structure (a ``ModuleList`` of layers that
+each have an ``mlp``, looked for inside ``model.get_decoder()`` where the model has one,
+so that a vision tower's blocks are not mistaken for them), computes each MLP in shards
+of tokens where a probe shows that this leaves its output unchanged, and runs each layer
+under offloaded non-reentrant checkpointing. ``.remove()`` on the returned handle
+restores the model.
 """
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+import itertools
+import warnings
+import weakref
+from typing import Any
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from .activations import checkpoint as offloaded_checkpoint
 from .activations import offload_activations
@@ -19,18 +26,158 @@ from .tiled_mlp import TiledMLP, tiled_apply, tiled_mlp_num_shards
 
 __all__ = ["apply", "OffloadHandle"]
 
-_OFFLOAD_TIERS = ("cpu", "disk", None)
+_OFFLOAD_TIERS = ("auto", "cpu", "disk", None)
+_ABSENT = object()
+# Modules that a live handle has patched: apply() on them again is refused, since two
+# stacked patches could not be undone in any order.
+_PATCHED: weakref.WeakKeyDictionary[nn.Module, OffloadHandle] = weakref.WeakKeyDictionary()
 
 
-def _find_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0 and all(hasattr(m, "mlp") for m in module):
-            return name, module
+def _layer_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    return [
+        (name, module) for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and all(hasattr(m, "mlp") for m in module)
+    ]
+
+
+def _decoder(model: nn.Module) -> nn.Module | None:
+    # transformers' get_decoder() names the language model of a VLM (model.language_model).
+    get_decoder = getattr(model, "get_decoder", None)
+    if not callable(get_decoder):
+        return None
+    try:
+        decoder = get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):  # transformers raises for a few exotic models
+        return None
+    return decoder if isinstance(decoder, nn.Module) else None
+
+
+def _find_layers(model: nn.Module, path: str | None) -> tuple[str, nn.ModuleList]:
+    if path is not None:
+        try:
+            layers = model.get_submodule(path)
+        except AttributeError as error:
+            raise ValueError(f"torch_offload.apply: layers={path!r}: {error}") from None
+        if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+            raise ValueError(f"torch_offload.apply: layers={path!r} is a {type(layers).__name__}, "
+                             "not a non-empty nn.ModuleList")
+        return path, layers
+    found = _layer_lists(model)
+    if not found:
+        raise ValueError(
+            f"torch_offload.apply: found no decoder layers in {type(model).__name__}: looked for an nn.ModuleList "
+            "whose every module has an `mlp` (model.model.layers in Llama/Mistral/Qwen/Gemma/Phi-3, "
+            "model.transformer.h in GPT-2); name them with layers='path.to.layers'"
+        )
+    decoder = _decoder(model)
+    inside = found if decoder is None else [(n, m) for n, m in found if any(m is d for d in decoder.modules())]
+    if len(inside) == 1:
+        return inside[0]
+    where = "" if decoder is None else f" (of which {len(inside)} inside its decoder {type(decoder).__name__})"
     raise ValueError(
-        f"torch_offload.apply: found no decoder layers in {type(model).__name__}: looked for an nn.ModuleList "
-        "whose every module has an `mlp` (model.model.layers in Llama/Mistral/Qwen/Gemma/Phi-3, "
-        "model.transformer.h in GPT-2)"
+        f"torch_offload.apply: cannot tell which of {[n for n, _ in found]}{where} are the decoder layers of "
+        f"{type(model).__name__}; name them with layers='path.to.layers'"
     )
+
+
+def _recorded_outputs(model: nn.Module) -> dict[type, str]:
+    """Module classes whose outputs transformers records during forward (``_can_record_outputs``), by what they are."""
+    recorded = {}
+    for module in model.modules():
+        for key, specs in (getattr(type(module), "_can_record_outputs", None) or {}).items():
+            for spec in specs if isinstance(specs, list) else [specs]:
+                target = getattr(spec, "target_class", spec)
+                if isinstance(target, type):
+                    recorded[target] = key
+    return recorded
+
+
+def _on_accelerator(model: nn.Module) -> bool:
+    return any(t.device.type not in ("cpu", "meta") for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Probes: an MLP is handed to the tiled_mlp op, or to tiled_apply, only when its own forward,
+# run at apply time on random weights (so that zero-initialized or trained weights cannot hide
+# a difference), gives what the tiled computation gives.
+
+_PROBE_RTOL = {torch.float16: 1e-2, torch.bfloat16: 2e-2}  # relative L2 error; 1e-4 in float32/float64
+_PROBE_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, AttributeError)  # a forward that cannot run on it
+
+
+def _input_width(mlp: nn.Module) -> int | None:
+    for module in mlp.modules():
+        width = getattr(module, "in_features", None)  # nn.Linear and the LoRA / quantized linears
+        if width is None:
+            width = getattr(module, "nx", None)  # transformers' Conv1D (GPT-2)
+        if isinstance(width, int):
+            return width
+    return None
+
+
+def _unprobeable(mlp: nn.Module) -> str | None:
+    floating = [p for p in mlp.parameters() if p.is_floating_point()]
+    if not floating or _input_width(mlp) is None:
+        return "apply cannot tell its weights' dtype and its input width to probe it"
+    if any(p.is_meta for p in floating):
+        return "its weights are on the meta device, so apply cannot probe it"
+    return None
+
+
+@contextlib.contextmanager
+def _probing(mlp: nn.Module, training: bool):
+    """Random weights and a random [2, 3, h] input for ``mlp``; its modes and the random state are put back."""
+    like = next(p for p in mlp.parameters() if p.is_floating_point())
+    width = _input_width(mlp)
+    modes = [(m, m.training) for m in mlp.modules()]
+    with torch.random.fork_rng(devices=[like.device] if like.device.type == "cuda" else []), torch.no_grad():
+        torch.manual_seed(0)
+        params = {name: torch.randn_like(p) / (p.shape[-1] if p.dim() else 1) ** 0.5  # activations stay O(1)
+                  for name, p in mlp.named_parameters() if p.is_floating_point()}
+        x = torch.randn(2, 3, width).to(like.device, like.dtype)
+        mlp.train(training)
+        try:
+            yield params, x
+        finally:
+            for module, mode in modes:
+                module.training = mode
+
+
+def _close(got: Any, want: torch.Tensor) -> bool:
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return False
+    rtol = _PROBE_RTOL.get(want.dtype, 1e-4)
+    return bool((got.float() - want.float()).norm() <= rtol * want.float().norm())
+
+
+def _op_computes(mlp: nn.Module, tiled: TiledMLP) -> bool:
+    """Whether ``tiled`` computes what ``mlp``'s own forward does (in training mode, as apply is for training)."""
+    extra = set(dict(mlp.named_children())) - set(dict(tiled.named_children())) - {"act_fn", "activation_fn"}
+    if extra or "forward" in vars(mlp) or mlp._forward_hooks or mlp._forward_pre_hooks:
+        return False  # dropout, norms, hooks, accelerate's forward: all would be bypassed by the op
+    try:
+        with _probing(mlp, training=True) as (params, x):
+            mine = {name: params[name] for name, _ in tiled.named_parameters()}
+            return _close(functional_call(tiled, mine, (x,)), functional_call(mlp, params, (x,)))
+    except _PROBE_ERRORS:
+        return False
+
+
+def _row_wise_problem(mlp: nn.Module) -> str | None:
+    """None when ``mlp`` maps [rows, h] to [rows, h_out] row by row (what tiled_apply needs); else why not."""
+    try:
+        with _probing(mlp, training=False) as (params, x):  # eval: dropout would make every run differ
+            whole = functional_call(mlp, params, (x,))
+            if not isinstance(whole, torch.Tensor) or whole.shape[:2] != x.shape[:2]:
+                return "its output for a [batch, tokens, h] input is not one [batch, tokens, h_out] tensor"
+            rows = x.reshape(6, -1)
+            want = whole.reshape(6, *whole.shape[2:])
+            halves = torch.cat([functional_call(mlp, params, (rows[:3],)), functional_call(mlp, params, (rows[3:],))])
+            if not (_close(functional_call(mlp, params, (rows,)), want) and _close(halves, want)):
+                return "its output for a token depends on the other tokens"
+    except _PROBE_ERRORS as error:
+        return f"its forward does not take [tokens, h] rows ({type(error).__name__}: {error})"
+    return None
 
 
 def _mlp_width(mlp: nn.Module) -> int:
@@ -38,34 +185,95 @@ def _mlp_width(mlp: nn.Module) -> int:
     return max(max(p.shape) for p in mlp.parameters())
 
 
-class OffloadHandle:
-    """What ``apply`` changed; ``remove()`` puts the model back exactly as it was."""
+class _Patch:
+    """One attribute of one module set by apply: ``store`` is the module's ``__dict__`` or ``_modules``."""
 
-    def __init__(self, layers: nn.ModuleList, context: offload_activations | None):
+    def __init__(self, name: str, owner: nn.Module, store: dict, key: str, value: Any):
+        self.name, self.owner, self.store, self.key, self.value = name, owner, store, key, value
+        self.previous = store.get(key, _ABSENT)  # e.g. the forward accelerate's hooks installed
+        store[key] = value
+
+    def intact(self) -> bool:
+        return self.store.get(self.key, _ABSENT) is self.value
+
+    def undo(self) -> None:
+        if self.previous is _ABSENT:
+            del self.store[self.key]
+        else:
+            self.store[self.key] = self.previous
+
+
+class OffloadHandle:
+    """What ``apply`` changed; ``remove()`` puts the model back exactly as it was.
+
+    - ``layer_path``, ``layers``: the decoder layers found (e.g. ``"model.language_model.layers"``).
+    - ``offload``: the tier the layers' saved activations go to ("cpu", "disk" or None).
+    - ``mlp_tiling``: for each layer's MLP, by name: ``"tiled_mlp"`` (the op), ``"tiled_apply"``
+      (its own forward in shards) or ``"untiled: <why>"``.
+    """
+
+    def __init__(self, layer_path: str, layers: nn.ModuleList, offload: str | None,
+                 context: offload_activations | None):
+        self.layer_path = layer_path
         self.layers = layers
+        self.offload = offload
         self.context = context
-        self._undo: list[Callable[[], None]] = []
-        self.tiled_mlps = 0  # MLPs computed by the tiled_mlp op
-        self.tiled_applies = 0  # MLPs computed by the generic tiled_apply
+        self.mlp_tiling: dict[str, str] = {}
+        self._patches: list[_Patch] = []
+
+    @property
+    def tiled_mlps(self) -> int:
+        """MLPs computed by the tiled_mlp op."""
+        return sum(how == "tiled_mlp" for how in self.mlp_tiling.values())
+
+    @property
+    def tiled_applies(self) -> int:
+        """MLPs computed by the generic tiled_apply."""
+        return sum(how == "tiled_apply" for how in self.mlp_tiling.values())
 
     def stats(self) -> dict[str, int]:
         """The offload context's counters (empty without offloading)."""
         return self.context.stats() if self.context is not None else {}
 
+    def _patch(self, name: str, owner: nn.Module, key: str, value: Any) -> None:
+        store = owner._modules if key in owner._modules else vars(owner)
+        self._patches.append(_Patch(name, owner, store, key, value))
+        _PATCHED[owner] = self
+
     def remove(self) -> None:
-        while self._undo:
-            self._undo.pop()()
+        """Restores every attribute apply set; refuses, changing nothing, if one was replaced since."""
+        replaced = [p.name for p in self._patches if not p.intact()]
+        if replaced:
+            raise RuntimeError(f"torch_offload: handle.remove(): {', '.join(replaced)} changed after apply() "
+                               "(another wrapper?); undo that change first")
+        while self._patches:
+            patch = self._patches.pop()
+            patch.undo()
+            if _PATCHED.get(patch.owner) is self:
+                del _PATCHED[patch.owner]
 
 
-def _tile_mlp(handle: OffloadHandle, layer: nn.Module, num_shards: int) -> None:
+def _tile_mlp(handle: OffloadHandle, name: str, layer: nn.Module, num_shards: int, recorded: dict[type, str]) -> None:
     mlp = layer.mlp
-    try:
-        layer.mlp = TiledMLP(mlp, num_shards)  # same Linear objects under the same names
-        handle.tiled_mlps += 1
-        handle._undo.append(lambda: setattr(layer, "mlp", mlp))
+    recorded_key = next((key for module in mlp.modules() for cls, key in recorded.items() if isinstance(module, cls)),
+                        None)
+    # A mixture of experts' router logits, recorded for the aux loss: shards would split them and detach them.
+    problem = f"the model records its {recorded_key}" if recorded_key is not None else _unprobeable(mlp)
+    if problem is not None:
+        handle.mlp_tiling[name] = f"untiled: {problem}"
         return
+    try:
+        tiled = TiledMLP(mlp, num_shards)  # same Linear objects under the same names
     except ValueError:
-        pass  # LoRA-wrapped, quantized, fused gate_up_proj, Conv1D (GPT-2): the generic path
+        tiled = None  # LoRA-wrapped, quantized, fused gate_up_proj, Conv1D (GPT-2): the generic path
+    if tiled is not None and _op_computes(mlp, tiled):
+        handle._patch(name, layer, "mlp", tiled)
+        handle.mlp_tiling[name] = "tiled_mlp"
+        return
+    problem = _row_wise_problem(mlp)
+    if problem is not None:
+        handle.mlp_tiling[name] = f"untiled: {problem}"
+        return
     original = mlp.forward
 
     def tiled_forward(x, *args, **kwargs):
@@ -73,12 +281,11 @@ def _tile_mlp(handle: OffloadHandle, layer: nn.Module, num_shards: int) -> None:
         shards = num_shards or tiled_mlp_num_shards(x.numel() // x.shape[-1], _mlp_width(mlp), dtype=x.dtype)
         return tiled_apply(lambda rows: original(rows, *args, **kwargs), x, params, shards)
 
-    mlp.forward = tiled_forward
-    handle.tiled_applies += 1
-    handle._undo.append(lambda: delattr(mlp, "forward"))
+    handle._patch(f"{name}.forward", mlp, "forward", tiled_forward)
+    handle.mlp_tiling[name] = "tiled_apply"
 
 
-def _wrap_layer(handle: OffloadHandle, layer: nn.Module, use_checkpoint: bool, offload_layer: bool) -> None:
+def _wrap_layer(handle: OffloadHandle, name: str, layer: nn.Module, use_checkpoint: bool, offload_layer: bool) -> None:
     original = layer.forward
     context = handle.context if offload_layer else None
 
@@ -92,8 +299,17 @@ def _wrap_layer(handle: OffloadHandle, layer: nn.Module, use_checkpoint: bool, o
                 return offloaded_checkpoint(original, *args, offload=True, **kwargs)
             return original(*args, **kwargs)
 
-    layer.forward = forward
-    handle._undo.append(lambda: delattr(layer, "forward"))
+    handle._patch(f"{name}.forward", layer, "forward", forward)
+
+
+def _resolve_offload(model: nn.Module, offload: str | None) -> str | None:
+    if offload == "auto":
+        return "cpu" if _on_accelerator(model) else None
+    if offload == "cpu" and not _on_accelerator(model):
+        warnings.warn("torch_offload.apply: offload='cpu' moves nothing while the model is in host memory (its "
+                      "activations are already there), so this is plain checkpointing until it moves to a GPU; "
+                      "offload='disk' sends them to disk", UserWarning, stacklevel=3)
+    return offload
 
 
 def apply(
@@ -101,27 +317,38 @@ def apply(
     *,
     tiled_mlp: bool = True,
     checkpoint: bool = True,
-    offload: str | None = "cpu",
+    offload: str | None = "auto",
     num_shards: int = 0,
     keep_last: int = 1,
+    layers: str | None = None,
     **offload_options,
 ) -> OffloadHandle:
-    """Make ``model`` (a Hugging Face style causal LM) train with less memory, in place.
+    """Make ``model`` (a Hugging Face style causal LM or VLM) train with less memory, in place.
 
-    - ``tiled_mlp``: every decoder layer's MLP runs in shards of tokens: through the
-      ``tiled_mlp`` op (``TiledMLP``) for gate/up/down or fc1/fc2 ``nn.Linear`` MLPs,
-      through ``tiled_apply`` for anything else (LoRA/PEFT-wrapped, quantized, fused
-      gate_up_proj as in Phi-3, GPT-2's Conv1D). ``num_shards=0`` chooses per call.
+    - ``layers``: the decoder layers' path (e.g. ``"model.layers"``); by default the
+      ``nn.ModuleList`` whose every module has an ``mlp``, inside ``model.get_decoder()``
+      where the model has one (the language model of a VLM). None found, or several:
+      ValueError.
+    - ``tiled_mlp``: every layer's MLP runs in shards of tokens where a probe at apply time
+      (the module's own forward on random weights) shows the result is the same: through
+      the ``tiled_mlp`` op (``TiledMLP``) for gate/up/down or fc1/fc2 ``nn.Linear`` MLPs
+      that compute exactly the op's function, through ``tiled_apply`` around the module's
+      own forward for other token-wise MLPs (LoRA/PEFT-wrapped, quantized, fused
+      gate_up_proj as in Phi-3, GPT-2's Conv1D, Gemma3n's activation sparsity). MLPs that
+      are not token-wise or whose outputs the model records (mixture-of-experts blocks and
+      their router logits) stay as they are, with a warning. ``num_shards=0`` chooses per call.
     - ``checkpoint``: every decoder layer runs under non-reentrant checkpointing
       (only its inputs are saved; DDP-safe).
     - ``offload``: "cpu" sends saved activations of device tensors to host memory,
-      "disk" sends every saved activation (CPU tensors included) to the disk tier;
-      None keeps them in place. The last ``keep_last`` layers keep theirs on the
-      device: backward needs them first.
+      "disk" sends every saved activation (CPU tensors included) to the disk tier,
+      None keeps them in place; "auto" is "cpu" for a model on an accelerator and None
+      for a model in host memory (where "cpu" would move nothing). The last ``keep_last``
+      layers keep theirs on the device: backward needs them first.
     - ``offload_options`` go to ``offload_activations`` (``min_bytes``,
       ``max_host_bytes``, ``prefetch_bytes``, ``spill_directory``...).
 
-    Returns a handle: ``handle.remove()`` restores the model, ``handle.stats()`` counts.
+    Returns a handle (see ``OffloadHandle``): ``handle.remove()`` restores the model,
+    ``handle.stats()`` counts. Applying twice to the same layers is refused.
     """
     if offload not in _OFFLOAD_TIERS:
         raise ValueError(f"torch_offload.apply: offload must be one of {_OFFLOAD_TIERS}, got {offload!r}")
@@ -129,7 +356,13 @@ def apply(
         raise ValueError(f"torch_offload.apply: keep_last must be an int >= 0, got {keep_last!r}")
     if not isinstance(num_shards, int) or num_shards < 0:
         raise ValueError(f"torch_offload.apply: num_shards must be an int >= 0, got {num_shards!r}")
-    _, layers = _find_layers(model)
+    layer_path, layer_list = _find_layers(model, layers)
+    names = [f"{layer_path}.{index}" for index in range(len(layer_list))]
+    for name, layer in zip(names, layer_list):
+        if layer in _PATCHED or getattr(layer, "mlp", None) in _PATCHED:
+            raise ValueError(f"torch_offload.apply: {name} is already changed by an earlier apply(); "
+                             "call that handle's remove() first")
+    offload = _resolve_offload(model, offload)
     context = None
     if offload is not None:
         options = {"offload_cpu_tensors": offload == "disk", "module": model, **offload_options}
@@ -137,15 +370,25 @@ def apply(
         if offload == "disk":  # a spill directory that cannot be used fails here, not in the first step
             disk_wait(disk_spill(torch.zeros(1), directory=options.get("spill_directory"),
                                  allow_tmpfs=options.get("allow_tmpfs", False)))
-    handle = OffloadHandle(layers, context)
+    handle = OffloadHandle(layer_path, layer_list, offload, context)
     try:
-        for index, layer in enumerate(layers):
-            if tiled_mlp:
-                _tile_mlp(handle, layer, num_shards)
-            offload_layer = context is not None and index < len(layers) - keep_last
+        recorded = _recorded_outputs(model) if tiled_mlp else {}
+        for index, (name, layer) in enumerate(zip(names, layer_list)):
+            if tiled_mlp and hasattr(layer, "mlp"):
+                _tile_mlp(handle, f"{name}.mlp", layer, num_shards, recorded)
+            offload_layer = context is not None and index < len(layer_list) - keep_last
             if checkpoint or offload_layer:
-                _wrap_layer(handle, layer, checkpoint, offload_layer)
+                _wrap_layer(handle, name, layer, checkpoint, offload_layer)
+        if not handle._patches:
+            raise ValueError(f"torch_offload.apply: nothing to change in {layer_path} with tiled_mlp={tiled_mlp}, "
+                             f"checkpoint={checkpoint}, offload={offload!r}, keep_last={keep_last}"
+                             + (f" (MLPs: {sorted(set(handle.mlp_tiling.values()))})" if handle.mlp_tiling else ""))
     except BaseException:
         handle.remove()
         raise
+    untiled = {name: how for name, how in handle.mlp_tiling.items() if how.startswith("untiled")}
+    if untiled:
+        first, how = next(iter(untiled.items()))
+        warnings.warn(f"torch_offload.apply: {len(untiled)} of {len(handle.mlp_tiling)} MLPs stay untiled "
+                      f"({first}: {how.removeprefix('untiled: ')}); see handle.mlp_tiling", UserWarning, stacklevel=2)
     return handle
