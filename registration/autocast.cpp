@@ -32,3 +32,33 @@ TORCH_LIBRARY_IMPL(offload, AutocastCPU, m) {
 TORCH_LIBRARY_IMPL(offload, AutocastCUDA, m) {
   m.impl("tiled_mlp", &torch_offload::tiled_mlp_autocast<c10::DeviceType::CUDA>);
 }
+
+namespace torch_offload {
+namespace {
+
+// linear_cross_entropy runs its GEMMs in the autocast dtype, as the linear layer it
+// replaces would, and returns a float32 loss, as F.cross_entropy does under autocast.
+template <c10::DeviceType kDevice>
+at::Tensor linear_cross_entropy_autocast(const at::Tensor& hidden, const at::Tensor& weight,
+                                         const std::optional<at::Tensor>& bias, const at::Tensor& target,
+                                         int64_t ignore_index, double label_smoothing, double softcap, double z_loss,
+                                         c10::string_view reduction, c10::SymInt tile_tokens,
+                                         c10::SymInt tile_vocab) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
+  const auto cast = [&](const auto& t) { return at::autocast::cached_cast(dtype, t, kDevice); };
+  return linear_cross_entropy(cast(hidden), cast(weight), cast(bias), target, ignore_index, label_smoothing, softcap,
+                              z_loss, reduction, std::move(tile_tokens), std::move(tile_vocab))
+      .to(at::kFloat);
+}
+
+}  // namespace
+}  // namespace torch_offload
+
+TORCH_LIBRARY_IMPL(offload, AutocastCPU, m) {
+  m.impl("linear_cross_entropy", &torch_offload::linear_cross_entropy_autocast<c10::DeviceType::CPU>);
+}
+
+TORCH_LIBRARY_IMPL(offload, AutocastCUDA, m) {
+  m.impl("linear_cross_entropy", &torch_offload::linear_cross_entropy_autocast<c10::DeviceType::CUDA>);
+}

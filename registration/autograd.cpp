@@ -115,3 +115,68 @@ TORCH_LIBRARY_IMPL(offload, Autograd, m) {
   // Computing gradients of gradients is not supported: an error if backward reaches it.
   m.impl("tiled_mlp_backward", torch::autograd::autogradNotImplementedFallback());
 }
+
+namespace torch_offload {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// linear_cross_entropy saves its inputs and each token's log-sum-exp ([tokens],
+// float32) from linear_cross_entropy_forward; its backward is one node computed by
+// the linear_cross_entropy_backward op, which AOTAutograd traces like any other op.
+// Gradients nobody needs are not computed. No double backward.
+class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, const at::Tensor& target, int64_t ignore_index,
+                            double label_smoothing, double softcap, double z_loss, c10::string_view reduction,
+                            c10::SymInt tile_tokens, c10::SymInt tile_vocab) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [loss, lse] = linear_cross_entropy_forward(hidden, weight, bias, target, ignore_index, label_smoothing,
+                                                    softcap, z_loss, reduction, tile_tokens, tile_vocab);
+    ctx->save_for_backward({hidden, weight, bias.value_or(at::Tensor()), target, lse});
+    ctx->saved_data["ignore_index"] = ignore_index;
+    ctx->saved_data["label_smoothing"] = label_smoothing;
+    ctx->saved_data["softcap"] = softcap;
+    ctx->saved_data["z_loss"] = z_loss;
+    ctx->saved_data["reduction"] = std::string(reduction);
+    ctx->saved_data["tile_tokens"] = tile_tokens;
+    ctx->saved_data["tile_vocab"] = tile_vocab;
+    return loss;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const bool has_bias = saved[2].defined();
+    // Absent optional inputs have no autograd edge: bias takes one only when given.
+    const std::array<bool, 3> output_mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                                          has_bias && ctx->needs_input_grad(2)};
+    const auto& d = ctx->saved_data;
+    const auto [grad_hidden, grad_weight, grad_bias] = linear_cross_entropy_backward(
+        grads[0], saved[0], saved[1], has_bias ? std::optional<at::Tensor>(saved[2]) : std::nullopt, saved[3],
+        saved[4], d.at("ignore_index").toInt(), d.at("label_smoothing").toDouble(), d.at("softcap").toDouble(),
+        d.at("z_loss").toDouble(), d.at("reduction").toStringRef(), d.at("tile_tokens").toSymInt(),
+        d.at("tile_vocab").toSymInt(), output_mask);
+    return {grad_hidden, grad_weight, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor linear_cross_entropy_autograd(const at::Tensor& hidden, const at::Tensor& weight,
+                                         const std::optional<at::Tensor>& bias, const at::Tensor& target,
+                                         int64_t ignore_index, double label_smoothing, double softcap, double z_loss,
+                                         c10::string_view reduction, c10::SymInt tile_tokens,
+                                         c10::SymInt tile_vocab) {
+  return LinearCrossEntropyFunction::apply(hidden, weight, bias, target, ignore_index, label_smoothing, softcap,
+                                           z_loss, reduction, std::move(tile_tokens), std::move(tile_vocab));
+}
+
+}  // namespace
+}  // namespace torch_offload
+
+TORCH_LIBRARY_IMPL(offload, Autograd, m) {
+  m.impl("linear_cross_entropy", &torch_offload::linear_cross_entropy_autograd);
+  // Called by the formula above below autograd; gradients of gradients are not supported.
+  m.impl("linear_cross_entropy_forward", torch::autograd::autogradNotImplementedFallback());
+  m.impl("linear_cross_entropy_backward", torch::autograd::autogradNotImplementedFallback());
+}

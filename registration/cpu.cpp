@@ -3,6 +3,7 @@
 #include "ops/disk_spill/disk_spill.h"
 #include "ops/offload/offload.h"
 #include "ops/tiled_mlp/tiled_mlp.h"
+#include "ops/linear_cross_entropy/linear_cross_entropy.h"
 
 TORCH_LIBRARY_IMPL(offload, CPU, m) {
   m.impl("offload_pack", &torch_offload::offload_pack_cpu);
@@ -14,4 +15,10 @@ TORCH_LIBRARY_IMPL(offload, CPU, m) {
   m.impl("_disk_ticket_location", &torch_offload::disk_ticket_location_cpu);
   m.impl("tiled_mlp", &torch_offload::tiled_mlp_cpu);
   m.impl("tiled_mlp_backward", &torch_offload::tiled_mlp_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(offload, CPU, m) {
+  m.impl("linear_cross_entropy", &torch_offload::linear_cross_entropy_cpu);
+  m.impl("linear_cross_entropy_forward", &torch_offload::linear_cross_entropy_forward_cpu);
+  m.impl("linear_cross_entropy_backward", &torch_offload::linear_cross_entropy_backward_cpu);
 }

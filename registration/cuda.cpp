@@ -3,6 +3,7 @@
 #include "ops/disk_spill/disk_spill.h"
 #include "ops/offload/offload.h"
 #include "ops/tiled_mlp/tiled_mlp.h"
+#include "ops/linear_cross_entropy/linear_cross_entropy.h"
 
 TORCH_LIBRARY_IMPL(offload, CUDA, m) {
   m.impl("offload_pack", &torch_offload::offload_pack_cuda);
@@ -10,4 +11,10 @@ TORCH_LIBRARY_IMPL(offload, CUDA, m) {
   m.impl("disk_spill", &torch_offload::disk_spill_cuda);
   m.impl("tiled_mlp", &torch_offload::tiled_mlp_cuda);
   m.impl("tiled_mlp_backward", &torch_offload::tiled_mlp_backward_cuda);
+}
+
+TORCH_LIBRARY_IMPL(offload, CUDA, m) {
+  m.impl("linear_cross_entropy", &torch_offload::linear_cross_entropy_cuda);
+  m.impl("linear_cross_entropy_forward", &torch_offload::linear_cross_entropy_forward_cuda);
+  m.impl("linear_cross_entropy_backward", &torch_offload::linear_cross_entropy_backward_cuda);
 }

@@ -3,6 +3,7 @@
 #include "ops/disk_spill/disk_spill.h"
 #include "ops/offload/offload.h"
 #include "ops/tiled_mlp/tiled_mlp.h"
+#include "ops/linear_cross_entropy/linear_cross_entropy.h"
 
 // Meta kernels keep meta tensors on meta. Under FakeTensor (torch.compile) the
 // device-moving ops need their real result device: torch_offload/_fake.py
@@ -15,4 +16,10 @@ TORCH_LIBRARY_IMPL(offload, Meta, m) {
   // tiled_mlp's results live on x's device, which FakeTensor derives by itself.
   m.impl("tiled_mlp", &torch_offload::tiled_mlp_meta);
   m.impl("tiled_mlp_backward", &torch_offload::tiled_mlp_backward_meta);
+}
+
+TORCH_LIBRARY_IMPL(offload, Meta, m) {
+  m.impl("linear_cross_entropy", &torch_offload::linear_cross_entropy_meta);
+  m.impl("linear_cross_entropy_forward", &torch_offload::linear_cross_entropy_forward_meta);
+  m.impl("linear_cross_entropy_backward", &torch_offload::linear_cross_entropy_backward_meta);
 }

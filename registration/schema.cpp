@@ -6,6 +6,7 @@
 #include "ops/tiled_mlp/tiled_mlp.h"
 #include "ops/disk_spill/disk_spill.h"
 #include "ops/offload/activation_store.h"
+#include "ops/linear_cross_entropy/linear_cross_entropy.h"
 
 TORCH_LIBRARY(offload, m) {
   m.def("offload_pack(Tensor src, bool non_blocking=False) -> Tensor");
@@ -56,4 +57,24 @@ TORCH_LIBRARY(offload, m) {
       .def("skip_storages_of", &torch_offload::ActivationStore::skip_storages_of)
       .def("clear_skipped_storages", &torch_offload::ActivationStore::clear_skipped_storages)
       .def("stats", &torch_offload::ActivationStore::stats);
+
+  // The LM head's cross-entropy in tiles of tokens x vocabulary (no [tokens, V]
+  // logits). linear_cross_entropy_forward also returns each token's log-sum-exp
+  // (float32; float64 for float64 inputs), which the backward op reuses; the backward
+  // op returns the gradients output_mask asks for (hidden, weight, bias).
+  m.def(
+      "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, int ignore_index=-100, "
+      "float label_smoothing=0.0, float softcap=0.0, float z_loss=0.0, str reduction=\"mean\", "
+      "SymInt tile_tokens=0, SymInt tile_vocab=0) -> Tensor");
+  m.def(
+      "linear_cross_entropy_forward(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, int ignore_index, "
+      "float label_smoothing, float softcap, float z_loss, str reduction, SymInt tile_tokens, SymInt tile_vocab) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "linear_cross_entropy_backward(Tensor grad_loss, Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
+      "Tensor lse, int ignore_index, float label_smoothing, float softcap, float z_loss, str reduction, "
+      "SymInt tile_tokens, SymInt tile_vocab, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  // The automatic tile [tokens, vocabulary columns]; takes no tensor, so one kernel serves every backend.
+  m.def("linear_cross_entropy_tile(int tokens, int vocab, ScalarType dtype) -> int[]",
+        &torch_offload::linear_cross_entropy_tile_kernel);
 }

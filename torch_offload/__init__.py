@@ -23,6 +23,8 @@ __all__ = [
     "disk_spill_stats",
     "disk_wait",
     "library_path",
+    "linear_cross_entropy",
+    "linear_cross_entropy_tile",
     "offload_activations",
     "offload_pack",
     "offload_unpack",
@@ -129,3 +131,4 @@ def pinned_arena_stats() -> dict[str, int]:
 
 from .tiled_mlp import TiledMLP, tiled_apply, tiled_mlp, tiled_mlp_num_shards  # noqa: E402  (uses _require_tensor above)
 from .integrations import OffloadHandle, apply  # noqa: E402
+from .linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_tile  # noqa: E402

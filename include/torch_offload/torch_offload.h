@@ -135,4 +135,70 @@ inline int64_t tiled_mlp_num_shards(int64_t tokens, int64_t intermediate, bool g
   return handle.call(tokens, intermediate, gated, dtype);
 }
 
+// The LM head's cross-entropy, cross_entropy(hidden @ weight^T + bias, target),
+// computed in tiles of tokens x vocabulary so that no [tokens, V] logits tensor
+// exists: forward keeps a running log-sum-exp per token, backward recomputes each
+// tile's logits. hidden [..., h], weight [V, h], bias [V], target [...] int64
+// (int32 accepted). softcap > 0 caps the logits to softcap * tanh(logits /
+// softcap); z_loss > 0 adds z_loss * logsumexp^2 per token; label_smoothing and
+// ignore_index are F.cross_entropy's; reduction "mean" (over the tokens not
+// ignored), "sum" or "none" (a loss per token, 0 where ignored). tile_tokens and
+// tile_vocab <= 0 pick the tile from a memory budget (linear_cross_entropy_tile).
+inline at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
+                                       const std::optional<at::Tensor>& bias, const at::Tensor& target,
+                                       int64_t ignore_index = -100, double label_smoothing = 0.0,
+                                       double softcap = 0.0, double z_loss = 0.0,
+                                       std::string_view reduction = "mean", c10::SymInt tile_tokens = 0,
+                                       c10::SymInt tile_vocab = 0) {
+  TORCH_CHECK(hidden.defined(), "linear_cross_entropy: hidden is an undefined tensor; expected a defined tensor");
+  static const auto handle =
+      detail::op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+                            int64_t, double, double, double, std::string_view, c10::SymInt, c10::SymInt)>(
+          "offload::linear_cross_entropy");
+  return handle.call(hidden, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction,
+                     std::move(tile_tokens), std::move(tile_vocab));
+}
+
+// The forward that the autograd formula uses: (loss, log-sum-exp of each token
+// [tokens], float32, or float64 for float64 hidden), the latter for backward.
+inline std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward(
+    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& target, int64_t ignore_index, double label_smoothing, double softcap, double z_loss,
+    std::string_view reduction, c10::SymInt tile_tokens, c10::SymInt tile_vocab) {
+  TORCH_CHECK(hidden.defined(), "linear_cross_entropy: hidden is an undefined tensor; expected a defined tensor");
+  static const auto handle = detail::op<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, int64_t, double,
+      double, double, std::string_view, c10::SymInt, c10::SymInt)>("offload::linear_cross_entropy_forward");
+  return handle.call(hidden, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction,
+                     std::move(tile_tokens), std::move(tile_vocab));
+}
+
+// The gradients of linear_cross_entropy with respect to (hidden, weight, bias),
+// each computed only where output_mask asks for it and the input exists
+// (undefined otherwise); grad_loss has the loss's shape and lse is the forward's.
+// bf16/fp16 gradients add up in float32 and are rounded once.
+using LinearCrossEntropyGradients = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+inline LinearCrossEntropyGradients linear_cross_entropy_backward(
+    const at::Tensor& grad_loss, const at::Tensor& hidden, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& target, const at::Tensor& lse, int64_t ignore_index,
+    double label_smoothing, double softcap, double z_loss, std::string_view reduction, c10::SymInt tile_tokens,
+    c10::SymInt tile_vocab, std::array<bool, 3> output_mask) {
+  TORCH_CHECK(hidden.defined(),
+              "linear_cross_entropy_backward: hidden is an undefined tensor; expected a defined tensor");
+  static const auto handle = detail::op<LinearCrossEntropyGradients(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+      const at::Tensor&, int64_t, double, double, double, std::string_view, c10::SymInt, c10::SymInt,
+      std::array<bool, 3>)>("offload::linear_cross_entropy_backward");
+  return handle.call(grad_loss, hidden, weight, bias, target, lse, ignore_index, label_smoothing, softcap, z_loss,
+                     reduction, std::move(tile_tokens), std::move(tile_vocab), output_mask);
+}
+
+// The tile [tokens, vocabulary columns] linear_cross_entropy picks when tile_tokens
+// and tile_vocab are <= 0. It depends on these only, so every rank agrees.
+inline std::vector<int64_t> linear_cross_entropy_tile(int64_t tokens, int64_t vocab, c10::ScalarType dtype) {
+  static const auto handle =
+      detail::op<std::vector<int64_t>(int64_t, int64_t, c10::ScalarType)>("offload::linear_cross_entropy_tile");
+  return handle.call(tokens, vocab, dtype);
+}
+
 }  // namespace torch_offload

@@ -17,6 +17,7 @@
 #include <c10/util/Exception.h>
 
 #include "ops/common/checks.h"
+#include "ops/common/gemm.h"
 #include "ops/tiled_mlp/tiled_mlp_cpu_kernel.h"
 
 namespace torch_offload {
@@ -65,10 +66,6 @@ Activation parse_activation(std::string_view name, const char* op) {
   TORCH_CHECK(false, op, ": activation is '", name, "'; expected one of silu, gelu, gelu_tanh, relu");
 }
 
-at::Tensor value_or_undefined(const std::optional<at::Tensor>& t) {
-  return t.has_value() ? *t : at::Tensor();
-}
-
 // `t`'s device and dtype are x's, and its shape is `want` (`what` names it in the message).
 void check_like_x(const char* op, const char* arg, const at::Tensor& t, const at::Tensor& x,
                   c10::SymIntArrayRef want, const char* what) {
@@ -111,28 +108,6 @@ void check_mlp(const char* op, const at::Tensor& x, const at::Tensor& w_gate, co
   }
   if (b_down.defined()) {
     check_like_x(op, "b_down", b_down, x, {h}, "[h]");
-  }
-}
-
-// out <- in @ w^T + b (b may be undefined), in place: out is a slice of a bigger buffer.
-void linear_into(const at::Tensor& out, const at::Tensor& in, const at::Tensor& w, const at::Tensor& b) {
-  at::Tensor result = out;
-  if (b.defined()) {
-    at::addmm_out(result, b, in, w.t());
-  } else {
-    at::mm_out(result, in, w.t());
-  }
-}
-
-// acc += a @ b. Products of bf16/fp16 go unrounded into a float32 acc: on CUDA by
-// a GEMM with a float32 result, elsewhere by float32 operands.
-void accumulate_mm(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b) {
-  if (acc.scalar_type() == a.scalar_type()) {
-    acc.addmm_(a, b);
-  } else if (a.is_cuda()) {
-    acc.add_(at::mm(a, b, acc.scalar_type()));
-  } else {
-    acc.addmm_(a.to(acc.scalar_type()), b.to(acc.scalar_type()));
   }
 }
 

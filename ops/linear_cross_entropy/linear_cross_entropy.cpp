@@ -1,0 +1,386 @@
+// The tiling loop of linear_cross_entropy, the same on every device: GEMMs through
+// ATen into one reused [tile_tokens, tile_vocab] buffer, the per-tile elementwise
+// steps by the device's fused kernels, per-token bookkeeping by ATen on [tokens]
+// vectors.
+#include "ops/linear_cross_entropy/linear_cross_entropy.h"
+
+#include <algorithm>
+#include <limits>
+#include <string>
+
+#include <ATen/OpMathType.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/Version.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/log.h>
+#include <ATen/ops/nonzero.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/SymBool.h>
+#include <c10/util/Exception.h>
+
+#include "ops/common/checks.h"
+#include "ops/common/gemm.h"
+
+namespace torch_offload {
+
+// The automatic tile. Token tiles hold up to kMaxTileTokens tokens (the GEMMs'
+// shared dimension for the weight gradient: fewer tokens re-read the weight and its
+// gradient more often); vocabulary tiles then fill the logits buffer's byte budget,
+// between kMinTileVocab and kMaxTileVocab columns, so no tile spans a large
+// vocabulary. Both split their extent evenly. Depends only on the shapes and the
+// dtype, so every rank with the same shapes agrees.
+constexpr int64_t kTileBytes = int64_t{8} << 20;
+constexpr int64_t kMaxTileTokens = 1024;
+constexpr int64_t kMinTileVocab = 256;
+constexpr int64_t kMaxTileVocab = 4096;
+
+namespace {
+
+// The part size when `extent` is split into equal parts of at most `most` (1 for no extent).
+int64_t even_split(int64_t extent, int64_t most) {
+  if (extent <= 0) {
+    return 1;
+  }
+  const int64_t parts = (extent + most - 1) / most;
+  return (extent + parts - 1) / parts;
+}
+
+}  // namespace
+
+std::vector<int64_t> linear_cross_entropy_tile_kernel(int64_t tokens, int64_t vocab, c10::ScalarType dtype) {
+  TORCH_CHECK(tokens >= 0 && vocab >= 0, "linear_cross_entropy_tile: tokens is ", tokens, " and vocab is ", vocab,
+              "; expected sizes >= 0");
+  const int64_t tile_tokens = even_split(tokens, kMaxTileTokens);
+  const int64_t budget_vocab =
+      std::clamp(kTileBytes / (tile_tokens * static_cast<int64_t>(c10::elementSize(dtype))), kMinTileVocab,
+                 kMaxTileVocab);
+  return {tile_tokens, even_split(vocab, budget_vocab)};
+}
+
+namespace {
+
+enum class Reduction { kMean, kSum, kNone };
+
+Reduction parse_reduction(std::string_view name, const char* op) {
+  if (name == "mean") {
+    return Reduction::kMean;
+  }
+  if (name == "sum") {
+    return Reduction::kSum;
+  }
+  TORCH_CHECK(name == "none", op, ": reduction is '", name, "'; expected one of mean, sum, none");
+  return Reduction::kNone;
+}
+
+// `t` is on hidden's device with `dtype`, shaped `want` (`what` names it in the message).
+void check_tensor(const char* op, const char* arg, const at::Tensor& t, const at::Tensor& hidden,
+                  c10::ScalarType dtype, c10::SymIntArrayRef want, const char* what) {
+  check_defined(t, op, arg);
+  TORCH_CHECK(t.device() == hidden.device(), op, ": ", arg, " is on ", t.device(), " but hidden is on ",
+              hidden.device(), "; every tensor must be on hidden's device");
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", arg, " has dtype ", t.scalar_type(), "; expected ", dtype);
+  TORCH_CHECK(t.dim() == static_cast<int64_t>(want.size()), op, ": ", arg, " has shape ", t.sym_sizes(),
+              "; expected ", what, " = ", want);
+  for (size_t i = 0; i < want.size(); ++i) {
+    TORCH_SYM_CHECK(t.sym_size(static_cast<int64_t>(i)).sym_eq(want[i]), op, ": ", arg, " has shape ",
+                    t.sym_sizes(), "; expected ", what, " = ", want);
+  }
+}
+
+// Every argument against hidden [..., h] and weight [V, h]; works on symbolic shapes.
+Reduction check_arguments(const char* op, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
+                          const at::Tensor& target, double label_smoothing, double softcap, double z_loss,
+                          std::string_view reduction) {
+  const Reduction parsed = parse_reduction(reduction, op);
+  check_defined(hidden, op, "hidden");
+  const auto dtype = hidden.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              ": hidden has dtype ", dtype, "; expected float32, float64, bfloat16 or float16");
+  TORCH_CHECK(hidden.dim() >= 1, op, ": hidden is a 0-d tensor; expected [..., h]");
+  check_defined(weight, op, "weight");
+  TORCH_CHECK(weight.dim() == 2, op, ": weight has shape ", weight.sym_sizes(), "; expected [V, h]");
+  const c10::SymInt h = hidden.sym_size(-1);
+  const c10::SymInt vocab = weight.sym_size(0);
+  check_tensor(op, "weight", weight, hidden, dtype, {vocab, h}, "[V, h]");
+  if (bias.defined()) {
+    check_tensor(op, "bias", bias, hidden, dtype, {vocab}, "[V]");
+  }
+  check_defined(target, op, "target");
+  TORCH_CHECK(target.scalar_type() == at::kLong || target.scalar_type() == at::kInt, op, ": target has dtype ",
+              target.scalar_type(), "; expected int64 (or int32) class indices");
+  check_tensor(op, "target", target, hidden, target.scalar_type(), hidden.sym_sizes().slice(0, hidden.dim() - 1),
+               "hidden's shape without h");
+  TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, op, ": label_smoothing is ", label_smoothing,
+              "; expected a value in [0, 1]");
+  TORCH_CHECK(softcap >= 0.0 && softcap < std::numeric_limits<double>::infinity(), op, ": softcap is ", softcap,
+              "; expected a finite value >= 0 (0: no softcap)");
+  TORCH_CHECK(z_loss >= 0.0 && z_loss < std::numeric_limits<double>::infinity(), op, ": z_loss is ", z_loss,
+              "; expected a finite value >= 0");
+  return parsed;
+}
+
+// A target outside [0, V) that is not ignore_index would index no logit: an error
+// naming the value, before any work (on CUDA this waits for the check's result).
+void check_target_values(const char* op, const at::Tensor& target, int64_t vocab, int64_t ignore_index) {
+  const at::Tensor bad = target.ne(ignore_index).logical_and(target.lt(0).logical_or(target.ge(vocab)));
+  if (bad.any().item<bool>()) {
+    const int64_t index = at::nonzero(bad)[0][0].item<int64_t>();
+    TORCH_CHECK(false, op, ": target holds ", target[index].item<int64_t>(), " at (flattened) index ", index,
+                "; expected class indices in [0, ", vocab, ") or ignore_index (", ignore_index, ")");
+  }
+}
+
+// Tokens of a tile and vocabulary columns of a tile: explicit (> 0) or automatic.
+std::pair<int64_t, int64_t> tile_shape(int64_t tokens, int64_t vocab, c10::ScalarType dtype,
+                                       const c10::SymInt& tile_tokens, const c10::SymInt& tile_vocab) {
+  const std::vector<int64_t> automatic = linear_cross_entropy_tile_kernel(tokens, vocab, dtype);
+  const int64_t rows = tile_tokens.expect_int();
+  const int64_t cols = tile_vocab.expect_int();
+  return {rows > 0 ? std::min(rows, std::max<int64_t>(tokens, 1)) : automatic[0],
+          cols > 0 ? std::min(cols, std::max<int64_t>(vocab, 1)) : automatic[1]};
+}
+
+// The flattened problem: hidden [T, h] contiguous, target [T] int64.
+struct Flat {
+  at::Tensor hidden, target;
+  int64_t tokens, vocab;
+};
+
+Flat flatten(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target) {
+  Flat f;
+  f.hidden = hidden.reshape({-1, hidden.size(-1)}).contiguous();
+  f.target = target.reshape({-1}).to(at::kLong).contiguous();
+  f.tokens = f.target.size(0);
+  f.vocab = weight.size(0);
+  return f;
+}
+
+// A [rows, cols] contiguous view at the start of the flat tile buffer.
+at::Tensor tile_view(const at::Tensor& buffer, int64_t rows, int64_t cols) {
+  return buffer.narrow(0, 0, rows * cols).view({rows, cols});
+}
+
+at::Tensor narrow_or_undefined(const at::Tensor& t, int64_t start, int64_t length) {
+  return t.defined() ? t.narrow(0, start, length) : t;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_impl(
+    const CrossEntropyTileKernels& kernels, const at::Tensor& hidden, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias_opt, const at::Tensor& target, int64_t ignore_index, double label_smoothing,
+    double softcap, double z_loss, std::string_view reduction, const c10::SymInt& tile_tokens,
+    const c10::SymInt& tile_vocab) {
+  const char* op = "linear_cross_entropy";
+  const at::Tensor bias = value_or_undefined(bias_opt);
+  const Reduction parsed =
+      check_arguments(op, hidden, weight, bias, target, label_smoothing, softcap, z_loss, reduction);
+  const Flat f = flatten(hidden, weight, target);
+  check_target_values(op, f.target, f.vocab, ignore_index);
+  const auto dtype = hidden.scalar_type();
+  const auto acc_options = hidden.options().dtype(at::toOpMathType(dtype));
+
+  // Per token: the running max and sum of exp(z - max), z of the target, sum of z.
+  const at::Tensor max = at::full({f.tokens}, -std::numeric_limits<double>::infinity(), acc_options);
+  const at::Tensor sum_exp = at::zeros({f.tokens}, acc_options);
+  const at::Tensor target_z = at::zeros({f.tokens}, acc_options);
+  const at::Tensor sum_z = at::zeros({f.tokens}, acc_options);
+  const CrossEntropyOptions options{softcap, label_smoothing, z_loss, f.vocab};
+  if (f.tokens > 0 && f.vocab > 0) {
+    const auto [tile_rows, tile_cols] = tile_shape(f.tokens, f.vocab, dtype, tile_tokens, tile_vocab);
+    const at::Tensor buffer = at::empty({tile_rows * tile_cols}, hidden.options());
+    for (int64_t start = 0; start < f.tokens; start += tile_rows) {
+      const int64_t rows = std::min(tile_rows, f.tokens - start);
+      const at::Tensor hidden_tile = f.hidden.narrow(0, start, rows);
+      const at::Tensor target_tile = f.target.narrow(0, start, rows);
+      for (int64_t col0 = 0; col0 < f.vocab; col0 += tile_cols) {
+        const int64_t cols = std::min(tile_cols, f.vocab - col0);
+        const at::Tensor logits = tile_view(buffer, rows, cols);
+        linear_into(logits, hidden_tile, weight.narrow(0, col0, cols), narrow_or_undefined(bias, col0, cols));
+        kernels.forward(options, logits, target_tile, col0, max.narrow(0, start, rows),
+                        sum_exp.narrow(0, start, rows), target_z.narrow(0, start, rows),
+                        sum_z.narrow(0, start, rows));
+      }
+    }
+  }
+  const at::Tensor lse = max + at::log(sum_exp);
+  at::Tensor per_token = lse - (1.0 - label_smoothing) * target_z;
+  if (label_smoothing > 0) {
+    per_token -= (label_smoothing / static_cast<double>(f.vocab)) * sum_z;
+  }
+  if (z_loss > 0) {
+    per_token += z_loss * lse * lse;
+  }
+  const at::Tensor valid = f.target.ne(ignore_index);
+  per_token = at::where(valid, per_token, at::zeros({}, acc_options));
+  at::Tensor loss;
+  switch (parsed) {
+    case Reduction::kNone:
+      loss = per_token.to(dtype).view(target.sizes());
+      break;
+    case Reduction::kSum:
+      loss = per_token.sum().to(dtype);
+      break;
+    case Reduction::kMean:
+      // No counted token gives 0 / 0 = nan, as F.cross_entropy.
+      loss = (per_token.sum() / valid.sum()).to(dtype);
+      break;
+  }
+  return {loss, lse};
+}
+
+LinearCrossEntropyGradients linear_cross_entropy_backward_impl(
+    const CrossEntropyTileKernels& kernels, const at::Tensor& grad_loss, const at::Tensor& hidden,
+    const at::Tensor& weight, const std::optional<at::Tensor>& bias_opt, const at::Tensor& target, const at::Tensor& lse,
+    int64_t ignore_index, double label_smoothing, double softcap, double z_loss, std::string_view reduction,
+    const c10::SymInt& tile_tokens, const c10::SymInt& tile_vocab, std::array<bool, 3> output_mask) {
+  const char* op = "linear_cross_entropy_backward";
+  const at::Tensor bias = value_or_undefined(bias_opt);
+  const Reduction parsed =
+      check_arguments(op, hidden, weight, bias, target, label_smoothing, softcap, z_loss, reduction);
+  const auto dtype = hidden.scalar_type();
+  const auto acc_type = at::toOpMathType(dtype);
+  check_tensor(op, "lse", lse, hidden, acc_type, {target.sym_numel()}, "[tokens]");
+  check_defined(grad_loss, op, "grad_loss");
+  check_tensor(op, "grad_loss", grad_loss, hidden, grad_loss.scalar_type(),
+               parsed == Reduction::kNone ? target.sym_sizes() : c10::SymIntArrayRef{},
+               parsed == Reduction::kNone ? "target's shape" : "a scalar");
+  const Flat f = flatten(hidden, weight, target);
+  check_target_values(op, f.target, f.vocab, ignore_index);
+  const auto acc_options = hidden.options().dtype(acc_type);
+
+  const bool want_hidden = output_mask[0];
+  const bool want_weight = output_mask[1];
+  const bool want_bias = output_mask[2] && bias.defined();
+
+  // Each token's weight in the reduction; 0 for ignored tokens.
+  const at::Tensor valid = f.target.ne(ignore_index);
+  at::Tensor scale = parsed == Reduction::kNone ? grad_loss.reshape({-1}).to(acc_type) : grad_loss.to(acc_type);
+  if (parsed == Reduction::kMean) {
+    scale = scale / valid.sum();
+  }
+  const at::Tensor grad_scale = at::where(valid, scale, at::zeros({}, acc_options)).expand({f.tokens}).contiguous();
+
+  const int64_t h = hidden.size(-1);
+  at::Tensor grad_hidden = want_hidden ? at::zeros({f.tokens, h}, hidden.options()) : at::Tensor();
+  at::Tensor grad_weight = want_weight ? at::zeros({f.vocab, h}, acc_options) : at::Tensor();
+  at::Tensor grad_bias = want_bias ? at::zeros({f.vocab}, acc_options) : at::Tensor();
+
+  if (f.tokens > 0 && f.vocab > 0 && (want_hidden || want_weight || want_bias)) {
+    const CrossEntropyOptions options{softcap, label_smoothing, z_loss, f.vocab};
+    const auto [tile_rows, tile_cols] = tile_shape(f.tokens, f.vocab, dtype, tile_tokens, tile_vocab);
+    const at::Tensor buffer = at::empty({tile_rows * tile_cols}, hidden.options());
+    // bf16/fp16 gradients add up over the tiles in float32 and are rounded once;
+    // off CUDA the GEMM operands are converted to float32 (hidden once per token tile).
+    const bool reduced = acc_type != dtype;
+    const bool convert = reduced && !hidden.is_cuda();
+    const at::Tensor hidden_acc_buffer = want_hidden && reduced ? at::empty({tile_rows, h}, acc_options) : at::Tensor();
+    for (int64_t start = 0; start < f.tokens; start += tile_rows) {
+      const int64_t rows = std::min(tile_rows, f.tokens - start);
+      const at::Tensor hidden_tile = f.hidden.narrow(0, start, rows);
+      const at::Tensor hidden_operand = convert && want_weight ? hidden_tile.to(acc_type) : hidden_tile;
+      const at::Tensor target_tile = f.target.narrow(0, start, rows);
+      at::Tensor grad_hidden_tile;
+      if (want_hidden) {
+        grad_hidden_tile = reduced ? hidden_acc_buffer.narrow(0, 0, rows).zero_() : grad_hidden.narrow(0, start, rows);
+      }
+      for (int64_t col0 = 0; col0 < f.vocab; col0 += tile_cols) {
+        const int64_t cols = std::min(tile_cols, f.vocab - col0);
+        const at::Tensor weight_tile = weight.narrow(0, col0, cols);
+        const at::Tensor logits = tile_view(buffer, rows, cols);
+        linear_into(logits, hidden_tile, weight_tile, narrow_or_undefined(bias, col0, cols));
+        kernels.backward(options, logits, target_tile, col0, lse.narrow(0, start, rows),
+                         grad_scale.narrow(0, start, rows));  // logits now hold d loss / d logits
+        const at::Tensor d_logits = convert ? logits.to(acc_type) : logits;
+        if (want_hidden) {
+          accumulate_mm(grad_hidden_tile, d_logits, convert ? weight_tile.to(acc_type) : weight_tile);
+        }
+        if (want_weight) {
+          accumulate_mm(grad_weight.narrow(0, col0, cols), d_logits.t(), hidden_operand);
+        }
+        if (want_bias) {
+          grad_bias.narrow(0, col0, cols).add_(at::sum(d_logits, {0}, false, acc_type));
+        }
+      }
+      if (want_hidden && reduced) {
+        grad_hidden.narrow(0, start, rows).copy_(grad_hidden_tile);
+      }
+    }
+  }
+
+  const auto to_dtype = [&](const at::Tensor& t) { return t.defined() ? t.to(dtype) : t; };
+  return {want_hidden ? grad_hidden.view(hidden.sizes()) : grad_hidden, to_dtype(grad_weight), to_dtype(grad_bias)};
+}
+
+const CrossEntropyTileKernels& cpu_cross_entropy_kernels() {
+#ifdef TORCH_OFFLOAD_CPU_AVX_KERNELS
+  static const CrossEntropyTileKernels& kernels = []() -> const CrossEntropyTileKernels& {
+    const std::string capability = at::get_cpu_capability();
+    if (capability == "AVX512") {
+      return AVX512::cross_entropy_kernels_cpu;
+    }
+    if (capability == "AVX2") {
+      return AVX2::cross_entropy_kernels_cpu;
+    }
+    return DEFAULT::cross_entropy_kernels_cpu;
+  }();
+  return kernels;
+#else
+  return DEFAULT::cross_entropy_kernels_cpu;
+#endif
+}
+
+at::Tensor linear_cross_entropy_cpu(TORCH_OFFLOAD_LCE_ARGS) {
+  return std::get<0>(linear_cross_entropy_forward_impl(cpu_cross_entropy_kernels(), hidden, weight, bias, target,
+                                                       ignore_index, label_smoothing, softcap, z_loss, reduction,
+                                                       tile_tokens, tile_vocab));
+}
+
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_cpu(TORCH_OFFLOAD_LCE_ARGS) {
+  return linear_cross_entropy_forward_impl(cpu_cross_entropy_kernels(), hidden, weight, bias, target, ignore_index,
+                                           label_smoothing, softcap, z_loss, reduction, tile_tokens, tile_vocab);
+}
+
+LinearCrossEntropyGradients linear_cross_entropy_backward_cpu(TORCH_OFFLOAD_LCE_BACKWARD_ARGS) {
+  return linear_cross_entropy_backward_impl(cpu_cross_entropy_kernels(), grad_loss, hidden, weight, bias, target, lse,
+                                            ignore_index, label_smoothing, softcap, z_loss, reduction, tile_tokens,
+                                            tile_vocab, output_mask);
+}
+
+// Meta: the same checks (on symbolic shapes), then results shaped like the real ones.
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_meta(TORCH_OFFLOAD_LCE_ARGS) {
+  const Reduction parsed = check_arguments("linear_cross_entropy", hidden, weight, value_or_undefined(bias), target,
+                                           label_smoothing, softcap, z_loss, reduction);
+  (void)ignore_index, (void)tile_tokens, (void)tile_vocab;
+  const at::Tensor loss = at::empty_symint(parsed == Reduction::kNone ? target.sym_sizes() : c10::SymIntArrayRef{},
+                                           hidden.options());
+  const at::Tensor lse =
+      at::empty_symint({target.sym_numel()}, hidden.options().dtype(at::toOpMathType(hidden.scalar_type())));
+  return {loss, lse};
+}
+
+at::Tensor linear_cross_entropy_meta(TORCH_OFFLOAD_LCE_ARGS) {
+  return std::get<0>(linear_cross_entropy_forward_meta(hidden, weight, bias, target, ignore_index, label_smoothing,
+                                                       softcap, z_loss, reduction, tile_tokens, tile_vocab));
+}
+
+LinearCrossEntropyGradients linear_cross_entropy_backward_meta(TORCH_OFFLOAD_LCE_BACKWARD_ARGS) {
+  const char* op = "linear_cross_entropy_backward";
+  const at::Tensor b = value_or_undefined(bias);
+  const Reduction parsed = check_arguments(op, hidden, weight, b, target, label_smoothing, softcap, z_loss, reduction);
+  (void)ignore_index, (void)tile_tokens, (void)tile_vocab;
+  check_tensor(op, "lse", lse, hidden, at::toOpMathType(hidden.scalar_type()), {target.sym_numel()}, "[tokens]");
+  check_defined(grad_loss, op, "grad_loss");
+  check_tensor(op, "grad_loss", grad_loss, hidden, grad_loss.scalar_type(),
+               parsed == Reduction::kNone ? target.sym_sizes() : c10::SymIntArrayRef{},
+               parsed == Reduction::kNone ? "target's shape" : "a scalar");
+  const auto like = [](bool want, const at::Tensor& t) {
+    return want && t.defined() ? at::empty_symint(t.sym_sizes(), t.options()) : at::Tensor();
+  };
+  return {like(output_mask[0], hidden), like(output_mask[1], weight), like(output_mask[2], b)};
+}
+
+}  // namespace torch_offload

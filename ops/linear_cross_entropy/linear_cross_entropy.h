@@ -1,0 +1,95 @@
+#pragma once
+// linear_cross_entropy kernels: the LM head's cross-entropy computed in tiles of
+// tokens x vocabulary, so that no [tokens, V] (nor [tile_tokens, V]) logits tensor
+// exists. The tiling loop (linear_cross_entropy.cpp) is the same on every device;
+// each device brings its fused per-tile kernels. Registration lives in registration/.
+#include <array>
+#include <optional>
+#include <string_view>
+#include <tuple>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/SymInt.h>
+
+#include "torch_offload/torch_offload.h"
+
+namespace torch_offload {
+
+// What the per-tile kernels need besides tensors.
+struct CrossEntropyOptions {
+  double softcap;          // 0: no softcap
+  double label_smoothing;  // eps in [0, 1]
+  double z_loss;           // 0: no z-loss
+  int64_t vocab;           // V, for eps / V
+};
+
+// The fused steps on one contiguous [rows, cols] tile of logits, columns [col0,
+// col0 + cols) of the vocabulary; target and the per-row tensors are the tile's rows.
+struct CrossEntropyTileKernels {
+  // Folds the tile into the rows' running max and sum of exp(z - max) (online
+  // log-sum-exp), writes z of the target into target_z where the target falls in
+  // the tile, and adds the tile's sum of z into sum_z when label smoothing needs it.
+  // May overwrite the logits.
+  void (*forward)(const CrossEntropyOptions& options, const at::Tensor& logits, const at::Tensor& target, int64_t col0,
+                  const at::Tensor& max, const at::Tensor& sum_exp, const at::Tensor& target_z,
+                  const at::Tensor& sum_z);
+  // Logits <- the loss's gradient by them, given each row's log-sum-exp and
+  // weight g in the reduction (0 for ignored tokens).
+  void (*backward)(const CrossEntropyOptions& options, const at::Tensor& logits, const at::Tensor& target,
+                   int64_t col0, const at::Tensor& lse, const at::Tensor& grad_scale);
+};
+
+// The device-generic forward: (loss, log-sum-exp per token [T] in float32, or
+// float64 for float64 inputs), and the backward that reuses the log-sum-exp.
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_impl(
+    const CrossEntropyTileKernels& kernels, const at::Tensor& hidden, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& target, int64_t ignore_index, double label_smoothing,
+    double softcap, double z_loss, std::string_view reduction, const c10::SymInt& tile_tokens,
+    const c10::SymInt& tile_vocab);
+LinearCrossEntropyGradients linear_cross_entropy_backward_impl(
+    const CrossEntropyTileKernels& kernels, const at::Tensor& grad_loss, const at::Tensor& hidden,
+    const at::Tensor& weight, const std::optional<at::Tensor>& bias, const at::Tensor& target, const at::Tensor& lse,
+    int64_t ignore_index, double label_smoothing, double softcap, double z_loss, std::string_view reduction,
+    const c10::SymInt& tile_tokens, const c10::SymInt& tile_vocab, std::array<bool, 3> output_mask);
+
+// The automatic tile ([tokens, vocabulary]) for `tokens` tokens, a vocabulary of
+// `vocab` and `dtype`: a pure function of these, so every rank agrees on it.
+std::vector<int64_t> linear_cross_entropy_tile_kernel(int64_t tokens, int64_t vocab, c10::ScalarType dtype);
+
+// The kernels registered per dispatch key.
+#define TORCH_OFFLOAD_LCE_ARGS                                                                                   \
+  const at::Tensor &hidden, const at::Tensor &weight, const std::optional<at::Tensor>&bias,                      \
+      const at::Tensor &target, int64_t ignore_index, double label_smoothing, double softcap, double z_loss,     \
+      c10::string_view reduction, c10::SymInt tile_tokens, c10::SymInt tile_vocab
+#define TORCH_OFFLOAD_LCE_BACKWARD_ARGS                                                                          \
+  const at::Tensor &grad_loss, const at::Tensor &hidden, const at::Tensor &weight,                              \
+      const std::optional<at::Tensor>&bias, const at::Tensor &target, const at::Tensor &lse, int64_t ignore_index, \
+      double label_smoothing, double softcap, double z_loss, c10::string_view reduction, c10::SymInt tile_tokens, \
+      c10::SymInt tile_vocab, std::array<bool, 3> output_mask
+
+at::Tensor linear_cross_entropy_cpu(TORCH_OFFLOAD_LCE_ARGS);
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_cpu(TORCH_OFFLOAD_LCE_ARGS);
+LinearCrossEntropyGradients linear_cross_entropy_backward_cpu(TORCH_OFFLOAD_LCE_BACKWARD_ARGS);
+at::Tensor linear_cross_entropy_meta(TORCH_OFFLOAD_LCE_ARGS);
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_meta(TORCH_OFFLOAD_LCE_ARGS);
+LinearCrossEntropyGradients linear_cross_entropy_backward_meta(TORCH_OFFLOAD_LCE_BACKWARD_ARGS);
+#ifdef TORCH_OFFLOAD_WITH_CUDA
+at::Tensor linear_cross_entropy_cuda(TORCH_OFFLOAD_LCE_ARGS);
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_cuda(TORCH_OFFLOAD_LCE_ARGS);
+LinearCrossEntropyGradients linear_cross_entropy_backward_cuda(TORCH_OFFLOAD_LCE_BACKWARD_ARGS);
+#endif
+
+// The fused CPU tile kernels, compiled once per x86 vector capability as
+// tiled_mlp's are (linear_cross_entropy_cpu_kernel.cpp), and the pick for this machine.
+namespace DEFAULT {
+extern const CrossEntropyTileKernels cross_entropy_kernels_cpu;
+}
+namespace AVX2 {
+extern const CrossEntropyTileKernels cross_entropy_kernels_cpu;
+}
+namespace AVX512 {
+extern const CrossEntropyTileKernels cross_entropy_kernels_cpu;
+}
+const CrossEntropyTileKernels& cpu_cross_entropy_kernels();
+
+}  // namespace torch_offload

@@ -1,0 +1,490 @@
+"""linear_cross_entropy: loss and gradients against eager F.cross_entropy(F.linear(...)) with the same
+softcap / z-loss in plain torch, gradcheck, opcheck, torch.compile, TorchScript, autocast, gradients
+that are not needed, memory (no [tokens, V] tensor), errors."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch.testing._internal.optests import opcheck
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torch_offload
+
+
+def reference(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+              softcap=None, z_loss=0.0):
+    """The eager loss: logits in hidden's dtype, softcap and z-loss written in plain torch."""
+    logits = F.linear(hidden, weight, bias)
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    flat_logits, flat_target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+    loss = F.cross_entropy(flat_logits, flat_target, ignore_index=ignore_index, reduction="none",
+                           label_smoothing=label_smoothing)
+    if z_loss:
+        loss = torch.where(flat_target != ignore_index, loss + z_loss * flat_logits.logsumexp(-1).square(), 0.0)
+    if reduction == "mean":
+        return loss.sum() / (flat_target != ignore_index).sum()
+    if reduction == "sum":
+        return loss.sum()
+    return loss.view(target.shape)
+
+
+def make_inputs(shape, vocab, bias=False, dtype=torch.float32, seed=0, ignored_every=0):
+    """(hidden [*shape], weight [vocab, h], bias, target): hidden and weights require grad, logits are O(1)."""
+    generator = torch.Generator().manual_seed(seed)
+    h = shape[-1]
+
+    def rand(*size, scale=1.0):
+        return (torch.randn(*size, generator=generator, dtype=torch.float64) * scale).to(dtype).requires_grad_()
+
+    hidden = rand(*shape)
+    weight = rand(vocab, h, scale=2 * h**-0.5)
+    b = rand(vocab, scale=0.5) if bias else None
+    target = torch.randint(0, vocab, shape[:-1], generator=generator)
+    if ignored_every:
+        target.view(-1)[1::ignored_every] = -100
+    return hidden, weight, b, target
+
+
+def call(hidden, weight, b, target, **kwargs):
+    return torch_offload.linear_cross_entropy(hidden, weight, target, bias=b, **kwargs)
+
+
+def loss_and_grads(fn, leaves, grad_out=None):
+    loss = fn()
+    grad_out = torch.ones_like(loss) if grad_out is None else grad_out
+    return loss.detach(), torch.autograd.grad(loss, leaves, grad_out)
+
+
+def assert_close_f32(got, want):
+    """Within 1e-5 relative to want's largest element (sums over tokens or classes cancel)."""
+    scale = max(want.abs().max().item(), 1e-3) if want.numel() else 0.0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale, equal_nan=True)
+
+
+def relative_error(got, want):
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+# (hidden shape, vocab, tile_tokens, tile_vocab): tokens and vocabulary not multiples of the tile,
+# fewer tokens / classes than a tile, 3-D and 1-D hidden, one tile, automatic tiles.
+SHAPES = [
+    ((37, 16), 53, 8, 16),
+    ((2, 13, 16), 70, 5, 32),
+    ((3, 16), 300, 8, 64),
+    ((40, 8), 7, 16, 32),
+    ((16,), 29, 4, 8),
+    ((21, 16), 45, 0, 0),
+    ((9, 16), 2000, 0, 0),
+]
+OPTIONS = {
+    "plain": {},
+    "bias": {"bias": True},
+    "smoothing": {"label_smoothing": 0.1},
+    "softcap": {"softcap": 3.0},
+    "z_loss": {"z_loss": 1e-2},
+    "all": {"bias": True, "label_smoothing": 0.25, "softcap": 2.0, "z_loss": 1e-3},
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("option", OPTIONS, ids=str)
+@pytest.mark.parametrize("shape, vocab, tile_tokens, tile_vocab", SHAPES, ids=[str(s) for s in SHAPES])
+def test_matches_eager_float32(shape, vocab, tile_tokens, tile_vocab, option, reduction):
+    kwargs = dict(OPTIONS[option])
+    hidden, weight, b, target = make_inputs(shape, vocab, bias=kwargs.pop("bias", False), ignored_every=5)
+    leaves = [t for t in (hidden, weight, b) if t is not None]
+    want_loss = reference(hidden, weight, target, b, reduction=reduction, **kwargs)
+    grad_out = torch.rand_like(want_loss) + 0.5
+    want, want_grads = loss_and_grads(lambda: want_loss, leaves, grad_out)
+    got, got_grads = loss_and_grads(lambda: call(hidden, weight, b, target, reduction=reduction,
+                                                 tile_tokens=tile_tokens, tile_vocab=tile_vocab, **kwargs),
+                                    leaves, grad_out)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert_close_f32(got, want)
+    for g, w in zip(got_grads, want_grads):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert_close_f32(g, w)
+
+
+@pytest.mark.parametrize("option", ["plain", "smoothing", "all"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_tokens_ignored_matches_eager(option, reduction):
+    kwargs = dict(OPTIONS[option])
+    hidden, weight, b, target = make_inputs((6, 16), 20, bias=kwargs.pop("bias", False))
+    target.fill_(-100)
+    leaves = [t for t in (hidden, weight, b) if t is not None]
+    want, want_grads = loss_and_grads(lambda: reference(hidden, weight, target, b, reduction=reduction, **kwargs),
+                                      leaves)
+    got, got_grads = loss_and_grads(lambda: call(hidden, weight, b, target, reduction=reduction, tile_tokens=4,
+                                                 tile_vocab=8, **kwargs), leaves)
+    if reduction == "mean":
+        assert got.isnan() and want.isnan()  # 0 / 0, as F.cross_entropy
+    torch.testing.assert_close(got, want, equal_nan=True)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w)
+
+
+def test_custom_ignore_index_and_int32_target():
+    hidden, weight, _, target = make_inputs((30, 16), 40)
+    target[::3] = 7
+    want = reference(hidden, weight, target, ignore_index=7, label_smoothing=0.2)
+    assert_close_f32(call(hidden, weight, None, target.int(), ignore_index=7, label_smoothing=0.2, tile_tokens=8,
+                          tile_vocab=16), want)
+
+
+def test_gradcheck_float64():
+    for kwargs in ({"reduction": "mean"}, {"reduction": "none", "label_smoothing": 0.3, "softcap": 1.5,
+                                           "z_loss": 0.1}):
+        hidden, weight, b, target = make_inputs((2, 5, 6), 11, bias=True, dtype=torch.float64, ignored_every=4)
+        assert torch.autograd.gradcheck(
+            lambda h, w, bb: call(h, w, bb, target, tile_tokens=3, tile_vocab=4, **kwargs), (hidden, weight, b))
+
+
+def test_tied_weight_gets_both_gradients():
+    # The head's weight is the embedding matrix: its gradient is the embedding's plus the head's.
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(50, 16)
+    proj = torch.nn.Linear(16, 16)
+    ids = torch.randint(0, 50, (3, 11))
+    target = torch.randint(0, 50, (3, 11))
+
+    def loss(fn):
+        embedding.zero_grad()
+        proj.zero_grad()
+        fn(torch.tanh(proj(embedding(ids))), embedding.weight, target).backward()
+        return [p.grad.clone() for p in (embedding.weight, proj.weight, proj.bias)]
+
+    got = loss(lambda h, w, t: torch_offload.linear_cross_entropy(h, w, t, tile_tokens=8, tile_vocab=16))
+    want = loss(reference)
+    for g, w in zip(got, want):
+        assert_close_f32(g, w)
+
+
+class RecordBackwardMask(TorchDispatchMode):
+    """Records the output_mask of every linear_cross_entropy_backward call."""
+
+    def __init__(self):
+        super().__init__()
+        self.masks = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.offload.linear_cross_entropy_backward.default:
+            self.masks.append(list(args[-1]))
+        return func(*args, **(kwargs or {}))
+
+
+def gemm_count(fn):
+    with torch.profiler.profile() as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm", "aten::addmm_"))
+
+
+@pytest.mark.parametrize(
+    "trainable, expected_mask",
+    [
+        ({"hidden"}, [True, False, False]),  # frozen (or LoRA'd) head
+        ({"weight", "bias"}, [False, True, True]),
+        ({"hidden", "bias"}, [True, False, True]),
+    ],
+    ids=["frozen_head", "head_only", "hidden_and_bias"],
+)
+def test_gradients_not_needed_are_not_computed(trainable, expected_mask):
+    names = ["hidden", "weight", "bias"]
+    *tensors, target = make_inputs((20, 16), 30, bias=True)
+    inputs = [t.detach().requires_grad_(name in trainable) for name, t in zip(names, tensors)]
+    leaves = [t for t in inputs if t.requires_grad]
+    with RecordBackwardMask() as mode:
+        grads = torch.autograd.grad(call(*inputs, target, tile_tokens=8, tile_vocab=8), leaves)
+    assert mode.masks == [expected_mask]
+    for g, w in zip(grads, torch.autograd.grad(reference(inputs[0], inputs[1], target, inputs[2]), leaves)):
+        assert_close_f32(g, w)
+    # The op returns None where the mask says no, and runs fewer GEMMs.
+    detached = [t.detach() for t in inputs]
+    _, lse = torch.ops.offload.linear_cross_entropy_forward(*detached, target, -100, 0.0, 0.0, 0.0, "mean", 8, 8)
+
+    def backward(mask):
+        return torch.ops.offload.linear_cross_entropy_backward(torch.tensor(1.0), *detached, target, lse, -100, 0.0,
+                                                               0.0, 0.0, "mean", 8, 8, mask)
+
+    assert [r is not None for r in backward(expected_mask)] == expected_mask
+    assert gemm_count(lambda: backward(expected_mask)) < gemm_count(lambda: backward([True] * 3))
+
+
+def test_forward_op_returns_the_float32_log_sum_exp():
+    hidden, weight, b, target = [t.detach() if t is not None else None for t in make_inputs((2, 7, 16), 33, True)]
+    loss, lse = torch.ops.offload.linear_cross_entropy_forward(hidden.bfloat16(), weight.bfloat16(), b.bfloat16(),
+                                                               target, -100, 0.0, 0.0, 0.0, "none", 4, 8)
+    assert loss.dtype == torch.bfloat16 and loss.shape == (2, 7)
+    assert lse.dtype == torch.float32 and lse.shape == (14,)
+    want = F.linear(hidden.bfloat16(), weight.bfloat16(), b.bfloat16()).float().logsumexp(-1).view(-1)
+    torch.testing.assert_close(lse, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_reduced_precision_is_as_close_to_float64_as_eager(dtype):
+    # Many tiles: per-tile roundings of bf16/fp16 gradient sums would show here. The float64
+    # reference runs on the same (rounded) values, so only the arithmetic's roundings count.
+    inputs64 = make_inputs((2, 300, 32), 500, bias=True, dtype=torch.float64, ignored_every=7)
+    inputs = [t.detach().to(dtype).requires_grad_() for t in inputs64[:3]]
+    inputs64 = [t.detach().to(dtype).double().requires_grad_() for t in inputs64[:3]]
+    target = make_inputs((2, 300, 32), 500, ignored_every=7)[3]
+    for kwargs in ({}, {"label_smoothing": 0.1, "softcap": 4.0, "z_loss": 1e-3}):
+        want, want_grads = loss_and_grads(lambda: reference(*inputs64[:2], target, inputs64[2], **kwargs), inputs64)
+        eager, eager_grads = loss_and_grads(lambda: reference(*inputs[:2], target, inputs[2], **kwargs), inputs)
+        got, got_grads = loss_and_grads(lambda: call(*inputs, target, tile_tokens=64, tile_vocab=64, **kwargs),
+                                        inputs)
+        assert got.dtype == dtype and all(g.dtype == dtype for g in got_grads)
+        assert relative_error(got, want) <= max(2 * relative_error(eager, want), 4e-3)
+        for name, g, e, w in zip(["hidden", "weight", "bias"], got_grads, eager_grads, want_grads):
+            assert relative_error(g, w) <= max(1.5 * relative_error(e, w), 1e-2), name
+
+
+def test_autocast_runs_the_gemms_in_the_autocast_dtype_and_returns_a_float32_loss():
+    hidden, weight, b, target = make_inputs((2, 9, 16), 40, bias=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = call(hidden, weight, b, target, tile_tokens=4, tile_vocab=16)
+        want = F.cross_entropy(F.linear(hidden, weight, b).view(-1, 40), target.view(-1))
+    assert got.dtype == want.dtype == torch.float32
+    assert relative_error(got, want) < 1e-2
+    got_grads = torch.autograd.grad(got, (hidden, weight, b))
+    want_grads = torch.autograd.grad(want, (hidden, weight, b))
+    for g, w in zip(got_grads, want_grads):
+        assert g.dtype == w.dtype == torch.float32
+        assert relative_error(g, w) < 2e-2
+
+
+def opcheck_cases():
+    cases = []
+    for bias in (True, False):
+        for requires_grad in (True, False):
+            hidden, weight, b, target = make_inputs((2, 7, 16), 19, bias=bias, ignored_every=3)
+            tensors = [t.detach().requires_grad_(requires_grad) if t is not None else None for t in (hidden, weight, b)]
+            cases.append((f"{'bias' if bias else 'nobias'}-grad{requires_grad}", [*tensors, target]))
+    return cases
+
+
+@pytest.mark.parametrize("name, inputs", opcheck_cases(), ids=[c[0] for c in opcheck_cases()])
+def test_opcheck(name, inputs):
+    opcheck(torch.ops.offload.linear_cross_entropy.default, (*inputs, -100, 0.1, 2.0, 1e-3, "mean", 4, 8))
+    opcheck(torch.ops.offload.linear_cross_entropy.default, (*inputs, -100, 0.0, 0.0, 0.0, "none"))
+    detached = [t.detach() if t is not None else None for t in inputs]
+    opcheck(torch.ops.offload.linear_cross_entropy_forward.default,
+            (*detached, -100, 0.1, 0.0, 0.0, "sum", 3, 5))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_opcheck_backward(reduction):
+    hidden, weight, b, target = [t.detach() if t is not None else None
+                                 for t in make_inputs((2, 7, 16), 19, bias=True, ignored_every=3)]
+    _, lse = torch.ops.offload.linear_cross_entropy_forward(hidden, weight, b, target, -100, 0.1, 2.0, 0.0,
+                                                            reduction, 4, 8)
+    grad_loss = torch.ones(2, 7) if reduction == "none" else torch.tensor(2.0)
+    for mask in ([True, True, True], [True, False, False]):
+        opcheck(torch.ops.offload.linear_cross_entropy_backward.default,
+                (grad_loss, hidden, weight, b, target, lse, -100, 0.1, 2.0, 0.0, reduction, 4, 8, mask))
+
+
+class Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(16)
+        self.lm_head = torch.nn.Linear(16, 37, bias=False)
+
+    def forward(self, x, target):
+        return torch_offload.linear_cross_entropy(self.norm(x), self.lm_head.weight, target, softcap=5.0,
+                                                  label_smoothing=0.1, tile_tokens=8, tile_vocab=16)
+
+
+def test_compile_fullgraph_dynamic_matches_eager_over_changing_tokens():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    head = Head()
+    compiled = torch.compile(head, fullgraph=True, dynamic=True)
+    for seq in (12, 29, 40):
+        x = torch.randn(2, seq, 16, requires_grad=True)
+        target = torch.randint(0, 37, (2, seq))
+        target[:, ::4] = -100
+        leaves = [x, *head.parameters()]
+        want, want_grads = loss_and_grads(lambda: head(x, target), leaves)
+        got, got_grads = loss_and_grads(lambda: compiled(x, target), leaves)
+        assert_close_f32(got, want)
+        for g, w in zip(got_grads, want_grads):
+            assert_close_f32(g, w)
+    explanation = torch._dynamo.explain(head)(torch.randn(2, 12, 16), torch.randint(0, 37, (2, 12)))
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+
+def test_compiled_backward_calls_the_backward_op():
+    torch._dynamo.reset()
+    hidden, weight, b, target = make_inputs((9, 16), 20, bias=True)
+    graphs = []
+
+    def record(graph, _):
+        graphs.append(graph.code)
+        return make_boxed_func(graph.forward)
+
+    backend = aot_autograd(fw_compiler=record, bw_compiler=record)
+    compiled = torch.compile(lambda h, w, bb, t: call(h, w, bb, t, tile_tokens=4), backend=backend, fullgraph=True,
+                             dynamic=True)
+    compiled(hidden, weight, b, target).backward()
+    assert len(graphs) == 2
+    assert "offload.linear_cross_entropy_forward.default" in graphs[0]
+    assert "offload.linear_cross_entropy_backward.default" in graphs[1]
+
+
+def test_torchscript_calls_the_op():
+    @torch.jit.script
+    def scripted(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.ops.offload.linear_cross_entropy(hidden, weight, None, target, -100, 0.0, 0.0, 0.0, "sum")
+
+    hidden, weight, _, target = make_inputs((12, 16), 30)
+    got, got_grads = loss_and_grads(lambda: scripted(hidden, weight, target), [hidden, weight])
+    want, want_grads = loss_and_grads(lambda: reference(hidden, weight, target, reduction="sum"), [hidden, weight])
+    assert_close_f32(got, want)
+    for g, w in zip(got_grads, want_grads):
+        assert_close_f32(g, w)
+
+
+def test_meta_tensors_give_shapes_only():
+    hidden, weight, b = (torch.empty(2, 5, 16, device="meta"), torch.empty(30, 16, device="meta"),
+                         torch.empty(30, device="meta"))
+    target = torch.empty(2, 5, dtype=torch.long, device="meta")
+    assert call(hidden, weight, b, target).shape == ()
+    assert call(hidden, weight, b, target, reduction="none").shape == (2, 5)
+    loss, lse = torch.ops.offload.linear_cross_entropy_forward(hidden.bfloat16(), weight.bfloat16(), None, target,
+                                                               -100, 0.0, 0.0, 0.0, "sum", 0, 0)
+    assert loss.is_meta and loss.dtype == torch.bfloat16 and lse.shape == (10,) and lse.dtype == torch.float32
+    grads = torch.ops.offload.linear_cross_entropy_backward(torch.empty((), device="meta"), hidden, weight, b, target,
+                                                            torch.empty(10, device="meta"), -100, 0.0, 0.0, 0.0,
+                                                            "mean", 0, 0, [False, True, True])
+    assert [g.shape if g is not None else None for g in grads] == [None, (30, 16), (30,)]
+
+
+@pytest.mark.parametrize(
+    "tokens, vocab, dtype, tile",
+    [
+        (16384, 32000, torch.float32, (1024, 2000)),  # 8 MiB of float32 logits, split evenly
+        (16384, 128256, torch.bfloat16, (1024, 4008)),
+        (300, 50000, torch.float32, (300, 3847)),
+        (2500, 100, torch.float32, (834, 100)),
+        (0, 0, torch.float32, (1, 1)),
+    ],
+)
+def test_automatic_tile_follows_the_documented_budget(tokens, vocab, dtype, tile):
+    assert torch_offload.linear_cross_entropy_tile(tokens, vocab, dtype=dtype) == tile
+
+
+PEAK_SCRIPT = """
+import sys, torch, torch.nn.functional as F, torch_offload
+def rss(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
+T, V, h = 4096, 8192, 32
+hidden = torch.randn(T, h, requires_grad=True)
+weight = torch.randn(V, h, requires_grad=True)
+target = torch.randint(0, V, (T,))
+loss = torch_offload.linear_cross_entropy if sys.argv[1] == "fused" else lambda h, w, t: F.cross_entropy(h @ w.t(), t)
+loss(hidden[:8], weight, target[:8]).backward()  # warm up allocator and thread pool
+hidden.grad = weight.grad = None
+open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM to the current RSS
+before = rss("VmRSS")
+loss(hidden, weight, target).backward()
+print(rss("VmHWM") - before)
+"""
+
+
+def test_no_tokens_by_vocabulary_tensor_is_allocated():
+    # Peak resident growth of forward + backward in a fresh process: the [4096, 8192] float32
+    # logits are 128 MiB; the fused loss stays near its 8 MiB tile, eager holds several copies.
+    def peak(mode):
+        result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, mode], capture_output=True, text=True,
+                                timeout=300, env=dict(os.environ, OMP_NUM_THREADS="2"))
+        assert result.returncode == 0, result.stderr
+        return int(result.stdout)
+
+    logits_bytes = 4096 * 8192 * 4
+    assert peak("fused") < logits_bytes / 8
+    assert peak("eager") > 2 * logits_bytes  # the measurement sees what it should
+
+
+def bad_input_cases():
+    hidden, weight, b, target = [t.detach() for t in make_inputs((3, 16), 10, bias=True)]
+    good = dict(hidden=hidden, weight=weight, bias=b, target=target)
+    return [
+        ("target_high", dict(good, target=torch.tensor([1, 10, 2])),
+         r"target holds 10 at \(flattened\) index 1; expected class indices in \[0, 10\) or ignore_index \(-100\)"),
+        ("target_negative", dict(good, target=torch.tensor([1, 2, -1])), r"target holds -1 at \(flattened\) index 2"),
+        ("target_float", dict(good, target=target.float()), "target has dtype Float; expected int64"),
+        ("target_shape", dict(good, target=target[:2]), r"target has shape \[2\]; expected hidden's shape without h"),
+        ("target_device", dict(good, target=target.to("meta")), "target is on meta but hidden is on cpu"),
+        ("weight_h", dict(good, weight=torch.randn(10, 15)), r"weight has shape \[10, 15\]; expected \[V, h\]"),
+        ("weight_1d", dict(good, weight=torch.randn(10)), r"weight has shape \[10\]; expected \[V, h\]"),
+        ("weight_dtype", dict(good, weight=weight.double()), "weight has dtype Double; expected Float"),
+        ("weight_device", dict(good, weight=weight.to("meta")), "weight is on meta but hidden is on cpu"),
+        ("bias_shape", dict(good, bias=torch.randn(9)), r"bias has shape \[9\]; expected \[V\] = \[10\]"),
+        ("bias_dtype", dict(good, bias=b.half()), "bias has dtype Half; expected Float"),
+        ("hidden_dtype", dict(good, hidden=hidden.long()), "hidden has dtype Long; expected float32"),
+        ("hidden_0d", dict(good, hidden=torch.tensor(1.0)), "hidden is a 0-d tensor"),
+        ("reduction", dict(good, reduction="avg"), "reduction is 'avg'; expected one of mean, sum, none"),
+        ("smoothing", dict(good, label_smoothing=1.5), r"label_smoothing is 1.5; expected a value in \[0, 1\]"),
+        ("softcap", dict(good, softcap=-1.0), "softcap is -1; expected a finite value >= 0"),
+        ("z_loss", dict(good, z_loss=-0.1), "z_loss is -0.1; expected a finite value >= 0"),
+    ]
+
+
+@pytest.mark.parametrize("name, kwargs, message", bad_input_cases(), ids=[c[0] for c in bad_input_cases()])
+def test_bad_inputs_raise_errors_naming_the_argument(name, kwargs, message):
+    kwargs = dict(kwargs)
+    hidden, weight, target = kwargs.pop("hidden"), kwargs.pop("weight"), kwargs.pop("target")
+    with pytest.raises(RuntimeError, match=f"linear_cross_entropy: {message}"):
+        torch_offload.linear_cross_entropy(hidden, weight, target, **kwargs)
+    # The backward op checks the same.
+    args = [hidden, weight, kwargs.get("bias"), target, torch.zeros(3), -100, kwargs.get("label_smoothing", 0.0),
+            kwargs.get("softcap", 0.0), kwargs.get("z_loss", 0.0), kwargs.get("reduction", "sum"), 0, 0, [True] * 3]
+    with pytest.raises(RuntimeError, match=f"linear_cross_entropy_backward: {message}"):
+        torch.ops.offload.linear_cross_entropy_backward(torch.tensor(1.0), *args)
+
+
+def test_missing_tensors_and_bad_grad_loss_are_rejected_by_name():
+    hidden, weight, _, target = [t.detach() if t is not None else None for t in make_inputs((3, 16), 10)]
+    with pytest.raises(RuntimeError, match="linear_cross_entropy: weight is NoneType; expected a defined tensor"):
+        torch_offload.linear_cross_entropy(hidden, None, target)
+    with pytest.raises(RuntimeError, match=r"linear_cross_entropy_backward: grad_loss has shape \[3\]; expected a "
+                                           "scalar"):
+        torch.ops.offload.linear_cross_entropy_backward(torch.ones(3), hidden, weight, None, target, torch.zeros(3),
+                                                        -100, 0.0, 0.0, 0.0, "mean", 0, 0, [True] * 3)
+    with pytest.raises(RuntimeError, match=r"linear_cross_entropy_backward: lse has shape \[2\]; expected \[tokens\]"):
+        torch.ops.offload.linear_cross_entropy_backward(torch.ones(3), hidden, weight, None, target, torch.zeros(2),
+                                                        -100, 0.0, 0.0, 0.0, "none", 0, 0, [True] * 3)
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2"])
+def test_every_cpu_kernel_variant_matches_eager(capability):
+    # ATen picks the widest vector kernels this CPU runs; the environment variable lowers
+    # that choice for ATen's kernels and ours, in a fresh process.
+    script = (
+        "import torch, torch_offload, test_linear_cross_entropy as t\n"
+        "for dtype in (torch.float32, torch.float64, torch.bfloat16):\n"
+        "    for kwargs in ({}, {'label_smoothing': 0.1, 'softcap': 3.0, 'z_loss': 1e-2}):\n"
+        "        h, w, b, target = t.make_inputs((3, 45, 16), 77, bias=True, dtype=dtype, ignored_every=4)\n"
+        "        got, got_grads = t.loss_and_grads(lambda: t.call(h, w, b, target, tile_tokens=16, tile_vocab=37,\n"
+        "                                                         **kwargs), [h, w, b])\n"
+        "        ref, ref_grads = t.loss_and_grads(lambda: t.reference(h.double(), w.double(), target, b.double(),\n"
+        "                                                              **kwargs), [h, w, b])\n"
+        "        for a, e in zip([got, *got_grads], [ref, *ref_grads]):\n"
+        "            if dtype == torch.bfloat16:\n"
+        "                assert t.relative_error(a, e) < 1e-2\n"
+        "            else:\n"
+        "                t.assert_close_f32(a.double(), e.double())\n"
+        "print(torch.backends.cpu.get_cpu_capability())\n"
+    )
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=os.path.dirname(__file__),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() != "AVX512"  # the lowered choice took effect
