@@ -18,6 +18,8 @@ MODELS = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(num_key_value_heads=2)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=8)),
     "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, dict(num_key_value_heads=1, head_dim=8)),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
+               dict(num_key_value_heads=2, head_dim=8, final_logit_softcapping=3.0)),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(num_key_value_heads=4)),
     "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel,
              dict(n_embd=32, n_layer=3, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
@@ -65,6 +67,7 @@ def test_apply_matches_unpatched_and_remove_restores(name, tmp_path):
     handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0, num_shards=3)
     assert getattr(handle, EXPECTED_PATH.get(name, "tiled_mlps")) == 3
     assert list(model.state_dict()) == keys  # same parameters under the same names
+    assert handle.loss == "linear_cross_entropy"
     got = loss_and_grads(model, ids)
     assert_close_runs(want, got)
     stats = handle.stats()
@@ -307,3 +310,69 @@ def test_each_mlp_is_tiled_only_as_its_forward_allows():
                                  "0.2.mlp": "untiled: its output for a token depends on the other tokens"}
     assert_close_runs(want, run())
     handle.remove()
+
+
+def _labelled_batch():
+    ids = batch()
+    labels = ids.clone()
+    labels[0, :5] = -100  # a prompt that is not trained on
+    return ids, labels
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt2"])
+def test_fused_loss_honours_transformers_loss_arguments(name):
+    """num_items_in_batch (gradient accumulation), shift_labels, ignored labels and return_dict=False."""
+    model, (ids, labels) = make_model(name), _labelled_batch()
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].flip(1)  # any precomputed shift
+    calls = {
+        "plain": dict(labels=labels),
+        "accumulated": dict(labels=labels, num_items_in_batch=torch.tensor(17)),
+        "shift_labels": dict(labels=labels, shift_labels=shifted),
+    }
+    want = {key: loss_and_grads(model, ids, run=lambda **kw: model(**{**kw, **call}))
+            for key, call in calls.items()}
+    handle = torch_offload.apply(model, offload=None)
+    assert handle.loss == "linear_cross_entropy"
+    for key, call in calls.items():
+        got = loss_and_grads(model, ids, run=lambda **kw: model(**{**kw, **call}))
+        assert_close_runs(want[key], got)
+    output = model(input_ids=ids, labels=labels, use_cache=False)
+    assert output.logits is None  # never materialized
+    as_tuple = model(input_ids=ids, labels=labels, use_cache=False, return_dict=False)
+    torch.testing.assert_close(as_tuple[0], output.loss)
+    without_labels = model(input_ids=ids, use_cache=False)  # generation, evaluation: the model's own logits
+    assert without_labels.loss is None and without_labels.logits.shape == (*ids.shape, 128)
+    handle.remove()
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_fused_loss_with_frozen_head_under_lora_and_its_own_loss_when_unprovable():
+    model = make_model("llama")
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                       init_lora_weights=False))
+    ids, labels = _labelled_batch()
+    want = loss_and_grads(model, ids)
+    handle = torch_offload.apply(model, offload=None)
+    assert handle.loss == "linear_cross_entropy" and not model.get_output_embeddings().weight.requires_grad
+    assert_close_runs(want, loss_and_grads(model, ids))
+    handle.remove()
+
+    class ScaledLlama(transformers.LlamaForCausalLM):  # changes its logits in a way apply cannot know
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            output = super().forward(input_ids, **kwargs)
+            output.logits = output.logits * 2
+            if labels is not None:
+                output.loss = self.loss_function(output.logits, labels, self.config.vocab_size)
+            return output
+
+    torch.manual_seed(0)
+    scaled = ScaledLlama(make_model("llama").config).train()
+    want = loss_and_grads(scaled, ids)
+    with pytest.warns(UserWarning, match="the loss stays the model's own .*differs"):
+        handle = torch_offload.apply(scaled, offload=None)
+    assert handle.loss.startswith("unfused: the fused loss")
+    assert "forward" not in vars(scaled) and "forward" not in vars(scaled.lm_head)
+    assert_close_runs(want, loss_and_grads(scaled, ids))
+    handle.remove()
+    model = make_model("llama")
+    assert torch_offload.apply(model, offload=None, loss=False).loss == "off"

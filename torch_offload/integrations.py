@@ -22,6 +22,7 @@ from torch.func import functional_call
 from .activations import checkpoint as offloaded_checkpoint
 from .activations import offload_activations
 from .disk import disk_spill, disk_wait
+from .causal_lm_loss import fuse_causal_lm_loss
 from .tiled_mlp import TiledMLP, tiled_apply, tiled_mlp_num_shards
 
 __all__ = ["apply", "OffloadHandle"]
@@ -208,6 +209,9 @@ class OffloadHandle:
 
     - ``layer_path``, ``layers``: the decoder layers found (e.g. ``"model.language_model.layers"``).
     - ``offload``: the tier the layers' saved activations go to ("cpu", "disk" or None).
+    - ``loss``: ``"linear_cross_entropy"`` when a call with labels computes the loss with that op
+      (no logits), ``"unfused: <why>"`` when the model keeps its own, ``"no output layer: ..."``
+      for a model that has no LM head, ``"off"`` with ``loss=False``.
     - ``mlp_tiling``: for each layer's MLP, by name: ``"tiled_mlp"`` (the op), ``"tiled_apply"``
       (its own forward in shards) or ``"untiled: <why>"``.
     """
@@ -219,6 +223,7 @@ class OffloadHandle:
         self.offload = offload
         self.context = context
         self.mlp_tiling: dict[str, str] = {}
+        self.loss = "off"
         self._patches: list[_Patch] = []
 
     @property
@@ -240,6 +245,12 @@ class OffloadHandle:
         self._patches.append(_Patch(name, owner, store, key, value))
         _PATCHED[owner] = self
 
+    def _undo_last_patch(self) -> None:
+        patch = self._patches.pop()
+        patch.undo()
+        if _PATCHED.get(patch.owner) is self and not any(p.owner is patch.owner for p in self._patches):
+            del _PATCHED[patch.owner]
+
     def remove(self) -> None:
         """Restores every attribute apply set; refuses, changing nothing, if one was replaced since."""
         replaced = [p.name for p in self._patches if not p.intact()]
@@ -247,10 +258,7 @@ class OffloadHandle:
             raise RuntimeError(f"torch_offload: handle.remove(): {', '.join(replaced)} changed after apply() "
                                "(another wrapper?); undo that change first")
         while self._patches:
-            patch = self._patches.pop()
-            patch.undo()
-            if _PATCHED.get(patch.owner) is self:
-                del _PATCHED[patch.owner]
+            self._undo_last_patch()
 
 
 def _tile_mlp(handle: OffloadHandle, name: str, layer: nn.Module, num_shards: int, recorded: dict[type, str]) -> None:
@@ -321,6 +329,7 @@ def apply(
     num_shards: int = 0,
     keep_last: int = 1,
     layers: str | None = None,
+    loss: bool = True,
     **offload_options,
 ) -> OffloadHandle:
     """Make ``model`` (a Hugging Face style causal LM or VLM) train with less memory, in place.
@@ -344,6 +353,12 @@ def apply(
       None keeps them in place; "auto" is "cpu" for a model on an accelerator and None
       for a model in host memory (where "cpu" would move nothing). The last ``keep_last``
       layers keep theirs on the device: backward needs them first.
+    - ``loss``: a call with ``labels`` computes the loss with the ``linear_cross_entropy``
+      op from the final hidden states, never materializing the ``[tokens, vocab]`` logits
+      (the output's ``logits`` is None then); transformers' label shift, ``ignore_index``,
+      ``num_items_in_batch``, tied embeddings and the logits' soft-capping or scaling are
+      honoured, and a probe at apply time checks the loss against the model's own (a model
+      that does not match keeps its own, with a warning). Calls without labels are unchanged.
     - ``offload_options`` go to ``offload_activations`` (``min_bytes``,
       ``max_host_bytes``, ``prefetch_bytes``, ``spill_directory``...).
 
@@ -379,6 +394,8 @@ def apply(
             offload_layer = context is not None and index < len(layer_list) - keep_last
             if checkpoint or offload_layer:
                 _wrap_layer(handle, name, layer, checkpoint, offload_layer)
+        if loss:
+            handle.loss = fuse_causal_lm_loss(handle, model)
         if not handle._patches:
             raise ValueError(f"torch_offload.apply: nothing to change in {layer_path} with tiled_mlp={tiled_mlp}, "
                              f"checkpoint={checkpoint}, offload={offload!r}, keep_last={keep_last}"
@@ -386,6 +403,9 @@ def apply(
     except BaseException:
         handle.remove()
         raise
+    if handle.loss.startswith("unfused"):
+        warnings.warn(f"torch_offload.apply: the loss stays the model's own ({handle.loss.removeprefix('unfused: ')})",
+                      UserWarning, stacklevel=2)
     untiled = {name: how for name, how in handle.mlp_tiling.items() if how.startswith("untiled")}
     if untiled:
         first, how = next(iter(untiled.items()))

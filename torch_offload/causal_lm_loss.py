@@ -1,0 +1,206 @@
+"""``apply(model, loss=True)``: a causal LM's head and loss through the ``linear_cross_entropy`` op.
+
+When the model is called with ``labels``, its own forward runs with ``labels=None`` while
+its output layer (``model.get_output_embeddings()``), patched for that call, computes the
+loss from its input, the final hidden states, with the op and returns empty logits: the
+``[tokens, vocab]`` logits never exist. The loss follows transformers' ``ForCausalLMLoss``:
+labels shifted by one (or ``shift_labels``), ``ignore_index``, ``num_items_in_batch``
+under gradient accumulation; the logits' own transforms (Gemma 2's final soft-capping,
+Cohere's ``logit_scale``, Granite's ``logits_scaling``) are folded into the op. A probe at
+apply time compares the fused loss with the model's own on a short random batch; a model
+it does not match keeps its own loss.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .linear_cross_entropy import linear_cross_entropy
+
+__all__ = ["fuse_causal_lm_loss"]
+
+_requests = threading.local()  # the loss request of the forward running on this thread
+_NO_HEAD = "no output layer: found no module whose forward takes labels and calls get_output_embeddings()"
+_PROBE_RTOL = {torch.float16: 1e-2, torch.bfloat16: 2e-2}  # 1e-5 in float32/float64
+
+
+@dataclass
+class _LossRequest:
+    labels: torch.Tensor
+    shift_labels: torch.Tensor | None
+    ignore_index: int
+    num_items_in_batch: Any
+    loss: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _HeadMath:
+    """What the model does to ``head(hidden)`` before its loss: ``softcap(scale * logits)``."""
+
+    scale: float
+    softcap: float | None
+
+
+def _owner_of_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | str:
+    """The module whose forward takes ``labels`` and calls the output layer, and that layer; or why there is none."""
+    for module in model.modules():
+        get_head = getattr(module, "get_output_embeddings", None)
+        if not callable(get_head) or "labels" not in inspect.signature(module.forward).parameters:
+            continue
+        head = get_head()
+        if head is None or not any(child is head for child in module.children()):
+            continue
+        if type(head) is not nn.Linear:
+            return f"its output layer is a {type(head).__name__}, not a plain nn.Linear (LoRA'd or quantized head?)"
+        if head._forward_hooks or head._forward_pre_hooks or "forward" in vars(head):
+            return "its output layer has hooks or its own forward"
+        return module, head
+    return _NO_HEAD
+
+
+def _head_math(owner: nn.Module, head: nn.Linear) -> _HeadMath | str:
+    config = getattr(owner, "config", None)
+    get_text_config = getattr(config, "get_text_config", None)
+    text_config = get_text_config() if callable(get_text_config) else config
+    scale = 1.0
+    if isinstance(getattr(owner, "logit_scale", None), (int, float)):  # Cohere: logits * logit_scale
+        scale *= owner.logit_scale
+    if isinstance(getattr(text_config, "logits_scaling", None), (int, float)):  # Granite: logits / logits_scaling
+        scale /= text_config.logits_scaling
+    if scale != 1.0 and head.bias is not None:
+        return "its logits are scaled and its output layer has a bias"
+    return _HeadMath(scale, getattr(text_config, "final_logit_softcapping", None) or None)
+
+
+def _fused_loss(request: _LossRequest, hidden: torch.Tensor, head: nn.Linear, math: _HeadMath) -> torch.Tensor:
+    target = request.shift_labels
+    if target is None:  # tokens < n predict token n, as transformers' ForCausalLMLoss
+        target = F.pad(request.labels, (0, 1), value=request.ignore_index)[..., 1:]
+    target = target.to(hidden.device)
+    if math.scale != 1.0:
+        hidden = hidden * math.scale
+    reduction = "mean" if request.num_items_in_batch is None else "sum"
+    loss = linear_cross_entropy(hidden, head.weight, target, bias=head.bias, ignore_index=request.ignore_index,
+                                reduction=reduction, softcap=math.softcap).float()
+    if request.num_items_in_batch is not None:
+        count = request.num_items_in_batch
+        loss = loss / (count.to(loss.device) if isinstance(count, torch.Tensor) else count)
+    return loss
+
+
+def _kwargs_name(signature: inspect.Signature) -> str | None:
+    return next((p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+
+
+def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath):
+    """The owner's forward (routes a call with labels to the op) and the head's (serves that request)."""
+    original = owner.forward
+    head_original = head.forward
+    signature = inspect.signature(original)
+    extra_name = _kwargs_name(signature)
+
+    def head_forward(hidden):
+        request = getattr(_requests, "request", None)
+        if request is None or request.loss is not None:
+            return head_original(hidden)
+        request.loss = _fused_loss(request, hidden, head, math)
+        return hidden.new_empty((*hidden.shape[:-1], 0))  # what the model's logit transforms run on
+
+    def forward(*args, **kwargs):
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return original(*args, **kwargs)  # let the model's forward say what is wrong
+        arguments = bound.arguments
+        extra = dict(arguments.get(extra_name, {})) if extra_name else {}
+        keep = arguments.get("logits_to_keep", 0)
+        if arguments.get("labels") is None or not (isinstance(keep, int) and keep == 0):
+            return original(*args, **kwargs)  # no loss asked for, or logits asked for: the model's own path
+        request = _LossRequest(arguments["labels"], extra.get("shift_labels"), extra.get("ignore_index", -100),
+                               extra.get("num_items_in_batch"))
+        arguments["labels"] = None
+        as_tuple = extra.pop("return_dict", None) is False
+        if extra_name:
+            arguments[extra_name] = dict(extra, return_dict=True)
+        previous = getattr(_requests, "request", None)
+        _requests.request = request
+        try:
+            output = original(*bound.args, **bound.kwargs)
+        finally:
+            _requests.request = previous
+        if request.loss is None:
+            raise RuntimeError(f"torch_offload: {type(owner).__name__}'s forward did not call its output layer; "
+                               "apply(..., loss=False) keeps the model's own loss")
+        fields = {key: value for key, value in output.items() if key not in ("loss", "logits")}
+        output = type(output)(loss=request.loss, logits=None, **fields)
+        return output.to_tuple() if as_tuple else output
+
+    return forward, head_forward
+
+
+@contextlib.contextmanager
+def _eval_without_grad(model: nn.Module):
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
+
+
+def _probe_problem(owner: nn.Module, head: nn.Linear, original, fused) -> str | None:
+    """None when the fused loss equals the model's own on a short random batch; else why not."""
+    if head.weight.is_meta:
+        return "its output layer's weight is on the meta device, so apply cannot probe it"
+    vocab = head.weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2, 8), generator=generator).to(head.weight.device)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    try:
+        with _eval_without_grad(owner):
+            want = original(input_ids=ids, labels=labels, use_cache=False).loss
+            got = fused(input_ids=ids, labels=labels, use_cache=False).loss
+    except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as error:
+        return f"its forward cannot be probed ({type(error).__name__}: {error})"
+    rtol = _PROBE_RTOL.get(head.weight.dtype, 1e-5)
+    if not torch.allclose(got.float(), want.float(), rtol=rtol, atol=rtol):
+        return f"the fused loss ({got.item():.6g}) differs from the model's own ({want.item():.6g})"
+    return None
+
+
+def fuse_causal_lm_loss(handle, model: nn.Module) -> str:
+    """Patch ``model`` (through ``handle``) so that a call with labels computes its loss with the op.
+
+    Returns "linear_cross_entropy"; "unfused: <why>" when the model keeps its own loss; or,
+    for a model that is not a causal LM, "no output layer: ...".
+    """
+    found = _owner_of_head(model)
+    if found is _NO_HEAD:
+        return found
+    if isinstance(found, str):
+        return f"unfused: {found}"
+    owner, head = found
+    math = _head_math(owner, head)
+    if isinstance(math, str):
+        return f"unfused: {math}"
+    original = owner.forward
+    forward, head_forward = _patched_forwards(owner, head, math)
+    owner_name = next(name for name, module in model.named_modules() if module is owner) or "model"
+    head_name = next(name for name, module in owner.named_children() if module is head)
+    handle._patch(f"{owner_name}.{head_name}.forward", head, "forward", head_forward)  # serves no request unasked
+    problem = _probe_problem(owner, head, original, forward)
+    if problem is not None:
+        handle._undo_last_patch()
+        return f"unfused: {problem}"
+    handle._patch(f"{owner_name}.forward", owner, "forward", forward)
+    return "linear_cross_entropy"
