@@ -1,24 +1,26 @@
-"""The main job: train a Llama-style causal LM three ways and show what torch_offload saves.
+"""The main job: how much longer a context fits when a causal LM trains with torch_offload.
 
-    python examples/demo.py [--steps N] [--seq-len T] [--batch B] [--device cpu|cuda] [--compile]
+    python examples/demo.py [--seq-lens 1024,2048,4096,8192] [--budget-gib 8] [--device cpu|cuda]
 
-Runs (each in a fresh process, so each peak is its own):
+A Llama-style LM with a 32,000-token vocabulary (random weights, nothing downloaded; it
+reads examples/data/corpus.txt one byte per token) takes one training step at each
+sequence length in three configurations, each point in a fresh process so that each
+peak is its own:
   baseline         plain training;
   checkpointing    non-reentrant activation checkpointing of every layer;
-  torch_offload    torch_offload.apply: tiled MLP, offloaded checkpointing (disk tier
-                   on the CPU, pinned host memory on a GPU).
-The model is built from a transformers config with random weights (nothing is
-downloaded) and reads examples/data/corpus.txt one byte per token. Prints a table of
-peak memory, median step time and final loss, and writes demo_out/memory.png.
+  torch_offload    torch_offload.apply: tiled MLP, fused LM head + loss (no logits),
+                   offloaded checkpointing (disk tier on the CPU, pinned host memory on a GPU).
+Peak training memory is the peak above what the process held before the step (VmHWM on
+the CPU, allocated memory on a GPU). The demo fits bytes per token for each configuration,
+prints their ratio to the baseline's (the context multiplier) and the longest context
+each fits in --budget-gib, and draws demo_out/memory.png.
 """
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import torch
@@ -29,119 +31,109 @@ CONFIGS = ("baseline", "checkpointing", "torch_offload")
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 1024 CPU, 4096 GPU)")
-    parser.add_argument("--batch", type=int, default=None, help="sequences per step (default 2 CPU, 8 GPU)")
+    parser.add_argument("--seq-lens", default=None, help="comma-separated tokens per step (default 1K..8K CPU, 2K..16K GPU)")
+    parser.add_argument("--budget-gib", type=float, default=8.0, help="training memory budget for the longest context")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model in every configuration")
     parser.add_argument("--out", default="demo_out")
-    parser.add_argument("--run", choices=CONFIGS, help=argparse.SUPPRESS)  # one configuration, in a child process
+    parser.add_argument("--run", choices=CONFIGS, help=argparse.SUPPRESS)  # one point, in a child process
+    parser.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     gpu = args.device.startswith("cuda")
-    args.seq_len = args.seq_len or (4096 if gpu else 1024)
-    args.batch = args.batch or (8 if gpu else 2)
+    default = "2048,4096,8192,16384" if gpu else "1024,2048,4096,8192"
+    args.seq_lens = [int(t) for t in (args.seq_lens or default).split(",")]
     return args
 
 
-def model_config(args):
+def model_config(args, seq_len):
     import transformers
 
     gpu = args.device.startswith("cuda")
-    hidden, layers = (1024, 8) if gpu else (256, 6)
+    hidden, intermediate, layers = (1024, 2816, 8) if gpu else (256, 704, 4)
     return transformers.LlamaConfig(
-        vocab_size=256, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, max_position_embeddings=args.seq_len,
+        vocab_size=32000, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, max_position_embeddings=seq_len,
         pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa",
     )
 
 
-def batches(args):
+def token_batch(seq_len):
     with open(os.path.join(HERE, "data", "corpus.txt"), "rb") as f:
         data = torch.tensor(list(f.read()), dtype=torch.long)
-    generator = torch.Generator().manual_seed(0)
-    span = args.seq_len
-    repeated = data.repeat(span * args.batch // data.numel() + 2)  # the corpus is short: wrap around
-    for _ in range(args.steps):
-        starts = torch.randint(0, repeated.numel() - span, (args.batch,), generator=generator)
-        yield torch.stack([repeated[s:s + span] for s in starts])
+    repeated = data.repeat(seq_len // data.numel() + 2)  # the corpus is short: wrap around
+    start = torch.randint(0, repeated.numel() - seq_len, (1,), generator=torch.Generator().manual_seed(0)).item()
+    return repeated[start:start + seq_len].unsqueeze(0)
 
 
-class MemoryMeter:
-    """Peak memory of each step: allocated GPU memory, or the process's RSS sampled on the CPU."""
+def _vm(field):
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field):
+                return int(line.split()[1]) << 10
+    raise RuntimeError(f"{field} not in /proc/self/status")
 
-    def __init__(self, device):
-        self.gpu = device.startswith("cuda")
-        self.peak = 0
-        self._stop = threading.Event()
-        if not self.gpu:
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
 
-    @staticmethod
-    def _rss():
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def _sample(self):
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, self._rss())
-
-    def start_step(self):
-        if self.gpu:
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            self.peak = self._rss()
-
-    def end_step(self):
-        if self.gpu:
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated()
-        return max(self.peak, self._rss())
+def _reset_peak_rss():
+    # Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0).
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
 
 
 def run_one(args):
-    """Train one configuration; write its losses, step times and memory to args.result."""
-    import transformers  # noqa: F401  (imported before the meter starts)
-    from tqdm import tqdm
+    """One training step of one configuration at one length; write loss, time and peak to args.result."""
+    import transformers
 
     import torch_offload
 
+    gpu = args.device.startswith("cuda")
     torch.manual_seed(0)
-    model = __import__("transformers").LlamaForCausalLM(model_config(args)).to(args.device).train()
-    handle = None
+    model = transformers.LlamaForCausalLM(model_config(args, args.seq_len)).to(args.device).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)  # no optimizer state: the step's own memory
     spill = tempfile.TemporaryDirectory(dir=args.out)
     if args.run == "checkpointing":
-        handle = torch_offload.apply(model, tiled_mlp=False, checkpoint=True, offload=None)
+        torch_offload.apply(model, tiled_mlp=False, checkpoint=True, offload=None, loss=False)
     elif args.run == "torch_offload":
-        gpu = args.device.startswith("cuda")
-        handle = torch_offload.apply(model, tiled_mlp=True, checkpoint=True, offload="cpu" if gpu else "disk",
-                                     spill_directory=spill.name, min_bytes=1 << 16)
-    forward = torch.compile(model) if args.compile else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    meter = MemoryMeter(args.device)
-    meter.start_step()
-    start_memory = meter.end_step()  # the model, before any step
-    losses, times, memory = [], [], []
-    for ids in tqdm(list(batches(args)), desc=f"{args.run:>14}", unit="step", file=sys.stderr):
-        ids = ids.to(args.device)
-        meter.start_step()
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = forward(input_ids=ids, labels=ids, use_cache=False).loss
+        torch_offload.apply(model, offload="cpu" if gpu else "disk", spill_directory=spill.name, min_bytes=1 << 16)
+    def step(ids, update):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        times.append(time.perf_counter() - start)
-        memory.append(meter.end_step())
-    if handle is not None:
-        handle.remove()
+        if update:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    step(token_batch(128).to(args.device), update=False)  # first-call costs (thread pools, lazy inits) stay out
+    ids = token_batch(args.seq_len).to(args.device)
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        _reset_peak_rss()
+        before = _vm("VmRSS:")
+    start = time.perf_counter()
+    loss = step(ids, update=True)
+    if gpu:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = _vm("VmHWM:")
+    seconds = time.perf_counter() - start
     spill.cleanup()
     with open(args.result, "w") as f:
-        json.dump({"losses": losses, "times": times, "memory": memory, "start_memory": start_memory}, f)
+        json.dump({"loss": loss, "seconds": seconds, "training_bytes": peak - before}, f)
 
 
-def plot(results, args, path):
+def fit(points):
+    """Least-squares line through (tokens, bytes): (bytes per token, intercept)."""
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_b = sum(b for _, b in points) / n
+    slope = sum((t - mean_t) * (b - mean_b) for t, b in points) / sum((t - mean_t) ** 2 for t, _ in points)
+    return slope, mean_b - slope * mean_t
+
+
+def plot(results, fits, args, path):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -149,12 +141,17 @@ def plot(results, args, path):
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     for name in CONFIGS:
-        steps = range(1, len(results[name]["memory"]) + 1)
-        ax.plot(steps, [m / 2**20 for m in results[name]["memory"]], marker="o", label=name)
-    what = "peak GPU memory allocated" if args.device.startswith("cuda") else "peak process RSS"
-    ax.set_xlabel("training step")
-    ax.set_ylabel(f"{what} (MiB)")
-    ax.set_title(f"Llama-style LM, {args.batch} x {args.seq_len} tokens per step on {args.device}")
+        tokens = [t for t in args.seq_lens]
+        line = ax.plot([t / 1024 for t in tokens], [results[name][t]["training_bytes"] / 2**30 for t in tokens],
+                       marker="o", label=f"{name}: {fits[name][0] / 1024:.0f} KiB/token")
+        slope, intercept = fits[name]
+        ax.plot([0, tokens[-1] / 1024], [intercept / 2**30, (intercept + slope * tokens[-1]) / 2**30], ls=":",
+                color=line[0].get_color())
+    what = "peak GPU memory allocated" if args.device.startswith("cuda") else "peak RSS (VmHWM)"
+    ax.set_xlabel("tokens per step (K)")
+    ax.set_ylabel(f"training memory, {what} (GiB)")
+    ax.set_title(f"Llama-style LM, vocabulary 32K, one step per point, {args.device}")
+    ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -167,37 +164,43 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     if args.run:
         return run_one(args)
-    # Large freed blocks go back to the OS at once, so RSS shows what each run holds.
+    # Large freed blocks go back to the OS at once, so RSS shows what each step holds.
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(64 << 10))
-    results = {}
-    for name in CONFIGS:
-        result = os.path.join(args.out, f"{name}.json")
-        command = [sys.executable, os.path.abspath(__file__), "--run", name, "--result", result,
-                   "--steps", str(args.steps), "--seq-len", str(args.seq_len), "--batch", str(args.batch),
-                   "--device", args.device, "--out", args.out] + (["--compile"] if args.compile else [])
-        subprocess.run(command, check=True, env=env)
-        with open(result) as f:
-            results[name] = json.load(f)
-    baseline = results["baseline"]
-    print(f"\n{args.steps} steps of {args.batch} x {args.seq_len} tokens on {args.device}"
-          f"{' (compiled)' if args.compile else ''}\n")
-    print("| configuration | peak memory (MiB) | of which training (MiB) | vs baseline | median step (s) "
-          "| vs baseline | final loss |")
+    results = {name: {} for name in CONFIGS}
+    for seq_len in args.seq_lens:
+        for name in CONFIGS:
+            result = os.path.join(args.out, f"{name}-{seq_len}.json")
+            command = [sys.executable, os.path.abspath(__file__), "--run", name, "--seq-len", str(seq_len),
+                       "--result", result, "--device", args.device, "--out", args.out]
+            subprocess.run(command, check=True, env=env)
+            with open(result) as f:
+                results[name][seq_len] = json.load(f)
+            r = results[name][seq_len]
+            print(f"{name:>14} {seq_len:>6} tokens: {r['training_bytes'] / 2**20:8.0f} MiB, {r['seconds']:6.1f} s, "
+                  f"loss {r['loss']:.5f}", flush=True)
+    fits = {name: fit([(t, results[name][t]["training_bytes"]) for t in args.seq_lens]) for name in CONFIGS}
+    budget = args.budget_gib * 2**30
+    longest = args.seq_lens[-1]
+    print(f"\nOne training step per point on {args.device}, {args.seq_lens[0]} to {longest} tokens; "
+          f"longest context in a {args.budget_gib:g} GiB training-memory budget extrapolated from the fit\n")
+    print("| configuration | KiB per token | context multiplier | longest context in budget (tokens) "
+          f"| training MiB at {longest} | step (s) at {longest} | vs baseline |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    baseline_training = max(baseline["memory"]) - baseline["start_memory"]
+    base_slope = fits["baseline"][0]
+    base_seconds = results["baseline"][longest]["seconds"]
     for name in CONFIGS:
-        r = results[name]
-        peak, step = max(r["memory"]), statistics.median(r["times"])
-        training = peak - r["start_memory"]  # above what the process held before the first step
-        print(f"| {name} | {peak / 2**20:.0f} | {training / 2**20:.0f} | {training / baseline_training:.2f}x | "
-              f"{step:.2f} | {step / statistics.median(baseline['times']):.2f}x | {r['losses'][-1]:.5f} |")
+        slope, intercept = fits[name]
+        r = results[name][longest]
+        print(f"| {name} | {slope / 1024:.1f} | {base_slope / slope:.1f}x | {int((budget - intercept) / slope):,} | "
+              f"{r['training_bytes'] / 2**20:.0f} | {r['seconds']:.1f} | {r['seconds'] / base_seconds:.2f}x |")
     path = os.path.join(args.out, "memory.png")
-    plot(results, args, path)
-    print(f"\nmemory over the steps: {path}")
-    final = [results[name]["losses"][-1] for name in CONFIGS]
-    if max(final) - min(final) > 1e-4 * abs(final[0]):
-        raise SystemExit(f"final losses differ: {final}")
-    print("final losses agree across the three configurations")
+    plot(results, fits, args, path)
+    print(f"\npeak training memory against sequence length: {path}")
+    for seq_len in args.seq_lens:
+        losses = [results[name][seq_len]["loss"] for name in CONFIGS]
+        if max(losses) - min(losses) > 1e-4 * abs(losses[0]):
+            raise SystemExit(f"losses at {seq_len} tokens differ: {losses}")
+    print("losses agree across the three configurations at every length")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run(command, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    subprocess.run(command, check=True, cwd=tmp_path, env=env, timeout=600)
+    return subprocess.run(command, check=True, cwd=tmp_path, env=env, timeout=600, capture_output=True, text=True)
 
 
 def test_ddp_example_with_torchrun_matches_one_process(tmp_path):
@@ -23,3 +23,15 @@ def test_ddp_example_with_torchrun_matches_one_process(tmp_path):
     single = json.loads((tmp_path / "single.json").read_text())
     assert len(ddp) == 4 and ddp[-1] < ddp[0]
     torch.testing.assert_close(torch.tensor(ddp), torch.tensor(single), rtol=1e-5, atol=1e-6)
+
+
+def test_demo_measures_every_configuration_and_their_losses_agree(tmp_path):
+    demo = os.path.join(ROOT, "examples", "demo.py")
+    result = run([sys.executable, demo, "--seq-lens", "128,256", "--out", str(tmp_path / "out")], tmp_path)
+    assert "losses agree across the three configurations at every length" in result.stdout
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "KiB" not in line]
+    assert [row.split(" | ")[0] for row in rows if not row.startswith("| ---")] == \
+        ["| baseline", "| checkpointing", "| torch_offload"]
+    assert (tmp_path / "out" / "memory.png").stat().st_size > 0
+    for name in ("baseline", "torch_offload"):
+        assert json.loads((tmp_path / "out" / f"{name}-256.json").read_text())["training_bytes"] > 0
