@@ -1,6 +1,7 @@
 """The main job: how much longer a context fits when a causal LM trains with torch_offload.
 
     python examples/demo.py [--seq-lens 1024,2048,4096,8192] [--budget-gib 8] [--device cpu|cuda]
+                            [--configs baseline,checkpointing,torch_offload] [--hidden H --intermediate I --layers L]
 
 A Llama-style LM with a 32,000-token vocabulary (random weights, nothing downloaded; it
 reads examples/data/corpus.txt one byte per token) takes one training step at each
@@ -33,6 +34,10 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-lens", default=None, help="comma-separated tokens per step (default 1K..8K CPU, 2K..16K GPU)")
     parser.add_argument("--budget-gib", type=float, default=8.0, help="training memory budget for the longest context")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="which configurations to run")
+    parser.add_argument("--hidden", type=int, help="hidden size (default 256 CPU, 1024 GPU; 64 per head)")
+    parser.add_argument("--intermediate", type=int, help="MLP size (default 704 CPU, 2816 GPU)")
+    parser.add_argument("--layers", type=int, help="decoder layers (default 4 CPU, 8 GPU)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="demo_out")
     parser.add_argument("--run", choices=CONFIGS, help=argparse.SUPPRESS)  # one point, in a child process
@@ -42,17 +47,21 @@ def parse_args():
     gpu = args.device.startswith("cuda")
     default = "2048,4096,8192,16384" if gpu else "1024,2048,4096,8192"
     args.seq_lens = [int(t) for t in (args.seq_lens or default).split(",")]
+    args.configs = args.configs.split(",")
+    if "baseline" not in args.configs or not set(args.configs) <= set(CONFIGS):
+        parser.error(f"--configs: baseline and any of {CONFIGS}")
+    args.hidden = args.hidden or (1024 if gpu else 256)
+    args.intermediate = args.intermediate or (2816 if gpu else 704)
+    args.layers = args.layers or (8 if gpu else 4)
     return args
 
 
 def model_config(args, seq_len):
     import transformers
 
-    gpu = args.device.startswith("cuda")
-    hidden, intermediate, layers = (1024, 2816, 8) if gpu else (256, 704, 4)
     return transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, max_position_embeddings=seq_len,
+        vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 64, max_position_embeddings=seq_len,
         pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa",
     )
 
@@ -140,8 +149,8 @@ def plot(results, fits, args, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-    for name in CONFIGS:
-        tokens = [t for t in args.seq_lens]
+    for name in args.configs:
+        tokens = args.seq_lens
         line = ax.plot([t / 1024 for t in tokens], [results[name][t]["training_bytes"] / 2**30 for t in tokens],
                        marker="o", label=f"{name}: {fits[name][0] / 1024:.0f} KiB/token")
         slope, intercept = fits[name]
@@ -150,7 +159,8 @@ def plot(results, fits, args, path):
     what = "peak GPU memory allocated" if args.device.startswith("cuda") else "peak RSS (VmHWM)"
     ax.set_xlabel("tokens per step (K)")
     ax.set_ylabel(f"training memory, {what} (GiB)")
-    ax.set_title(f"Llama-style LM, vocabulary 32K, one step per point, {args.device}")
+    ax.set_title(f"Llama-style LM (hidden {args.hidden}, {args.layers} layers, vocabulary 32K), one step per point, "
+                 f"{args.device}")
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
@@ -166,19 +176,20 @@ def main():
         return run_one(args)
     # Large freed blocks go back to the OS at once, so RSS shows what each step holds.
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(64 << 10))
-    results = {name: {} for name in CONFIGS}
+    results = {name: {} for name in args.configs}
     for seq_len in args.seq_lens:
-        for name in CONFIGS:
+        for name in args.configs:
             result = os.path.join(args.out, f"{name}-{seq_len}.json")
             command = [sys.executable, os.path.abspath(__file__), "--run", name, "--seq-len", str(seq_len),
-                       "--result", result, "--device", args.device, "--out", args.out]
+                       "--result", result, "--device", args.device, "--out", args.out, "--hidden", str(args.hidden),
+                       "--intermediate", str(args.intermediate), "--layers", str(args.layers)]
             subprocess.run(command, check=True, env=env)
             with open(result) as f:
                 results[name][seq_len] = json.load(f)
             r = results[name][seq_len]
             print(f"{name:>14} {seq_len:>6} tokens: {r['training_bytes'] / 2**20:8.0f} MiB, {r['seconds']:6.1f} s, "
                   f"loss {r['loss']:.5f}", flush=True)
-    fits = {name: fit([(t, results[name][t]["training_bytes"]) for t in args.seq_lens]) for name in CONFIGS}
+    fits = {name: fit([(t, results[name][t]["training_bytes"]) for t in args.seq_lens]) for name in args.configs}
     budget = args.budget_gib * 2**30
     longest = args.seq_lens[-1]
     print(f"\nOne training step per point on {args.device}, {args.seq_lens[0]} to {longest} tokens; "
@@ -188,7 +199,7 @@ def main():
     print("| --- | --- | --- | --- | --- | --- | --- |")
     base_slope = fits["baseline"][0]
     base_seconds = results["baseline"][longest]["seconds"]
-    for name in CONFIGS:
+    for name in args.configs:
         slope, intercept = fits[name]
         r = results[name][longest]
         print(f"| {name} | {slope / 1024:.1f} | {base_slope / slope:.1f}x | {int((budget - intercept) / slope):,} | "
@@ -197,10 +208,10 @@ def main():
     plot(results, fits, args, path)
     print(f"\npeak training memory against sequence length: {path}")
     for seq_len in args.seq_lens:
-        losses = [results[name][seq_len]["loss"] for name in CONFIGS]
+        losses = [results[name][seq_len]["loss"] for name in args.configs]
         if max(losses) - min(losses) > 1e-4 * abs(losses[0]):
             raise SystemExit(f"losses at {seq_len} tokens differ: {losses}")
-    print("losses agree across the three configurations at every length")
+    print(f"losses agree across the {len(args.configs)} configurations at every length")
 
 
 if __name__ == "__main__":
