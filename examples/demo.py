@@ -202,7 +202,10 @@ def main():
     for name in args.configs:
         slope, intercept = fits[name]
         r = results[name][longest]
-        print(f"| {name} | {slope / 1024:.1f} | {base_slope / slope:.1f}x | {int((budget - intercept) / slope):,} | "
+        grows = slope > 0  # the points can be flat within measurement noise at tiny lengths
+        multiplier = f"{base_slope / slope:.1f}x" if grows else "n/a (flat)"
+        fits_in = f"{int((budget - intercept) / slope):,}" if grows else "n/a (flat)"
+        print(f"| {name} | {slope / 1024:.1f} | {multiplier} | {fits_in} | "
               f"{r['training_bytes'] / 2**20:.0f} | {r['seconds']:.1f} | {r['seconds'] / base_seconds:.2f}x |")
     path = os.path.join(args.out, "memory.png")
     plot(results, fits, args, path)
