@@ -104,6 +104,10 @@ void disk_wait_cpu(const at::Tensor& ticket) {
   SpillEngine::instance().wait_written(ticket_id(ticket, "disk_wait"));
 }
 
+void disk_prefetch_meta(const at::Tensor& /*ticket*/) {}
+
+void disk_wait_meta(const at::Tensor& /*ticket*/) {}
+
 std::vector<int64_t> disk_ticket_location_cpu(const at::Tensor& ticket) {
   return SpillEngine::instance().location(ticket_id(ticket, "_disk_ticket_location"));
 }
