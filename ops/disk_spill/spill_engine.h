@@ -5,6 +5,10 @@
 // A ticket's write starts at spill() and runs on the workers; restore() (or
 // wait_written()) is where a write error surfaces, as a RuntimeError, and the
 // process stays usable. Workers block on condition variables; nothing polls.
+//
+// fork(): the child's threads are gone and its files are the parent's, so the
+// child gets a fresh engine (new nonce, files and threads, the same settings);
+// the parent's tickets are foreign to it, like any other process's.
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -15,6 +19,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -48,7 +53,8 @@ class SpillEngine {
  public:
   static SpillEngine& instance();
 
-  // The spill file of `directory` (created on first use; errors name it).
+  // The spill file of `directory`: opened on first use (errors name the
+  // directory), closed once no ticket uses it.
   std::shared_ptr<SpillFile> file_for(const std::string& directory, bool allow_tmpfs);
   // Starts writing `source` (contiguous, on the CPU) and returns the ticket id.
   // `source_ready`, if set, is called by a worker before it reads the source
@@ -64,7 +70,8 @@ class SpillEngine {
   // The tensor back, on the CPU. A ticket is restored once; sizes and dtype must match.
   at::Tensor restore(int64_t ticket, at::IntArrayRef sizes, c10::ScalarType dtype);
   // The ticket tensor is gone: its extents are freed once no I/O uses them.
-  void release(int64_t ticket);
+  // A ticket of another engine (the parent's, after fork) is ignored.
+  void release(int64_t ticket, uint64_t nonce);
 
   // Waits for the I/O in flight to finish first.
   void configure(const SpillConfig& config);
@@ -83,7 +90,17 @@ class SpillEngine {
     bool write;
   };
 
-  SpillEngine();
+  // A ticket's extents, taken from it under mutex_ and given back to the file
+  // (a hole punched per extent: a system call each) by the destructor: declare
+  // one before the lock, so that this happens after unlocking.
+  struct FreedExtents {
+    std::shared_ptr<SpillFile> file;
+    std::vector<std::pair<size_t, size_t>> ranges;  // offset, bytes
+    ~FreedExtents();
+  };
+
+  explicit SpillEngine(const SpillConfig& config);
+  static void restart_in_child();
   void start_workers_locked();
   void stop_workers(std::unique_lock<std::mutex>& lock);
   void worker_loop(char* staging);
@@ -91,7 +108,7 @@ class SpillEngine {
   std::string run_job(const Job& job, char* staging, std::unique_ptr<char, decltype(&std::free)>& bounce);
   void finish_job(const Job& job, const std::string& error);
   void start_reads_locked(const std::shared_ptr<Ticket>& ticket);
-  void free_extents_locked(Ticket& ticket);
+  void free_extents_locked(Ticket& ticket, FreedExtents& freed);
   std::shared_ptr<Ticket> find_locked(int64_t ticket, const char* op) const;
 
   const uint64_t nonce_;  // per process: extents written by anyone else never verify
@@ -106,7 +123,7 @@ class SpillEngine {
   int64_t jobs_in_flight_ = 0;
   int64_t next_ticket_ = 1;
   std::map<int64_t, std::shared_ptr<Ticket>> tickets_;
-  std::map<std::string, std::shared_ptr<SpillFile>> files_;
+  std::map<std::string, std::weak_ptr<SpillFile>> files_;  // tickets own them
   SpillStats stats_;
   RestoreBuffers restore_buffers_;  // its own lock: tensors die anywhere, under mutex_ too
 };
