@@ -467,6 +467,11 @@ def small_fs(tmp_path):
         yield directory
 
 
+def wait_for_io():
+    """Freed extents are given back by the I/O threads; configure waits for all their work."""
+    torch_offload.configure_disk_spill()
+
+
 def free_bytes(directory):
     stats = os.statvfs(directory)
     return stats.f_bfree * stats.f_frsize  # root may write into the reserved blocks too
@@ -508,11 +513,13 @@ def test_freed_extents_give_their_blocks_back_to_the_file_system(spill_dir):
     torch_offload.disk_wait(restored)
     assert allocated_bytes(fd) >= held + t.numel() * 4
     assert torch.equal(torch_offload.disk_restore(restored, t.shape, t.dtype, "cpu"), t)
+    wait_for_io()
     assert allocated_bytes(fd) == held  # restored: its extents are free
     freed = torch_offload.disk_spill(t, directory=spill_dir)
     torch_offload.disk_wait(freed)
     assert allocated_bytes(fd) >= held + t.numel() * 4
     del freed
+    wait_for_io()
     assert allocated_bytes(fd) == held
 
 
@@ -525,6 +532,7 @@ def test_a_directory_spill_file_is_closed_once_no_ticket_uses_it(tmp_path):
         assert len(spill_files_in(str(directory))) == 1
         assert torch.equal(torch_offload.disk_restore(ticket, t.shape, t.dtype, "cpu"), t)
         del ticket
+        wait_for_io()
         assert spill_files_in(str(directory)) == []
 
 
@@ -547,6 +555,7 @@ def test_blocks_of_a_failed_write_go_back_once_its_ticket_is_freed(spill_dir):
             print("FAILED", "File too large" in str(e))
         print("PARTLY WRITTEN", os.fstat(fd).st_blocks > held)
         del ticket
+        torch_offload.configure_disk_spill()  # waits for the I/O threads to give the blocks back
         print("GIVEN BACK", os.fstat(fd).st_blocks == held)
     """)
     assert "FAILED True" in child.stdout and "PARTLY WRITTEN True" in child.stdout, child.stdout + child.stderr
@@ -560,14 +569,17 @@ def test_free_space_comes_back_after_restore_free_and_enospc(small_fs):
     slack = 1 << 20  # file system metadata
     t = torch.randn(10 << 20)  # 40 MiB
     assert torch.equal(round_trip(t, small_fs), t)
+    wait_for_io()
     assert free_bytes(small_fs) >= empty - slack
     ticket = torch_offload.disk_spill(torch.ones(20 << 20), directory=small_fs)  # 80 MiB: does not fit
     with pytest.raises(RuntimeError, match="No space left on device"):
         torch_offload.disk_wait(ticket)
     del ticket
+    wait_for_io()
     assert free_bytes(small_fs) >= empty - slack
     assert torch.equal(round_trip(t, small_fs), t)  # and the space is usable again
     del anchor
+    wait_for_io()
     assert spill_files_in(small_fs) == []  # closed: the file system unmounts
 
 
@@ -579,6 +591,7 @@ def test_ramfs_is_refused_like_tmpfs(tmp_path):
         ticket = torch_offload.disk_spill(t, directory=directory, allow_tmpfs=True)
         assert torch.equal(torch_offload.disk_restore(ticket, t.shape, t.dtype, "cpu"), t)
         del ticket
+        wait_for_io()
 
 
 def test_fork_gives_the_child_a_fresh_engine_and_the_parent_goes_on(spill_dir):

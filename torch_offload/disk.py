@@ -3,7 +3,7 @@
 The spill file lives in ``directory``, else ``$TORCH_OFFLOAD_SPILL_DIR``, else the
 system temp directory. It has no name (O_TMPFILE, or unlinked at once), so
 nothing is left behind on any exit, SIGKILL included; it is closed once no ticket
-uses it, and freed extents give their blocks back to the file system at once. RAM
+uses it, and the I/O threads give freed extents' blocks back to the file system. RAM
 file systems (tmpfs, ramfs) are refused unless ``allow_tmpfs=True``.
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ def configure_disk_spill(
     allows before it waits, and how many bytes of freed restored tensors are kept
     for the next restores of the same size (fresh memory costs a page fault and
     zeroing per page; every ``disk_spill`` frees what is kept; 0 disables).
-    Waits for the I/O in flight (freed tickets' too) to finish first."""
+    Waits for the I/O in flight (freed tickets' too, their disk space given back) to finish first."""
     torch.ops.offload.disk_spill_configure(
         num_threads, extent_bytes, checksums, max_in_flight_bytes, restore_cache_bytes
     )

@@ -175,12 +175,6 @@ SpillEngine::SpillEngine(const SpillConfig& config)
   restore_buffers_.set_capacity(static_cast<size_t>(config_.restore_cache_bytes));
 }
 
-SpillEngine::FreedExtents::~FreedExtents() {
-  for (const auto& [offset, bytes] : ranges) {
-    file->release(offset, bytes);
-  }
-}
-
 std::shared_ptr<SpillFile> SpillEngine::file_for(const std::string& directory, bool allow_tmpfs) {
   std::lock_guard<std::mutex> lock(mutex_);
   std::erase_if(files_, [](const auto& entry) { return entry.second.expired(); });
@@ -241,6 +235,9 @@ void SpillEngine::configure(const SpillConfig& config) {
   stop_workers(lock);
   config_ = config;
   restore_buffers_.set_capacity(static_cast<size_t>(config.restore_cache_bytes));
+  if (!tickets_.empty()) {
+    start_workers_locked();  // they give back the extents of the tickets still live once freed
+  }
 }
 
 int64_t SpillEngine::spill(const at::Tensor& source, std::shared_ptr<SpillFile> file,
@@ -345,7 +342,6 @@ void SpillEngine::prefetch(int64_t id) {
 }
 
 at::Tensor SpillEngine::restore(int64_t id, at::IntArrayRef sizes, c10::ScalarType dtype) {
-  FreedExtents freed;
   std::unique_lock<std::mutex> lock(mutex_);
   auto ticket = find_locked(id, "disk_restore");
   TORCH_CHECK(!ticket->restored, "disk_restore: ticket ", id, " was already restored; a ticket is restored once");
@@ -359,7 +355,7 @@ at::Tensor SpillEngine::restore(int64_t id, at::IntArrayRef sizes, c10::ScalarTy
   }
   done_cv_.wait(lock, [&] { return ticket->reads_pending == 0; });
   ticket->restored = true;
-  free_extents_locked(*ticket, freed);
+  free_extents_locked(*ticket);
   TORCH_CHECK(ticket->error.empty(), ticket->error);
   return std::move(ticket->destination);
 }
@@ -369,7 +365,6 @@ void SpillEngine::release(int64_t id, uint64_t nonce) {
     return;
   }
   std::shared_ptr<Ticket> released;  // destroyed after unlocking, with whatever it still holds
-  FreedExtents freed;
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = tickets_.find(id);
   if (it == tickets_.end()) {
@@ -380,34 +375,56 @@ void SpillEngine::release(int64_t id, uint64_t nonce) {
   ticket.released = true;
   // Buffers stay with the Ticket, which jobs in flight still hold: they go with the last one.
   if (ticket.writes_pending == 0 && ticket.reads_pending == 0) {
-    free_extents_locked(ticket, freed);
+    free_extents_locked(ticket);
   }  // else the last job frees them
   tickets_.erase(it);
   stats_.tickets_live -= 1;
 }
 
-void SpillEngine::free_extents_locked(Ticket& ticket, FreedExtents& freed) {
+void SpillEngine::free_extents_locked(Ticket& ticket) {
   // The ticket needs its file no more: the file closes with the last ticket that does.
-  freed.file = std::move(ticket.file);
+  FreedExtents freed{std::move(ticket.file), {}};
   for (size_t index = 0; index < ticket.offsets.size(); ++index) {
     freed.ranges.emplace_back(ticket.offsets[index], ticket.layout(index).span());
   }
   stats_.extents_live -= static_cast<int64_t>(ticket.offsets.size());
   ticket.offsets.clear();
+  if (freed.ranges.empty()) {
+    return;  // a ticket of 0 bytes: the file has nothing of it
+  }
+  // The workers run: they wrote these extents, and configure() restarts them while tickets live.
+  frees_.push_back(std::move(freed));
+  ++jobs_in_flight_;
+  work_cv_.notify_one();
 }
 
 void SpillEngine::worker_loop(char* staging) {
   std::unique_ptr<char, decltype(&std::free)> bounce(nullptr, &std::free);  // made on first need
   while (true) {
     Job job;
+    FreedExtents freed;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) {
+      work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !frees_.empty(); });
+      if (!frees_.empty()) {
+        freed = std::move(frees_.front());
+        frees_.pop_front();
+      } else if (!queue_.empty()) {
+        job = std::move(queue_.front());
+        queue_.pop_front();
+      } else {
         return;  // stopping
       }
-      job = std::move(queue_.front());
-      queue_.pop_front();
+    }
+    if (freed.file) {
+      for (const auto& [offset, bytes] : freed.ranges) {
+        freed.file->release(offset, bytes);
+      }
+      freed.file.reset();  // closes the file if no ticket uses it any more
+      std::lock_guard<std::mutex> lock(mutex_);
+      --jobs_in_flight_;
+      done_cv_.notify_all();
+      continue;
     }
     std::string error;
     try {
@@ -519,7 +536,6 @@ void SpillEngine::finish_job(const Job& job, const std::string& error) {
   // the engine (a spilled ticket tensor releases its own ticket).
   at::Tensor written_source;
   std::function<void()> written_source_ready;
-  FreedExtents freed;
   std::lock_guard<std::mutex> lock(mutex_);
   Ticket& ticket = *job.ticket;
   --jobs_in_flight_;
@@ -545,7 +561,7 @@ void SpillEngine::finish_job(const Job& job, const std::string& error) {
     --ticket.reads_pending;
   }
   if (ticket.released && ticket.writes_pending == 0 && ticket.reads_pending == 0 && !ticket.offsets.empty()) {
-    free_extents_locked(ticket, freed);
+    free_extents_locked(ticket);
   }
   done_cv_.notify_all();
 }

@@ -73,7 +73,7 @@ class SpillEngine {
   // A ticket of another engine (the parent's, after fork) is ignored.
   void release(int64_t ticket, uint64_t nonce);
 
-  // Waits for the I/O in flight to finish first.
+  // Waits for the I/O in flight (freed extents given back included) to finish first.
   void configure(const SpillConfig& config);
   SpillStats stats() const;
   // [fd, file offset of the first extent, offset of its payload within it]: for tests that corrupt data.
@@ -90,13 +90,12 @@ class SpillEngine {
     bool write;
   };
 
-  // A ticket's extents, taken from it under mutex_ and given back to the file
-  // (a hole punched per extent: a system call each) by the destructor: declare
-  // one before the lock, so that this happens after unlocking.
+  // A freed ticket's extents, given back to their file by an I/O thread: the
+  // hole punched over each takes milliseconds per 64 MiB (tens with online
+  // discard), which the thread that freed the ticket must not wait for.
   struct FreedExtents {
-    std::shared_ptr<SpillFile> file;
+    std::shared_ptr<SpillFile> file;  // closed by the thread that drops the last reference
     std::vector<std::pair<size_t, size_t>> ranges;  // offset, bytes
-    ~FreedExtents();
   };
 
   explicit SpillEngine(const SpillConfig& config);
@@ -108,7 +107,7 @@ class SpillEngine {
   std::string run_job(const Job& job, char* staging, std::unique_ptr<char, decltype(&std::free)>& bounce);
   void finish_job(const Job& job, const std::string& error);
   void start_reads_locked(const std::shared_ptr<Ticket>& ticket);
-  void free_extents_locked(Ticket& ticket, FreedExtents& freed);
+  void free_extents_locked(Ticket& ticket);
   std::shared_ptr<Ticket> find_locked(int64_t ticket, const char* op) const;
 
   const uint64_t nonce_;  // per process: extents written by anyone else never verify
@@ -117,6 +116,7 @@ class SpillEngine {
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
   std::deque<Job> queue_;
+  std::deque<FreedExtents> frees_;  // taken before the jobs: space back first
   std::vector<std::thread> workers_;
   bool stopping_ = false;
   int64_t in_flight_bytes_ = 0;
