@@ -5,8 +5,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <random>
 #include <string>
+
+#include <fcntl.h>
+#include <linux/falloc.h>
+#include <linux/magic.h>
+#include <sys/stat.h>
 
 #include <ATen/ATen.h>
 
@@ -14,6 +20,7 @@
 #include "ops/common/free_ranges.h"
 #include "ops/disk_spill/restore_buffers.h"
 #include "ops/disk_spill/spill_engine.h"
+#include "ops/disk_spill/spill_file.h"
 #include "torch_offload/torch_offload.h"
 
 namespace torch_offload {
@@ -87,6 +94,42 @@ TEST(RestoreBuffers, ZeroCapacityKeepsNothingAndLargeBuffersAreHugePageAligned) 
   std::free(again);
 }
 
+TEST(SpillFile, RamFileSystemsAreKnownByTheirMagicNumber) {
+  EXPECT_STREQ(ram_filesystem_name(TMPFS_MAGIC), "tmpfs");
+  EXPECT_STREQ(ram_filesystem_name(RAMFS_MAGIC), "ramfs");
+  EXPECT_STREQ(ram_filesystem_name(HUGETLBFS_MAGIC), "hugetlbfs");
+  EXPECT_EQ(ram_filesystem_name(EXT4_SUPER_MAGIC), nullptr);
+  EXPECT_EQ(ram_filesystem_name(XFS_SUPER_MAGIC), nullptr);
+}
+
+TEST(SpillFile, ReleasedRangesGiveTheirBlocksBack) {
+  SpillFile file(std::filesystem::temp_directory_path().string(), false);
+  const auto allocated = [&] {
+    struct stat info {};
+    EXPECT_EQ(::fstat(file.fd(), &info), 0);
+    return static_cast<size_t>(info.st_blocks) * 512;
+  };
+  if (::fallocate(file.fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, SpillFile::kBlock) != 0) {
+    GTEST_SKIP() << "the temp directory's file system cannot punch holes";
+  }
+  constexpr size_t kBytes = size_t{1} << 20;
+  std::unique_ptr<char, decltype(&std::free)> data(static_cast<char*>(std::aligned_alloc(SpillFile::kBlock, kBytes)),
+                                                  &std::free);
+  std::memset(data.get(), 7, kBytes);
+  const size_t first = file.allocate(kBytes);
+  const size_t second = file.allocate(kBytes);
+  for (const size_t offset : {first, second}) {
+    iovec part{data.get(), kBytes};
+    ASSERT_EQ(file.write_all(&part, 1, offset), 0);
+  }
+  EXPECT_GE(allocated(), 2 * kBytes);
+  file.release(first, kBytes);
+  EXPECT_LT(allocated(), 2 * kBytes);
+  file.release(second, kBytes);
+  EXPECT_EQ(allocated(), 0u);
+  EXPECT_EQ(file.allocate(2 * kBytes), first);  // and the ranges are handed out again
+}
+
 // CUDA spills bounce their pinned source through a pageable buffer, 4 MiB at a
 // time; the bytes on disk are the same as a direct write's.
 TEST(SpillEngine, BouncedSourceRoundTripsAtAnyOffset) {
@@ -100,7 +143,7 @@ TEST(SpillEngine, BouncedSourceRoundTripsAtAnyOffset) {
       const int64_t id = engine.spill(source, file, nullptr, bounce);
       const at::Tensor back = engine.restore(id, source.sizes(), source.scalar_type());
       EXPECT_TRUE(at::equal(back, source)) << "start " << start << " bounce " << bounce;
-      engine.release(id);
+      engine.release(id, engine.nonce());
     }
   }
   engine.configure(SpillConfig{});

@@ -1,5 +1,9 @@
-"""disk_spill / disk_restore: round trips, errors, crash safety, corruption, concurrency."""
+"""disk_spill / disk_restore: round trips, errors, crash safety, corruption, concurrency,
+disk space given back, fork."""
+import contextlib
+import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -84,6 +88,8 @@ def test_round_trip_at_any_offset_within_a_block(direct, offset, nbytes, spill_d
     assert src.data_ptr() % 4096 == offset
     torch_offload.configure_disk_spill(extent_bytes=16 << 10)
     try:
+        # A ticket not restored keeps the spill file open for the check below.
+        anchor = torch_offload.disk_spill(torch.ones(1), directory=directory, allow_tmpfs=allow_tmpfs)
         ticket = torch_offload.disk_spill(src, directory=directory, allow_tmpfs=allow_tmpfs)
         fd = torch.ops.offload._disk_ticket_location(ticket)[0]
         assert torch.equal(torch_offload.disk_restore(ticket, src.shape, src.dtype, "cpu"), src)
@@ -92,6 +98,7 @@ def test_round_trip_at_any_offset_within_a_block(direct, offset, nbytes, spill_d
     if direct and supports_o_direct(directory):  # no transfer made the file drop to buffered I/O
         with open(f"/proc/self/fdinfo/{fd}") as info:
             assert int(next(line for line in info if line.startswith("flags:")).split()[1], 8) & os.O_DIRECT
+    del anchor
 
 
 def supports_o_direct(directory):
@@ -245,6 +252,14 @@ def test_bad_directories_are_refused_by_name(tmp_path):
         torch_offload.disk_spill(t, directory=str(a_file))
 
 
+def test_restore_to_meta_is_refused_before_the_ticket_is_used(spill_dir):
+    t = sample((4, 6), torch.float32)
+    ticket = torch_offload.disk_spill(t, directory=spill_dir)
+    with pytest.raises(RuntimeError, match="disk_restore: device is meta, which would drop the ticket's data"):
+        torch_offload.disk_restore(ticket, t.shape, t.dtype, "meta")
+    assert torch.equal(torch_offload.disk_restore(ticket, t.shape, t.dtype, "cpu"), t)
+
+
 def test_tmpfs_is_refused_unless_allowed():
     t = sample((10,), torch.float32)
     with pytest.raises(RuntimeError, match="is on tmpfs, which is RAM, not disk"):
@@ -255,10 +270,10 @@ def test_tmpfs_is_refused_unless_allowed():
         torch_offload.disk_spill(t, directory="/dev/shm")
 
 
-def run_child(code, **kwargs):
+def run_child(code, timeout=300):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=env, timeout=300, **kwargs)
+                          env=env, timeout=timeout)
 
 
 # Root may write almost anywhere; /proc/sys refuses even root.
@@ -418,3 +433,204 @@ def test_compiled_spill_and_restore_match_eager(spill_dir):
     for n in (16, 40):
         x = torch.randn(n, 3)
         torch.testing.assert_close(compiled(x), fn(x))
+
+
+@contextlib.contextmanager
+def mounted(target, *mount_args):
+    """A file system mounted at target for the test (needs root); skips where this machine cannot mount."""
+    target.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command")
+    result = subprocess.run(["mount", *mount_args, str(target)], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount {' '.join(mount_args)} here (root only): {result.stderr.strip()}")
+    try:
+        yield str(target)
+    finally:
+        # Busy while a spill file is still open in it: a failure, then a lazy unmount.
+        busy = subprocess.run(["umount", str(target)], capture_output=True, text=True)
+        if busy.returncode != 0:
+            subprocess.run(["umount", "-l", str(target)])
+            pytest.fail(f"umount {target}: {busy.stderr.strip()}")
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 64 MiB ext4 file system on a loop device."""
+    if shutil.which("mkfs.ext4") is None:
+        pytest.skip("no mkfs.ext4")
+    image = tmp_path / "fs.img"
+    with open(image, "wb") as f:
+        f.truncate(64 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True, capture_output=True)
+    with mounted(tmp_path / "small", "-o", "loop", str(image)) as directory:
+        yield directory
+
+
+def wait_for_io():
+    """Freed extents are given back by the I/O threads; configure waits for all their work."""
+    torch_offload.configure_disk_spill()
+
+
+def free_bytes(directory):
+    stats = os.statvfs(directory)
+    return stats.f_bfree * stats.f_frsize  # root may write into the reserved blocks too
+
+
+def allocated_bytes(fd):
+    return os.stat(f"/proc/self/fd/{fd}").st_blocks * 512
+
+
+def punches_holes(directory):
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(os.path.join(directory, "hole_probe"), "wb") as f:
+        f.write(bytes(8192))
+        f.flush()
+        punched = libc.fallocate(f.fileno(), 3, ctypes.c_long(0), ctypes.c_long(4096)) == 0  # PUNCH_HOLE|KEEP_SIZE
+    os.unlink(os.path.join(directory, "hole_probe"))
+    return punched
+
+
+def spill_files_in(directory):
+    """The descriptors of this process open on files in directory (the spill files, anonymous)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(directory + "/"):
+                found.append(fd)
+    return found
+
+
+def test_freed_extents_give_their_blocks_back_to_the_file_system(spill_dir):
+    if not punches_holes(spill_dir):
+        pytest.skip(f"the file system of {spill_dir} cannot punch holes")
+    anchor = torch_offload.disk_spill(torch.ones(1024), directory=spill_dir)  # keeps the spill file open
+    torch_offload.disk_wait(anchor)
+    fd = torch.ops.offload._disk_ticket_location(anchor)[0]
+    held = allocated_bytes(fd)
+    t = sample((2048, 2048), torch.float32)  # 16 MiB
+    restored = torch_offload.disk_spill(t, directory=spill_dir)
+    torch_offload.disk_wait(restored)
+    assert allocated_bytes(fd) >= held + t.numel() * 4
+    assert torch.equal(torch_offload.disk_restore(restored, t.shape, t.dtype, "cpu"), t)
+    wait_for_io()
+    assert allocated_bytes(fd) == held  # restored: its extents are free
+    freed = torch_offload.disk_spill(t, directory=spill_dir)
+    torch_offload.disk_wait(freed)
+    assert allocated_bytes(fd) >= held + t.numel() * 4
+    del freed
+    wait_for_io()
+    assert allocated_bytes(fd) == held
+
+
+def test_a_directory_spill_file_is_closed_once_no_ticket_uses_it(tmp_path):
+    t = sample((64, 64), torch.float32)
+    for i in range(20):
+        directory = tmp_path / f"spill{i}"
+        directory.mkdir()
+        ticket = torch_offload.disk_spill(t, directory=str(directory))
+        assert len(spill_files_in(str(directory))) == 1
+        assert torch.equal(torch_offload.disk_restore(ticket, t.shape, t.dtype, "cpu"), t)
+        del ticket
+        wait_for_io()
+        assert spill_files_in(str(directory)) == []
+
+
+def test_blocks_of_a_failed_write_go_back_once_its_ticket_is_freed(spill_dir):
+    # The file size limit (EFBIG) stands in for a full disk, which the test below
+    # needs a small file system for: a write fails part way, its blocks stay taken.
+    if not punches_holes(spill_dir):
+        pytest.skip(f"the file system of {spill_dir} cannot punch holes")
+    child = run_child(f"""
+        import os, resource, torch, torch_offload
+        anchor = torch_offload.disk_spill(torch.ones(1024), directory={spill_dir!r})  # keeps the file open
+        torch_offload.disk_wait(anchor)
+        fd = torch.ops.offload._disk_ticket_location(anchor)[0]
+        held = os.fstat(fd).st_blocks
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, 8 << 20))
+        ticket = torch_offload.disk_spill(torch.ones(4 << 20), directory={spill_dir!r})  # 16 MiB
+        try:
+            torch_offload.disk_wait(ticket)
+        except RuntimeError as e:
+            print("FAILED", "File too large" in str(e))
+        print("PARTLY WRITTEN", os.fstat(fd).st_blocks > held)
+        del ticket
+        torch_offload.configure_disk_spill()  # waits for the I/O threads to give the blocks back
+        print("GIVEN BACK", os.fstat(fd).st_blocks == held)
+    """)
+    assert "FAILED True" in child.stdout and "PARTLY WRITTEN True" in child.stdout, child.stdout + child.stderr
+    assert "GIVEN BACK True" in child.stdout, child.stdout + child.stderr
+
+
+def test_free_space_comes_back_after_restore_free_and_enospc(small_fs):
+    anchor = torch_offload.disk_spill(torch.ones(1024), directory=small_fs)  # keeps the spill file open
+    torch_offload.disk_wait(anchor)
+    empty = free_bytes(small_fs)
+    slack = 1 << 20  # file system metadata
+    t = torch.randn(10 << 20)  # 40 MiB
+    assert torch.equal(round_trip(t, small_fs), t)
+    wait_for_io()
+    assert free_bytes(small_fs) >= empty - slack
+    ticket = torch_offload.disk_spill(torch.ones(20 << 20), directory=small_fs)  # 80 MiB: does not fit
+    with pytest.raises(RuntimeError, match="No space left on device"):
+        torch_offload.disk_wait(ticket)
+    del ticket
+    wait_for_io()
+    assert free_bytes(small_fs) >= empty - slack
+    assert torch.equal(round_trip(t, small_fs), t)  # and the space is usable again
+    del anchor
+    wait_for_io()
+    assert spill_files_in(small_fs) == []  # closed: the file system unmounts
+
+
+def test_ramfs_is_refused_like_tmpfs(tmp_path):
+    with mounted(tmp_path / "ramfs", "-t", "ramfs", "ramfs") as directory:
+        t = sample((10,), torch.float32)
+        with pytest.raises(RuntimeError, match=f"directory '{directory}' is on ramfs, which is RAM, not disk"):
+            torch_offload.disk_spill(t, directory=directory)
+        ticket = torch_offload.disk_spill(t, directory=directory, allow_tmpfs=True)
+        assert torch.equal(torch_offload.disk_restore(ticket, t.shape, t.dtype, "cpu"), t)
+        del ticket
+        wait_for_io()
+
+
+def test_fork_gives_the_child_a_fresh_engine_and_the_parent_goes_on(spill_dir):
+    # A DataLoader worker forks a process whose disk tier runs: the child's I/O
+    # threads are gone and its file is the parent's. The child must get its own.
+    child = run_child(f"""
+        import os, signal, torch, torch_offload
+        directory = {spill_dir!r}
+        t = torch.arange(100000.0)
+        kept = torch_offload.disk_spill(t, directory=directory)
+        torch_offload.disk_wait(kept)
+        busy = [torch_offload.disk_spill(t + i, directory=directory) for i in range(8)]  # I/O in flight
+        parent_file = os.fstat(torch.ops.offload._disk_ticket_location(kept)[0]).st_ino
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(30)  # a hung child dies rather than hang the test
+            torch.set_num_threads(1)  # as in a DataLoader worker: OpenMP's threads did not survive either
+            try:
+                torch_offload.disk_restore(kept, t.shape, t.dtype, "cpu")
+                print("CHILD RESTORED A TICKET OF THE PARENT", flush=True)
+            except RuntimeError as e:
+                print("CHILD REFUSED", "not made by disk_spill in this process" in str(e), flush=True)
+            del kept, busy  # the parent's tickets: must not free the parent's extents
+            mine = torch_offload.disk_spill(t * 2, directory=directory)
+            own_file = os.fstat(torch.ops.offload._disk_ticket_location(mine)[0]).st_ino
+            back = torch_offload.disk_restore(mine, t.shape, t.dtype, "cpu")
+            print("CHILD", torch.equal(back, t * 2), own_file != parent_file, flush=True)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print("CHILD EXIT", os.waitstatus_to_exitcode(status))
+        restored = [torch_offload.disk_restore(b, t.shape, t.dtype, "cpu") for b in busy]
+        print("PARENT", torch.equal(torch_offload.disk_restore(kept, t.shape, t.dtype, "cpu"), t),
+              all(torch.equal(r, t + i) for i, r in enumerate(restored)), flush=True)
+        again = torch.randn(1000)
+        back = torch_offload.disk_restore(torch_offload.disk_spill(again, directory=directory), again.shape,
+                                          again.dtype, "cpu")
+        print("AGAIN", torch.equal(back, again))
+    """, timeout=120)
+    out = child.stdout + child.stderr
+    assert "CHILD REFUSED True" in child.stdout, out
+    assert "CHILD True True" in child.stdout and "CHILD EXIT 0" in child.stdout, out
+    assert "PARENT True True" in child.stdout and "AGAIN True" in child.stdout, out

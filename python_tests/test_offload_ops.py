@@ -1,5 +1,8 @@
-"""offload_pack / offload_unpack from Python: values, autograd, opcheck, compile, TorchScript, errors."""
+"""offload_pack / offload_unpack from Python: values, autograd, opcheck, compile, TorchScript, errors;
+meta tensors through every device-moving op."""
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -109,6 +112,36 @@ def test_fake_tensor_results_land_on_the_asked_device():
         back = torch.ops.offload.offload_unpack(packed, torch.device("meta"))
     assert packed.device.type == "cpu" and packed.dtype == torch.float16 and packed.shape == (2, 3)
     assert back.device.type == "meta"
+
+
+# Real meta tensors through the device-moving ops: meta results, nothing allocated
+# (the tensor would take 256 GiB), no data consumed. The package's fake impls are
+# the ops' Meta kernels once it is imported, the C++ ones before.
+META_CHECKS = """
+huge = torch.empty(1 << 36, device="meta")
+ticket = torch.ops.offload.disk_spill(huge)
+torch.ops.offload.disk_prefetch(ticket)
+torch.ops.offload.disk_wait(ticket)
+results = [
+    torch.ops.offload.offload_pack(huge),
+    torch.ops.offload.offload_pack(huge, True),
+    torch.ops.offload.offload_unpack(huge, torch.device("cpu")),
+    torch.ops.offload.disk_restore(ticket, huge.shape, huge.dtype, torch.device("cpu")),
+]
+assert ticket.is_meta and ticket.shape == (2,) and ticket.dtype == torch.int64, ticket
+assert all(r.is_meta and r.shape == huge.shape and r.dtype == huge.dtype for r in results), results
+"""
+
+
+def test_meta_tensors_give_meta_results_with_the_package():
+    exec(META_CHECKS, {"torch": torch})
+
+
+def test_meta_tensors_give_meta_results_with_the_library_alone():
+    code = f"import sys, torch\ntorch.ops.load_library({torch_offload.library_path()!r})\n{META_CHECKS}\n" \
+           "assert 'torch_offload' not in sys.modules\nprint('META OK')"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "META OK" in child.stdout, child.stdout + child.stderr
 
 
 def pack_compute_unpack(x, w):

@@ -48,8 +48,8 @@ def mlp_inputs(x_shape, intermediate=24, gated=True, bias=True, dtype=torch.floa
         return (torch.randn(*shape, generator=generator, dtype=torch.float64) * scale).to(dtype).requires_grad_()
 
     x = rand(*x_shape)
-    w_gate, w_up = rand(intermediate, h, scale=h**-0.5), rand(intermediate, h, scale=h**-0.5)
-    w_down = rand(h, intermediate, scale=intermediate**-0.5)
+    w_gate, w_up = rand(intermediate, h, scale=max(h, 1) ** -0.5), rand(intermediate, h, scale=max(h, 1) ** -0.5)
+    w_down = rand(h, intermediate, scale=max(intermediate, 1) ** -0.5)
     b_gate, b_up, b_down = rand(intermediate, scale=0.1), rand(intermediate, scale=0.1), rand(h, scale=0.1)
     return (x, w_gate, w_up if gated else None, w_down,
             b_gate if bias else None, b_up if bias and gated else None, b_down if bias else None)
@@ -96,6 +96,26 @@ def test_matches_untiled_reference_float32(x_shape, num_shards, activation, gate
     assert len(got_grads) == len(want_grads)
     for g, w in zip(got_grads, want_grads):
         assert_close_f32(g, w)
+
+
+# Zero-size dimensions compute what plain torch computes: hidden size 0 (an output
+# with no features; the gate is its bias alone), intermediate size 0 (the output is
+# b_down alone), and no tokens along with either.
+ZERO_SIZES = [((5, 0), 24), ((2, 3, 0), 24), ((0, 0), 24), ((5, 16), 0), ((0, 16), 0)]
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("x_shape, intermediate", ZERO_SIZES, ids=[f"{s}-I{i}" for s, i in ZERO_SIZES])
+def test_zero_size_dimensions_match_plain_torch(x_shape, intermediate, gated, bias):
+    inputs = mlp_inputs(x_shape, intermediate=intermediate, gated=gated, bias=bias)
+    grad_out = torch.randn(x_shape, generator=torch.Generator().manual_seed(1))
+    got, got_grads = outputs_and_grads(lambda: call_tiled(inputs, num_shards=2), inputs, grad_out)
+    want, want_grads = outputs_and_grads(lambda: reference_mlp(*inputs), inputs, grad_out)
+    assert got.shape == want.shape == torch.Size(x_shape)
+    torch.testing.assert_close(got, want, **F32)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, torch.zeros_like(g) if w is None else w, **F32)
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])

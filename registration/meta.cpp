@@ -7,12 +7,14 @@
 
 // Meta kernels keep meta tensors on meta. Under FakeTensor (torch.compile) the
 // device-moving ops need their real result device: torch_offload/_fake.py
-// registers those fake impls over these.
+// registers those fake impls over these (keeping meta inputs on meta too).
 TORCH_LIBRARY_IMPL(offload, Meta, m) {
   m.impl("offload_pack", &torch_offload::offload_pack_meta);
   m.impl("offload_unpack", &torch_offload::offload_unpack_meta);
   m.impl("disk_spill", &torch_offload::disk_spill_meta);
   m.impl("disk_restore", &torch_offload::disk_restore_meta);
+  m.impl("disk_prefetch", &torch_offload::disk_prefetch_meta);
+  m.impl("disk_wait", &torch_offload::disk_wait_meta);
   // tiled_mlp's results live on x's device, which FakeTensor derives by itself.
   m.impl("tiled_mlp", &torch_offload::tiled_mlp_meta);
   m.impl("tiled_mlp_backward", &torch_offload::tiled_mlp_backward_meta);

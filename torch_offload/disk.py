@@ -2,8 +2,9 @@
 
 The spill file lives in ``directory``, else ``$TORCH_OFFLOAD_SPILL_DIR``, else the
 system temp directory. It has no name (O_TMPFILE, or unlinked at once), so
-nothing is left behind on any exit, SIGKILL included. tmpfs is refused unless
-``allow_tmpfs=True``: it is RAM, not disk.
+nothing is left behind on any exit, SIGKILL included; it is closed once no ticket
+uses it, and the I/O threads give freed extents' blocks back to the file system. RAM
+file systems (tmpfs, ramfs) are refused unless ``allow_tmpfs=True``.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def disk_spill(src: torch.Tensor, *, directory: str | None = None, allow_tmpfs: 
 
 
 def disk_restore(ticket: torch.Tensor, size: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
-    """The spilled tensor back on ``device``. A ticket is restored once; ``size``
+    """The spilled tensor back on ``device`` (cpu or cuda). A ticket is restored once; ``size``
     and ``dtype`` must be those of the spilled tensor. Raises the write's error if it failed."""
     return torch.ops.offload.disk_restore(ticket, list(size), dtype, torch.device(device))
 
@@ -74,7 +75,7 @@ def configure_disk_spill(
     allows before it waits, and how many bytes of freed restored tensors are kept
     for the next restores of the same size (fresh memory costs a page fault and
     zeroing per page; every ``disk_spill`` frees what is kept; 0 disables).
-    Waits for the I/O in flight (freed tickets' too) to finish first."""
+    Waits for the I/O in flight (freed tickets' too, their disk space given back) to finish first."""
     torch.ops.offload.disk_spill_configure(
         num_threads, extent_bytes, checksums, max_in_flight_bytes, restore_cache_bytes
     )

@@ -35,7 +35,7 @@ at::Tensor make_ticket(int64_t id) {
       data, {2},
       [](void* ptr) {
         auto* fields = static_cast<int64_t*>(ptr);
-        SpillEngine::instance().release(fields[0]);
+        SpillEngine::instance().release(fields[0], static_cast<uint64_t>(fields[1]));
         delete[] fields;
       },
       at::TensorOptions().dtype(at::kLong));
@@ -87,6 +87,9 @@ at::Tensor disk_restore_cpu(const at::Tensor& ticket, c10::SymIntArrayRef size, 
                             c10::Device device) {
   const int64_t id = ticket_id(ticket, "disk_restore");
   check_device_available(device, "disk_restore", "device");
+  // Restoring consumes the ticket: a meta tensor would keep none of its data.
+  TORCH_CHECK(!device.is_meta(), "disk_restore: device is meta, which would drop the ticket's data; "
+              "expected a cpu or cuda device");
   at::Tensor host = SpillEngine::instance().restore(id, C10_AS_INTARRAYREF_SLOW(size), dtype);
   return device.is_cpu() ? host : offload_unpack(host, device);
 }
@@ -103,6 +106,10 @@ void disk_prefetch_cpu(const at::Tensor& ticket) {
 void disk_wait_cpu(const at::Tensor& ticket) {
   SpillEngine::instance().wait_written(ticket_id(ticket, "disk_wait"));
 }
+
+void disk_prefetch_meta(const at::Tensor& /*ticket*/) {}
+
+void disk_wait_meta(const at::Tensor& /*ticket*/) {}
 
 std::vector<int64_t> disk_ticket_location_cpu(const at::Tensor& ticket) {
   return SpillEngine::instance().location(ticket_id(ticket, "_disk_ticket_location"));

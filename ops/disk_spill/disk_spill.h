@@ -25,6 +25,9 @@ at::Tensor disk_restore_meta(const at::Tensor& ticket, c10::SymIntArrayRef size,
 
 void disk_prefetch_cpu(const at::Tensor& ticket);
 void disk_wait_cpu(const at::Tensor& ticket);
+// A meta ticket has nothing to read or wait for.
+void disk_prefetch_meta(const at::Tensor& ticket);
+void disk_wait_meta(const at::Tensor& ticket);
 std::vector<int64_t> disk_ticket_location_cpu(const at::Tensor& ticket);
 
 void disk_spill_configure_kernel(int64_t num_threads, int64_t extent_bytes, bool checksums,

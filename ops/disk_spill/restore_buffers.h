@@ -27,6 +27,13 @@ class RestoreBuffers {
   void recycle(void* buffer, size_t bytes);
   void set_capacity(size_t bytes);  // also frees what is kept
   void clear();
+  // Held across fork(), so that the child finds the buffers at rest and can clear them.
+  void lock() {
+    mutex_.lock();
+  }
+  void unlock() {
+    mutex_.unlock();
+  }
 
   int64_t hits() const;
   size_t kept_bytes() const;

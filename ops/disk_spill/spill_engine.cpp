@@ -1,11 +1,14 @@
 #include "ops/disk_spill/spill_engine.h"
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <random>
 #include <utility>
+
+#include <pthread.h>
 
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
@@ -90,6 +93,9 @@ int64_t elapsed_ns(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - since).count();
 }
 
+// The engine of this process: replaced in a child after fork().
+std::atomic<SpillEngine*> current_engine{nullptr};
+
 }  // namespace
 
 struct SpillEngine::Ticket {
@@ -126,28 +132,64 @@ struct SpillEngine::Ticket {
 
 SpillEngine& SpillEngine::instance() {
   // Never destroyed: ticket tensors may be freed during interpreter teardown.
-  static auto* engine = new SpillEngine();
-  return *engine;
+  static const bool created = [] {
+    current_engine.store(new SpillEngine(SpillConfig{}));
+    // The locks are held across fork() so that the child finds the engine at rest.
+    const auto lock = [] {
+      SpillEngine& engine = *current_engine.load();
+      engine.mutex_.lock();
+      engine.restore_buffers_.lock();
+    };
+    const auto unlock = [] {
+      SpillEngine& engine = *current_engine.load();
+      engine.restore_buffers_.unlock();
+      engine.mutex_.unlock();
+    };
+    TORCH_CHECK(::pthread_atfork(lock, unlock, &SpillEngine::restart_in_child) == 0,
+                "disk_spill: cannot register the fork handlers");
+    return true;
+  }();
+  (void)created;
+  return *current_engine.load();
 }
 
-SpillEngine::SpillEngine() : nonce_(std::random_device{}() * uint64_t{0x9E3779B97F4A7C15} ^ ::getpid()) {
+// In the child, the only thread there. The parent's engine is left behind as it
+// is (its workers are gone, its tickets belong to the parent): only its files are
+// closed and its kept restore buffers freed, so the child holds neither.
+void SpillEngine::restart_in_child() {
+  SpillEngine& parent = *current_engine.load();
+  for (const auto& [directory, weak_file] : parent.files_) {
+    if (const auto file = weak_file.lock()) {
+      file->close_inherited();
+    }
+  }
+  const SpillConfig config = parent.config_;
+  parent.restore_buffers_.unlock();
+  parent.restore_buffers_.clear();
+  parent.mutex_.unlock();
+  current_engine.store(new SpillEngine(config));
+}
+
+SpillEngine::SpillEngine(const SpillConfig& config)
+    : nonce_(std::random_device{}() * uint64_t{0x9E3779B97F4A7C15} ^ ::getpid()), config_(config) {
   restore_buffers_.set_capacity(static_cast<size_t>(config_.restore_cache_bytes));
 }
 
 std::shared_ptr<SpillFile> SpillEngine::file_for(const std::string& directory, bool allow_tmpfs) {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto& file = files_[directory];
-  if (file) {
+  std::erase_if(files_, [](const auto& entry) { return entry.second.expired(); });
+  if (auto file = files_[directory].lock()) {
     file->check_allowed(allow_tmpfs);
-  } else {
-    try {
-      file = std::make_shared<SpillFile>(directory, allow_tmpfs);
-    } catch (...) {
-      files_.erase(directory);
-      throw;
-    }
+    return file;
   }
-  return file;
+  try {
+    auto file = std::make_shared<SpillFile>(directory, allow_tmpfs);
+    files_[directory] = file;
+    return file;
+  } catch (...) {
+    files_.erase(directory);
+    throw;
+  }
 }
 
 void SpillEngine::start_workers_locked() {
@@ -193,6 +235,9 @@ void SpillEngine::configure(const SpillConfig& config) {
   stop_workers(lock);
   config_ = config;
   restore_buffers_.set_capacity(static_cast<size_t>(config.restore_cache_bytes));
+  if (!tickets_.empty()) {
+    start_workers_locked();  // they give back the extents of the tickets still live once freed
+  }
 }
 
 int64_t SpillEngine::spill(const at::Tensor& source, std::shared_ptr<SpillFile> file,
@@ -220,6 +265,7 @@ int64_t SpillEngine::spill(const at::Tensor& source, std::shared_ptr<SpillFile> 
   for (size_t index = 0; index < extents; ++index) {
     ticket->offsets.push_back(ticket->file->allocate(ticket->layout(index).span()));
   }
+  stats_.peak_file_bytes = std::max(stats_.peak_file_bytes, static_cast<int64_t>(ticket->file->peak_bytes()));
   stats_.extents_live += static_cast<int64_t>(extents);
   stats_.tickets_live += 1;
   tickets_.emplace(ticket->id, ticket);
@@ -261,11 +307,14 @@ void SpillEngine::start_reads_locked(const std::shared_ptr<Ticket>& ticket) {
   char* memory = static_cast<char*>(restore_buffers_.take(bytes));
   TORCH_CHECK(memory != nullptr, "disk_restore: cannot allocate ", ticket->nbytes, " bytes for ticket ", ticket->id);
   ticket->reading = true;
-  // The engine is never destroyed, so the buffer can come back to it whenever the tensor dies.
+  // Engines are never destroyed, so the buffer can come back whenever the tensor
+  // dies: to the engine of the process it dies in (a child's after fork()).
   try {
     ticket->destination = at::from_blob(
         memory + offset, ticket->sizes,
-        [this, offset, bytes](void* data) { restore_buffers_.recycle(static_cast<char*>(data) - offset, bytes); },
+        [offset, bytes](void* data) {
+          instance().restore_buffers_.recycle(static_cast<char*>(data) - offset, bytes);
+        },
         at::TensorOptions().dtype(ticket->dtype));
   } catch (...) {
     restore_buffers_.recycle(memory, bytes);
@@ -311,7 +360,10 @@ at::Tensor SpillEngine::restore(int64_t id, at::IntArrayRef sizes, c10::ScalarTy
   return std::move(ticket->destination);
 }
 
-void SpillEngine::release(int64_t id) {
+void SpillEngine::release(int64_t id, uint64_t nonce) {
+  if (nonce != nonce_) {
+    return;
+  }
   std::shared_ptr<Ticket> released;  // destroyed after unlocking, with whatever it still holds
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = tickets_.find(id);
@@ -330,25 +382,49 @@ void SpillEngine::release(int64_t id) {
 }
 
 void SpillEngine::free_extents_locked(Ticket& ticket) {
+  // The ticket needs its file no more: the file closes with the last ticket that does.
+  FreedExtents freed{std::move(ticket.file), {}};
   for (size_t index = 0; index < ticket.offsets.size(); ++index) {
-    ticket.file->release(ticket.offsets[index], ticket.layout(index).span());
+    freed.ranges.emplace_back(ticket.offsets[index], ticket.layout(index).span());
   }
   stats_.extents_live -= static_cast<int64_t>(ticket.offsets.size());
   ticket.offsets.clear();
+  if (freed.ranges.empty()) {
+    return;  // a ticket of 0 bytes: the file has nothing of it
+  }
+  // The workers run: they wrote these extents, and configure() restarts them while tickets live.
+  frees_.push_back(std::move(freed));
+  ++jobs_in_flight_;
+  work_cv_.notify_one();
 }
 
 void SpillEngine::worker_loop(char* staging) {
   std::unique_ptr<char, decltype(&std::free)> bounce(nullptr, &std::free);  // made on first need
   while (true) {
     Job job;
+    FreedExtents freed;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) {
+      work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !frees_.empty(); });
+      if (!frees_.empty()) {
+        freed = std::move(frees_.front());
+        frees_.pop_front();
+      } else if (!queue_.empty()) {
+        job = std::move(queue_.front());
+        queue_.pop_front();
+      } else {
         return;  // stopping
       }
-      job = std::move(queue_.front());
-      queue_.pop_front();
+    }
+    if (freed.file) {
+      for (const auto& [offset, bytes] : freed.ranges) {
+        freed.file->release(offset, bytes);
+      }
+      freed.file.reset();  // closes the file if no ticket uses it any more
+      std::lock_guard<std::mutex> lock(mutex_);
+      --jobs_in_flight_;
+      done_cv_.notify_all();
+      continue;
     }
     std::string error;
     try {
@@ -495,9 +571,6 @@ SpillStats SpillEngine::stats() const {
   SpillStats out = stats_;
   out.restore_cache_hits = restore_buffers_.hits();
   out.restore_cache_kept_bytes = static_cast<int64_t>(restore_buffers_.kept_bytes());
-  for (const auto& [directory, file] : files_) {
-    out.peak_file_bytes = std::max(out.peak_file_bytes, static_cast<int64_t>(file->peak_bytes()));
-  }
   return out;
 }
 

@@ -5,6 +5,10 @@
 // A ticket's write starts at spill() and runs on the workers; restore() (or
 // wait_written()) is where a write error surfaces, as a RuntimeError, and the
 // process stays usable. Workers block on condition variables; nothing polls.
+//
+// fork(): the child's threads are gone and its files are the parent's, so the
+// child gets a fresh engine (new nonce, files and threads, the same settings);
+// the parent's tickets are foreign to it, like any other process's.
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -15,6 +19,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -48,7 +53,8 @@ class SpillEngine {
  public:
   static SpillEngine& instance();
 
-  // The spill file of `directory` (created on first use; errors name it).
+  // The spill file of `directory`: opened on first use (errors name the
+  // directory), closed once no ticket uses it.
   std::shared_ptr<SpillFile> file_for(const std::string& directory, bool allow_tmpfs);
   // Starts writing `source` (contiguous, on the CPU) and returns the ticket id.
   // `source_ready`, if set, is called by a worker before it reads the source
@@ -64,9 +70,10 @@ class SpillEngine {
   // The tensor back, on the CPU. A ticket is restored once; sizes and dtype must match.
   at::Tensor restore(int64_t ticket, at::IntArrayRef sizes, c10::ScalarType dtype);
   // The ticket tensor is gone: its extents are freed once no I/O uses them.
-  void release(int64_t ticket);
+  // A ticket of another engine (the parent's, after fork) is ignored.
+  void release(int64_t ticket, uint64_t nonce);
 
-  // Waits for the I/O in flight to finish first.
+  // Waits for the I/O in flight (freed extents given back included) to finish first.
   void configure(const SpillConfig& config);
   SpillStats stats() const;
   // [fd, file offset of the first extent, offset of its payload within it]: for tests that corrupt data.
@@ -83,7 +90,16 @@ class SpillEngine {
     bool write;
   };
 
-  SpillEngine();
+  // A freed ticket's extents, given back to their file by an I/O thread: the
+  // hole punched over each takes milliseconds per 64 MiB (tens with online
+  // discard), which the thread that freed the ticket must not wait for.
+  struct FreedExtents {
+    std::shared_ptr<SpillFile> file;  // closed by the thread that drops the last reference
+    std::vector<std::pair<size_t, size_t>> ranges;  // offset, bytes
+  };
+
+  explicit SpillEngine(const SpillConfig& config);
+  static void restart_in_child();
   void start_workers_locked();
   void stop_workers(std::unique_lock<std::mutex>& lock);
   void worker_loop(char* staging);
@@ -100,13 +116,14 @@ class SpillEngine {
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
   std::deque<Job> queue_;
+  std::deque<FreedExtents> frees_;  // taken before the jobs: space back first
   std::vector<std::thread> workers_;
   bool stopping_ = false;
   int64_t in_flight_bytes_ = 0;
   int64_t jobs_in_flight_ = 0;
   int64_t next_ticket_ = 1;
   std::map<int64_t, std::shared_ptr<Ticket>> tickets_;
-  std::map<std::string, std::shared_ptr<SpillFile>> files_;
+  std::map<std::string, std::weak_ptr<SpillFile>> files_;  // tickets own them
   SpillStats stats_;
   RestoreBuffers restore_buffers_;  // its own lock: tensors die anywhere, under mutex_ too
 };

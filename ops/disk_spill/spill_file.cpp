@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include <fcntl.h>
+#include <linux/falloc.h>
 #include <linux/magic.h>
 #include <sys/stat.h>
 #include <sys/vfs.h>
@@ -34,6 +35,19 @@ int open_anonymous(const std::string& directory, int flags) {
 
 }  // namespace
 
+const char* ram_filesystem_name(int64_t f_type) {
+  switch (f_type) {
+    case TMPFS_MAGIC:
+      return "tmpfs";
+    case RAMFS_MAGIC:
+      return "ramfs";
+    case HUGETLBFS_MAGIC:
+      return "hugetlbfs";
+    default:
+      return nullptr;
+  }
+}
+
 SpillFile::SpillFile(const std::string& directory, bool allow_tmpfs) : directory_(directory) {
   struct stat info {};
   TORCH_CHECK(::stat(directory.c_str(), &info) == 0, "disk_spill: directory '", directory,
@@ -44,7 +58,7 @@ SpillFile::SpillFile(const std::string& directory, bool allow_tmpfs) : directory
   struct statfs fs {};
   TORCH_CHECK(::statfs(directory.c_str(), &fs) == 0, "disk_spill: directory '", directory,
               "' cannot be inspected: ", std::strerror(errno));
-  on_tmpfs_ = fs.f_type == TMPFS_MAGIC;
+  ram_filesystem_ = ram_filesystem_name(static_cast<int64_t>(fs.f_type));
   check_allowed(allow_tmpfs);
   fd_ = open_anonymous(directory, O_DIRECT);
   direct_ = fd_ >= 0;
@@ -60,8 +74,8 @@ SpillFile::~SpillFile() {
 }
 
 void SpillFile::check_allowed(bool allow_tmpfs) const {
-  TORCH_CHECK(allow_tmpfs || !on_tmpfs_, "disk_spill: directory '", directory_,
-              "' is on tmpfs, which is RAM, not disk; choose a directory on a disk "
+  TORCH_CHECK(allow_tmpfs || ram_filesystem_ == nullptr, "disk_spill: directory '", directory_, "' is on ",
+              ram_filesystem_, ", which is RAM, not disk; choose a directory on a disk "
               "(TORCH_OFFLOAD_SPILL_DIR), or pass allow_tmpfs=True");
 }
 
@@ -77,6 +91,11 @@ size_t SpillFile::allocate(size_t bytes) {
 }
 
 void SpillFile::release(size_t offset, size_t bytes) {
+  // Before the range is free: once allocate() may hand it out, a hole could
+  // punch through new data. File systems without holes (ramfs) keep the blocks
+  // until the file is closed.
+  ::fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset),
+              static_cast<off_t>(bytes));
   std::lock_guard<std::mutex> lock(mutex_);
   free_.add(offset, bytes);
 }
@@ -89,6 +108,11 @@ bool SpillFile::direct_io() const {
 size_t SpillFile::peak_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return peak_;
+}
+
+void SpillFile::close_inherited() {
+  ::close(fd_);
+  fd_ = -1;
 }
 
 void SpillFile::fall_back_to_buffered() {

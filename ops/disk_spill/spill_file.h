@@ -1,7 +1,8 @@
 #pragma once
 // One anonymous spill file in a directory: created with O_TMPFILE (or opened and
 // unlinked at once), so it has no name and the kernel reclaims it on any exit,
-// SIGKILL included. Space is handed out in extents and reused once freed.
+// SIGKILL included. Space is handed out in extents; a freed extent's blocks go
+// back to the file system at once (a hole is punched) and its range is reused.
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
@@ -13,23 +14,29 @@
 
 namespace torch_offload {
 
+// The name of a file system whose files live in RAM (statfs's f_type: tmpfs,
+// ramfs, hugetlbfs), nullptr for any other.
+const char* ram_filesystem_name(int64_t f_type);
+
 class SpillFile {
  public:
   static constexpr size_t kBlock = 4096;  // O_DIRECT alignment of offsets, lengths and buffers
 
   // Throws (naming `directory`) if it is missing, not a writable directory, or
-  // tmpfs (RAM, not disk) while allow_tmpfs is false.
+  // in RAM (tmpfs, ramfs: not disk) while allow_tmpfs is false.
   SpillFile(const std::string& directory, bool allow_tmpfs);
   ~SpillFile();
   SpillFile(const SpillFile&) = delete;
   SpillFile& operator=(const SpillFile&) = delete;
 
-  // Throws unless allow_tmpfs or the directory is not tmpfs: asked of every spill,
+  // Throws unless allow_tmpfs or the directory is not in RAM: asked of every spill,
   // since one call allowing tmpfs does not allow it for the next.
   void check_allowed(bool allow_tmpfs) const;
 
   // A file offset for `bytes` (a multiple of kBlock), reusing freed space first.
   size_t allocate(size_t bytes);
+  // Punches a hole over the range (its blocks go back to the file system), then
+  // lets allocate() hand it out again.
   void release(size_t offset, size_t bytes);
 
   // Whole transfers: loop over short counts and EINTR. Return 0 or an errno;
@@ -46,6 +53,9 @@ class SpillFile {
   }
   bool direct_io() const;
   size_t peak_bytes() const;
+  // In a child after fork(): the descriptor is the parent's file, whose extents
+  // the child must never touch. Closes it; the object stays unusable.
+  void close_inherited();
 
  private:
   // O_DIRECT refused for this transfer (EINVAL): drop to buffered I/O for good.
@@ -59,7 +69,7 @@ class SpillFile {
   size_t end_ = 0;  // bytes handed out from the start of the file
   size_t peak_ = 0;
   bool direct_ = false;
-  bool on_tmpfs_ = false;
+  const char* ram_filesystem_ = nullptr;  // tmpfs, ramfs, ...: RAM, not disk
 };
 
 }  // namespace torch_offload

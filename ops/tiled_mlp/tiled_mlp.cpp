@@ -14,6 +14,7 @@
 #include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/SymBool.h>
+#include <c10/util/accumulate.h>
 #include <c10/util/Exception.h>
 
 #include "ops/common/checks.h"
@@ -111,6 +112,13 @@ void check_mlp(const char* op, const at::Tensor& x, const at::Tensor& w_gate, co
   }
 }
 
+// t [..., h] as contiguous [tokens, h]. reshape({-1, h}) cannot infer the tokens
+// when h is 0, and an MLP of hidden size 0 is as well defined as a Linear(0, n).
+at::Tensor token_rows(const at::Tensor& t) {
+  const at::IntArrayRef sizes = t.sizes();
+  return t.reshape({c10::multiply_integers(sizes.begin(), sizes.end() - 1), sizes.back()}).contiguous();
+}
+
 }  // namespace
 
 const HiddenKernels& cpu_hidden_kernels() {
@@ -145,7 +153,7 @@ at::Tensor tiled_mlp_impl(const HiddenKernels& kernels, const at::Tensor& x, con
 
   const int64_t h = x.size(-1);
   const int64_t intermediate = w_gate.size(0);
-  const at::Tensor tokens_x = x.reshape({-1, h}).contiguous();
+  const at::Tensor tokens_x = token_rows(x);
   const int64_t tokens = tokens_x.size(0);
   const at::Tensor out = at::empty({tokens, h}, x.options());
   if (tokens == 0) {
@@ -188,8 +196,8 @@ TiledMlpGradients tiled_mlp_backward_impl(const HiddenKernels& kernels, const at
 
   const int64_t h = x.size(-1);
   const int64_t intermediate = w_gate.size(0);
-  const at::Tensor tokens_x = x.reshape({-1, h}).contiguous();
-  const at::Tensor tokens_grad = grad_out.reshape({-1, h}).contiguous();
+  const at::Tensor tokens_x = token_rows(x);
+  const at::Tensor tokens_grad = token_rows(grad_out);
   const int64_t tokens = tokens_x.size(0);
   const bool gated = w_up.defined();
 
