@@ -118,6 +118,19 @@ def test_zero_size_dimensions_match_plain_torch(x_shape, intermediate, gated, bi
         torch.testing.assert_close(g, torch.zeros_like(g) if w is None else w, **F32)
 
 
+@pytest.mark.parametrize("x_shape", [(2, 3, 0), (0, 4)], ids=["hidden_0", "tokens_0"])
+def test_tiled_apply_of_zero_size_inputs_matches_plain_torch(x_shape):
+    weight = torch.randn(5, x_shape[-1], requires_grad=True)
+    x = torch.randn(x_shape, requires_grad=True)
+    got = torch_offload.tiled_apply(lambda rows: F.linear(rows, weight), x, [weight], 2)
+    want = F.linear(x, weight)
+    torch.testing.assert_close(got, want)
+    got_grads = torch.autograd.grad(got.sum(), [x, weight])
+    want_grads = torch.autograd.grad(want.sum(), [x, weight])
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w)
+
+
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
 @pytest.mark.parametrize("activation", list(ACTIVATIONS))

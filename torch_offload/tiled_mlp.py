@@ -164,6 +164,11 @@ def tiled_apply(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, par
     return _TiledApply.apply(fn, num_shards, x, *params)
 
 
+def _token_rows(t: torch.Tensor) -> torch.Tensor:
+    # [..., h] as [tokens, h]; reshape(-1, h) cannot infer the tokens when h is 0.
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
 def _shards(tokens: int, num_shards: int):
     rows = max(1, math.ceil(tokens / num_shards))
     return [(start, min(rows, tokens - start)) for start in range(0, tokens, rows)]
@@ -172,7 +177,7 @@ def _shards(tokens: int, num_shards: int):
 class _TiledApply(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, num_shards, x, *params):
-        flat = x.reshape(-1, x.shape[-1])
+        flat = _token_rows(x)
         ctx.fn, ctx.num_shards, ctx.params = fn, num_shards, params
         ctx.rng_states = (torch.get_rng_state(), torch.cuda.get_rng_state(x.device) if x.is_cuda else None)
         device_type = x.device.type
@@ -194,8 +199,8 @@ class _TiledApply(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
-        flat = x.detach().reshape(-1, x.shape[-1])
-        grad_flat = grad_out.reshape(-1, grad_out.shape[-1])
+        flat = _token_rows(x.detach())
+        grad_flat = _token_rows(grad_out)
         want_x = ctx.needs_input_grad[2]
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[3:]) if need]
         reduced = (torch.bfloat16, torch.float16)
