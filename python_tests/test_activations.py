@@ -196,6 +196,16 @@ def test_in_place_change_of_a_saved_tensor_raises():
             y.sum().backward()
 
 
+def test_in_place_change_of_an_input_kept_by_checkpoint_offload_false_raises():
+    a = torch.randn(5, requires_grad=True)
+    with torch_offload.offload_activations(offload_cpu_tensors=True, min_bytes=0):
+        b = a * 2
+        y = torch_offload.checkpoint(torch.sin, b, offload=False)
+    b.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
 def rss_bytes():
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * resource.getpagesize()

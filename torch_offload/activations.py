@@ -107,23 +107,10 @@ class offload_activations:
             return _saved_as_is(tensor)
         return self._store_pack(tensor)
 
-    @staticmethod
-    def _unpack(saved: Any) -> torch.Tensor:
-        if type(saved) is tuple:
-            tensor, version = saved
-            if tensor._version != version:
-                raise RuntimeError(
-                    "one of the variables needed for gradient computation has been modified by an inplace "
-                    f"operation: [{tensor.dtype} {list(tensor.shape)}] is at version {tensor._version}; expected "
-                    f"version {version} instead (it was saved for backward, then changed in place)"
-                )
-            return tensor
-        return saved.unpack()
-
     def __enter__(self) -> "offload_activations":
         if not self._hooks:
             self._store.skip_storages_of(self._skipped)
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         hooks.__enter__()
         self._hooks.append(hooks)
         _active_stack().append(self)
@@ -149,12 +136,17 @@ def _saved_as_is(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
     return tensor.detach(), tensor._version
 
 
-def _keep_saved(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach()
-
-
-def _identity(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+def _unpack(saved: Any) -> torch.Tensor:
+    if type(saved) is tuple:
+        tensor, version = saved
+        if tensor._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: [{tensor.dtype} {list(tensor.shape)}] is at version {tensor._version}; expected "
+                f"version {version} instead (it was saved for backward, then changed in place)"
+            )
+        return tensor
+    return saved.unpack()
 
 
 def checkpoint(fn: Callable, *args, offload: bool = True, **kwargs):
@@ -175,7 +167,7 @@ def checkpoint(fn: Callable, *args, offload: bool = True, **kwargs):
         raise ValueError("torch_offload.checkpoint: use_reentrant=True is not supported (it breaks DDP)")
     run = lambda: torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)  # noqa: E731
     if not offload:
-        with torch.autograd.graph.saved_tensors_hooks(_keep_saved, _identity):
+        with torch.autograd.graph.saved_tensors_hooks(_saved_as_is, _unpack):
             return run()
     if _active_stack():
         return run()
