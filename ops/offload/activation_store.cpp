@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include <c10/core/DispatchKeySet.h>
 #include <ATen/core/LegacyTypeDispatch.h>
+#include <c10/core/DispatchKeySet.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/util/hash.h>
 
@@ -70,7 +70,7 @@ std::pair<int64_t, int64_t> byte_span(const at::Tensor& t) {
   return {begin, begin + (last + 1) * itemsize};
 }
 
-// A view's bytes are packed alone when they are at most this fraction of the
+// A view's bytes are packed alone when they are at most 1/kSpanFraction of its
 // storage; otherwise the whole storage is, so that other views of it share it.
 constexpr int64_t kSpanFraction = 4;
 
