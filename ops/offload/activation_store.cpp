@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/core/DispatchKeySet.h>

@@ -10,7 +10,6 @@
 // one Entry, and is rebuilt on unpack as the same view (sizes, strides, offset,
 // conjugate and negative bits) of the restored bytes.
 #include <cstdint>
-#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
