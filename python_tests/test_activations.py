@@ -196,6 +196,16 @@ def test_in_place_change_of_a_saved_tensor_raises():
             y.sum().backward()
 
 
+def test_in_place_change_of_an_input_kept_by_checkpoint_offload_false_raises():
+    a = torch.randn(5, requires_grad=True)
+    with torch_offload.offload_activations(offload_cpu_tensors=True, min_bytes=0):
+        b = a * 2
+        y = torch_offload.checkpoint(torch.sin, b, offload=False)
+    b.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
 def rss_bytes():
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * resource.getpagesize()
@@ -282,3 +292,173 @@ def test_disk_tier_in_process_matches_and_frees_its_files(tmp_path):
         stats = context.stats()
         assert stats["disk_bytes"] > 0 and stats["peak_host_bytes"] == 0 and stats["live_entries"] == 0
     assert os.listdir(tmp_path) == []
+
+
+TIERS = ("cpu", "disk")
+
+
+def offload_context(tier, directory, **kwargs):
+    """A context that offloads every CPU tensor, to host memory or to the spill file in `directory`."""
+    kwargs.setdefault("min_bytes", 0)
+    kwargs.setdefault("offload_cpu_tensors", True)
+    if tier == "disk":
+        kwargs.update(tier="disk", spill_directory=str(directory))
+    return torch_offload.offload_activations(**kwargs)
+
+
+def moved_bytes(context, tier):
+    stats = context.stats()
+    return stats["disk_bytes"] if tier == "disk" else stats["packed_bytes"] - stats["disk_bytes"]
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_conjugate_and_negative_views_come_back_with_their_bit(tier, tmp_path):
+    torch.manual_seed(0)
+    a = torch.randn(64, dtype=torch.cfloat, requires_grad=True)
+    b, c = torch.randn(64, dtype=torch.cfloat), torch.randn(64)
+
+    def loss():  # mul saves b.conj() and the negative view of c for a's gradient
+        return (a * b.conj()).real.sum() + (a.imag * torch._neg_view(c)).sum()
+
+    want = torch.autograd.grad(loss(), a)[0]
+    with offload_context(tier, tmp_path) as context:
+        value = loss()
+    assert torch.equal(torch.autograd.grad(value, a)[0], want)
+    assert moved_bytes(context, tier) == 64 * 8 + 64 * 4  # both views were offloaded
+
+
+class Tagged(torch.Tensor):
+    pass
+
+
+@pytest.mark.filterwarnings("ignore:.*(quantized|nested).*:UserWarning")
+@pytest.mark.parametrize("tier", TIERS)
+def test_what_bytes_cannot_rebuild_is_saved_as_it_is(tier, tmp_path):
+    unpacked = []
+
+    class SaveAll(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, *others):
+            ctx.save_for_backward(*others)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            unpacked.extend(ctx.saved_tensors)
+            return (grad * 2,) + (None,) * len(ctx.saved_tensors)
+
+    saved = [
+        torch._efficientzerotensor(16),
+        torch.quantize_per_tensor(torch.randn(16), 0.1, 3, torch.quint8),
+        torch.nested.nested_tensor([torch.randn(2), torch.randn(3)], layout=torch.jagged),
+        torch.randn(4, 4).to_sparse(),
+        torch.randn(4, 4).to_mkldnn(),
+        torch.randn(16).as_subclass(Tagged),
+    ]
+    x = torch.randn(16, requires_grad=True)
+    with offload_context(tier, tmp_path) as context:
+        out = SaveAll.apply(x, *saved)
+    out.sum().backward()
+    assert context.stats()["packed_bytes"] == 0
+    for before, after in zip(saved, unpacked, strict=True):
+        assert type(after) is type(before) and after.layout == before.layout
+        assert after._is_zerotensor() == before._is_zerotensor() and after.is_nested == before.is_nested
+        assert after.is_quantized == before.is_quantized
+    assert unpacked[1].q_zero_point() == 3 and torch.equal(unpacked[1].int_repr(), saved[1].int_repr())
+    assert torch.equal(unpacked[3].to_dense(), saved[3].to_dense())
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_dedup_never_returns_bytes_changed_through_an_alias(tier, tmp_path):
+    a = torch.randn(64, requires_grad=True)
+    w = torch.randn(64, requires_grad=True)
+
+    def loss():
+        x = a * 2
+        y = x.sin()  # saves x
+        x.data.add_(1)  # x.data has its own version counter: x's version stays 0
+        b = x.data
+        return y.sum() + (b * w).sum(), b  # saves b: same storage and version as x, other counter
+
+    plain, b = loss()
+    plain.backward()
+    assert torch.equal(w.grad, b)
+    w.grad = None
+    # On the disk tier x goes to host memory: its spill would be written from x's
+    # own memory after x.data.add_(1) changed it. b is spilled.
+    with offload_context(tier, tmp_path, max_host_bytes=64 * 4) as context:
+        value, b = loss()
+    value.backward()
+    assert torch.equal(w.grad, b)
+    assert context.stats()["dedup_hits"] == 0 and moved_bytes(context, tier) == 64 * 4
+
+
+def test_prefetch_looks_at_each_entry_about_once_per_backward():
+    # Small tensors never fill prefetch_bytes: a scan that started over below each
+    # restored entry would look at ~n^2/2 entries.
+    n = 2000
+    for prefetch_bytes in (256 << 20, 2 * 256 * 4):
+        stats = sin_chain_stats(prefetch_bytes=prefetch_bytes, length=n)
+        assert stats["prefetch_hits"] == n - 1
+        assert stats["prefetch_scanned"] <= 2 * n
+
+
+def test_tensors_left_in_place_never_reach_the_store():
+    linear = torch.nn.Linear(64, 64)
+    x = torch.randn(32, 64)
+    for options in ({}, {"offload_cpu_tensors": True}, {"min_bytes": 0}):  # CPU tensors or small ones
+        with torch_offload.offload_activations(**options) as context:
+            linear(x).relu().sum().backward()
+        assert context.stats()["pack_calls"] == 0
+    with torch_offload.offload_activations(offload_cpu_tensors=True, min_bytes=0) as context:
+        linear(x).relu().sum().backward()
+    # x and the relu output; the weight (saved as a view of a parameter) stays in Python.
+    assert context.stats()["pack_calls"] == 2
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_small_view_of_a_large_storage_packs_only_its_bytes(tier, tmp_path):
+    leaf = torch.randn(512, 512, requires_grad=True)
+
+    def loss():
+        h = leaf * 1  # 1 MiB, saved by nothing
+        return h[100, 64:].sin().sum() + h[:, 7].cos().sum()  # one contiguous, one strided view
+
+    want = torch.autograd.grad(loss(), leaf)[0]
+    with offload_context(tier, tmp_path) as context:
+        value = loss()
+    assert torch.equal(torch.autograd.grad(value, leaf)[0], want)
+    row_bytes = (512 - 64) * 4
+    column_bytes = (511 * 512 + 1) * 4  # spans almost the whole storage: the whole storage goes
+    assert moved_bytes(context, tier) == row_bytes + 512 * 512 * 4
+    assert column_bytes > 512 * 512 * 4 // 4
+    # Saved after the whole storage, the view shares it.
+    with offload_context(tier, tmp_path) as context:
+        h = leaf * 1
+        value = h.sin().sum() + h[100, 64:].cos().sum()
+    value.backward()
+    assert moved_bytes(context, tier) == 512 * 512 * 4 and context.stats()["dedup_hits"] == 1
+
+
+def test_disk_tier_offloads_cpu_tensors_by_default(tmp_path):
+    x = torch.randn(1024, requires_grad=True)
+    want = torch.autograd.grad((x * 2).sin().sum(), x)[0]
+    with torch_offload.offload_activations(tier="disk", min_bytes=0, spill_directory=str(tmp_path)) as context:
+        value = (x * 2).sin().sum()
+    assert torch.equal(torch.autograd.grad(value, x)[0], want)
+    assert context.stats()["disk_bytes"] == 1024 * 4
+
+
+def test_a_tensor_given_new_data_is_not_deduplicated_with_its_old_bytes():
+    a = torch.randn(64, requires_grad=True)
+    w = torch.randn(64, requires_grad=True)
+    with torch_offload.offload_activations(offload_cpu_tensors=True, min_bytes=0) as context:
+        x = a * 2
+        y = x.sin()  # saves x
+        x.data = torch.randn(64)  # same version counter, same version, another storage
+        z = x * w  # saves x again
+    (y.sum() + z.sum()).backward()
+    assert torch.equal(w.grad, x.detach())
+    assert context.stats()["dedup_hits"] == 0
+    del y, z
+    assert context.stats()["live_entries"] == 0 and context.stats()["host_bytes"] == 0

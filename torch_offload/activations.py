@@ -33,11 +33,16 @@ class offload_activations:
     - parameters (leaves that require grad) and views of them, and the storages of
       ``module``'s parameters and buffers when ``module`` is given;
     - tensors smaller than ``min_bytes``;
-    - CPU tensors, unless ``offload_cpu_tensors=True`` (then they take the same
-      path, host to host: how the logic is tested without a GPU).
+    - CPU tensors, unless ``offload_cpu_tensors`` (default: True with ``tier="disk"``,
+      False with ``tier="cpu"``, where host to host only costs a copy);
+    - what bytes, sizes and strides cannot rebuild exactly: tensor subclasses, sparse,
+      quantized, nested and zero tensors, functorch wrappers (conjugate and negative
+      views are rebuilt with their bit).
 
     Tensors that share a storage (views, expanded tensors, the same tensor saved
-    twice) are offloaded once and rebuilt exactly. Host memory is used up to
+    twice) are offloaded once while the storage is unchanged (same version counter,
+    same version), and rebuilt exactly; a view spanning at most a quarter of its
+    storage is offloaded alone, only the bytes it spans. Host memory is used up to
     ``max_host_bytes``; past it a tensor goes to disk with ``tier="disk"``
     (``torch_offload.disk_spill``) and stays on its device with ``tier="cpu"``.
     During backward the tensors packed just before the one being unpacked are
@@ -52,7 +57,8 @@ class offload_activations:
         tier: where activations wait: "cpu" (host memory) or "disk" (host memory up to
             max_host_bytes, then the spill file).
         spill_directory, allow_tmpfs: where the disk tier writes, as for ``disk_spill``.
-        offload_cpu_tensors: offload tensors that already live on the CPU too.
+        offload_cpu_tensors: offload tensors that already live on the CPU too; None
+            (default): only with tier="disk".
         module: a module (or list of modules) whose parameters and buffers are never offloaded.
     """
 
@@ -63,7 +69,7 @@ class offload_activations:
         max_host_bytes: int | None = None,
         prefetch_bytes: int = 256 << 20,
         tier: str = "cpu",
-        offload_cpu_tensors: bool = False,
+        offload_cpu_tensors: bool | None = None,
         module: torch.nn.Module | list[torch.nn.Module] | None = None,
         spill_directory: str | None = None,
         allow_tmpfs: bool = False,
@@ -74,24 +80,37 @@ class offload_activations:
             raise ValueError(f"offload_activations: max_host_bytes must be >= 0 or None, got {max_host_bytes}")
         if max_host_bytes is None:
             max_host_bytes = 0 if tier == "disk" else -1
+        if offload_cpu_tensors is None:
+            offload_cpu_tensors = tier == "disk"  # the disk tier exists to take RAM off the host too
         self._store = torch.classes.offload.ActivationStore(
             min_bytes, max_host_bytes, prefetch_bytes, offload_cpu_tensors, tier == "disk", spill_directory, allow_tmpfs
         )
+        # The store's cheap decisions, taken in _pack without crossing into C++.
+        self._min_bytes = min_bytes
+        self._keep_cpu_tensors = not offload_cpu_tensors
+        self._store_pack = self._store.pack
         modules = [] if module is None else [module] if isinstance(module, torch.nn.Module) else list(module)
         self._skipped = [t for m in modules for t in (*m.parameters(), *m.buffers())]
         self._hooks: list[torch.autograd.graph.saved_tensors_hooks] = []
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        return self._store.pack(tensor)
-
-    @staticmethod
-    def _unpack(saved: Any) -> torch.Tensor:
-        return saved.unpack()
+        # Most tensors left in place are told apart here, at a fraction of the
+        # cost of a call into the store: subclasses (Parameter included) and
+        # non-strided tensors, CPU tensors when those stay, small tensors, and
+        # parameters' views. The store decides the rest.
+        if (type(tensor) is not torch.Tensor or tensor.layout is not torch.strided
+                or (self._keep_cpu_tensors and tensor.is_cpu) or tensor.nbytes < self._min_bytes):
+            return _saved_as_is(tensor)
+        base = tensor._base
+        root = tensor if base is None else base
+        if root.requires_grad and root.is_leaf:
+            return _saved_as_is(tensor)
+        return self._store_pack(tensor)
 
     def __enter__(self) -> "offload_activations":
         if not self._hooks:
             self._store.skip_storages_of(self._skipped)
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         hooks.__enter__()
         self._hooks.append(hooks)
         _active_stack().append(self)
@@ -104,18 +123,30 @@ class offload_activations:
             self._store.clear_skipped_storages()
 
     def stats(self) -> dict[str, int]:
-        """Counters: packed_bytes (host and disk), unpacked_bytes, dedup_hits,
-        kept_on_device_bytes, disk_bytes, prefetch_hits, peak_host_bytes, host_bytes
-        (held now) and live_entries."""
+        """Counters: pack_calls (saved tensors that reached the store), packed_bytes
+        (host and disk), unpacked_bytes, dedup_hits, kept_on_device_bytes, disk_bytes,
+        prefetch_hits, prefetch_scanned (entries the prefetch looked at), peak_host_bytes,
+        host_bytes (held now) and live_entries."""
         return dict(self._store.stats())
 
 
-def _keep_saved(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach()
+def _saved_as_is(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    # Detached: an output must not own itself. Autograd stops checking versions
+    # once hooks are installed, so the version is kept for _unpack to check.
+    return tensor.detach(), tensor._version
 
 
-def _identity(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+def _unpack(saved: Any) -> torch.Tensor:
+    if type(saved) is tuple:
+        tensor, version = saved
+        if tensor._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: [{tensor.dtype} {list(tensor.shape)}] is at version {tensor._version}; expected "
+                f"version {version} instead (it was saved for backward, then changed in place)"
+            )
+        return tensor
+    return saved.unpack()
 
 
 def checkpoint(fn: Callable, *args, offload: bool = True, **kwargs):
@@ -136,7 +167,7 @@ def checkpoint(fn: Callable, *args, offload: bool = True, **kwargs):
         raise ValueError("torch_offload.checkpoint: use_reentrant=True is not supported (it breaks DDP)")
     run = lambda: torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)  # noqa: E731
     if not offload:
-        with torch.autograd.graph.saved_tensors_hooks(_keep_saved, _identity):
+        with torch.autograd.graph.saved_tensors_hooks(_saved_as_is, _unpack):
             return run()
     if _active_stack():
         return run()

@@ -1,18 +1,37 @@
 #include "ops/offload/activation_store.h"
 
 #include <algorithm>
+#include <cstring>
+#include <utility>
 
-#include <ATen/ops/empty.h>
-#include <c10/core/GradMode.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <c10/core/DispatchKeySet.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/util/hash.h>
 
 #include "torch_offload/torch_offload.h"
 
 namespace torch_offload {
 namespace {
 
-// A flat uint8 tensor over all of t's storage: the bytes every view of it shares.
-at::Tensor storage_bytes(const at::Tensor& t) {
-  return at::empty({0}, t.options().dtype(at::kByte)).set_(t.storage());
+// A tensor of `dtype` over `storage` with this geometry, made directly rather
+// than by at::empty + set_ (two dispatcher calls): it runs for every saved tensor.
+at::Tensor tensor_over(const c10::Storage& storage, c10::ScalarType dtype, c10::IntArrayRef sizes,
+                       c10::IntArrayRef strides, int64_t storage_offset) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      c10::Storage(storage), c10::DispatchKeySet(c10::computeDispatchKey(dtype, at::kStrided, storage.device())),
+      c10::scalarTypeToTypeMeta(dtype));
+  impl->set_sizes_and_strides(sizes, strides, storage_offset);
+  return at::Tensor(std::move(impl));
+}
+
+// VariableVersion does not expose its shared counter; it holds nothing but the
+// pointer to it, so that pointer is the counter's identity.
+const void* version_counter_identity(const c10::VariableVersion& version) {
+  static_assert(sizeof(c10::VariableVersion) == sizeof(void*));
+  const void* identity = nullptr;
+  std::memcpy(&identity, &version, sizeof(identity));
+  return identity;
 }
 
 bool is_parameter_like(const at::Tensor& t) {
@@ -24,17 +43,53 @@ bool is_parameter_like(const at::Tensor& t) {
   return t.is_leaf() && t.requires_grad();
 }
 
+// Whether bytes, sizes, strides, dtype and the conjugate/negative bits (which
+// unpack sets again) rebuild t exactly: t carries no dispatch key beyond those
+// of a plain dense tensor of its backend. Zero tensors, quantized, nested and
+// sparse tensors, functorch wrappers and Python subclasses all carry one.
+bool rebuilds_exactly(const at::Tensor& t) {
+  const c10::DispatchKeySet keys = t.key_set();
+  const c10::BackendComponent backend = keys.highestBackendKey();
+  const c10::DispatchKeySet plain = c10::DispatchKeySet(c10::DispatchKey::Dense) | c10::DispatchKeySet(backend) |
+                                    c10::getAutogradRelatedKeySetFromBackend(backend) |
+                                    c10::getAutocastRelatedKeySetFromBackend(backend) |
+                                    c10::DispatchKeySet({c10::DispatchKey::Conjugate, c10::DispatchKey::Negative});
+  return t.layout() == at::kStrided && (keys | plain) == plain;
+}
+
+// Bytes [begin, end) of t's storage that t's elements span (strides are never negative).
+std::pair<int64_t, int64_t> byte_span(const at::Tensor& t) {
+  const int64_t itemsize = static_cast<int64_t>(t.element_size());
+  const int64_t begin = t.storage_offset() * itemsize;
+  if (t.numel() == 0) {
+    return {begin, begin};
+  }
+  int64_t last = 0;
+  for (int64_t dim = 0; dim < t.dim(); ++dim) {
+    last += (t.size(dim) - 1) * t.stride(dim);
+  }
+  return {begin, begin + (last + 1) * itemsize};
+}
+
+// A view's bytes are packed alone when they are at most 1/kSpanFraction of its
+// storage; otherwise the whole storage is, so that other views of it share it.
+constexpr int64_t kSpanFraction = 4;
+
 }  // namespace
 
-ActivationEntry::ActivationEntry(c10::intrusive_ptr<ActivationStore> store, int64_t sequence,
-                                 std::pair<const c10::StorageImpl*, int64_t> dedup_key, const at::Tensor& source,
-                                 at::Tensor packed, at::Tensor ticket, at::Tensor kept)
+size_t DedupKeyHash::operator()(const DedupKey& key) const noexcept {
+  return c10::get_hash(key.storage, key.version_counter, key.version, key.begin, key.end);
+}
+
+ActivationEntry::ActivationEntry(c10::intrusive_ptr<ActivationStore> store, int64_t sequence, const DedupKey& key,
+                                 const at::Tensor& source, at::Tensor packed, at::Tensor ticket, at::Tensor kept)
     : store_(std::move(store)),
       sequence_(sequence),
-      dedup_key_(dedup_key),
-      nbytes_(static_cast<int64_t>(source.storage().nbytes())),
+      key_(key),
+      nbytes_(key.end - key.begin),
       device_(source.device()),
       source_(source.storage().getWeakStorageImpl()),
+      version_counter_(source.unsafeGetTensorImpl()->version_counter()),
       packed_(std::move(packed)),
       ticket_(std::move(ticket)),
       kept_(std::move(kept)) {}
@@ -50,7 +105,6 @@ void ActivationEntry::release_resources() {
 }
 
 at::Tensor ActivationEntry::restore() {
-  std::vector<c10::intrusive_ptr<ActivationEntry>> holders;  // released after the lock
   std::lock_guard<std::mutex> lock(store_->mutex_);
   if (restored_.defined()) {
     return restored_;
@@ -58,7 +112,7 @@ at::Tensor ActivationEntry::restore() {
   if (kept_.defined()) {
     restored_ = kept_;
   } else if (ticket_.defined()) {
-    const c10::NoGradGuard no_grad;
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;  // no graph, no autograd node: plain copies
     restored_ = disk_restore(ticket_, {nbytes_}, at::kByte, device_);
     ticket_.reset();
     if (disk_prefetched_) {
@@ -73,12 +127,12 @@ at::Tensor ActivationEntry::restore() {
       store_->prefetch_in_flight_bytes_ -= nbytes_;
       ++store_->prefetch_hits_;
     } else {
-      const c10::NoGradGuard no_grad;
+      const at::AutoDispatchBelowADInplaceOrView below_autograd;
       restored_ = offload_unpack(packed_, device_);
     }
     store_->unpacked_bytes_ += nbytes_;
   }
-  store_->prefetch_before_locked(sequence_, holders);
+  store_->prefetch_before_locked(*this);
   return restored_;
 }
 
@@ -88,9 +142,13 @@ SavedActivation::SavedActivation(const at::Tensor& saved, c10::intrusive_ptr<Act
       version_counter_(saved.unsafeGetTensorImpl()->version_counter()),
       saved_version_(saved._version()),
       dtype_(saved.scalar_type()),
-      sizes_(saved.sizes().vec()),
-      strides_(saved.strides().vec()),
-      storage_offset_(saved.storage_offset()) {}
+      is_conj_(saved.is_conj()),
+      is_neg_(saved.is_neg()),
+      // Only an offloaded tensor is rebuilt from these (a nested one has no sizes).
+      sizes_(entry_ ? saved.sizes() : c10::IntArrayRef()),
+      strides_(entry_ ? saved.strides() : c10::IntArrayRef()),
+      byte_offset_(entry_ ? saved.storage_offset() * static_cast<int64_t>(saved.element_size()) - entry_->key_.begin
+                          : 0) {}
 
 at::Tensor SavedActivation::unpack() const {
   if (version_counter_.enabled()) {
@@ -98,15 +156,21 @@ at::Tensor SavedActivation::unpack() const {
     TORCH_CHECK(now == saved_version_,
                 "one of the variables needed for gradient computation has been modified by an inplace "
                 "operation: [",
-                c10::toString(dtype_), " ", c10::IntArrayRef(sizes_), "] is at version ", now, "; expected version ",
+                c10::toString(dtype_), " ", entry_ || as_is_.is_nested() ? c10::IntArrayRef(sizes_) : as_is_.sizes(),
+                "] is at version ", now, "; expected version ",
                 saved_version_, " instead (it was saved for backward, then changed in place)");
   }
   if (!entry_) {
     return as_is_;
   }
   const at::Tensor bytes = entry_->restore();
-  // The same view of the same bytes: expanded and strided tensors come back exactly.
-  return at::empty({0}, bytes.options().dtype(dtype_)).set_(bytes.storage(), storage_offset_, sizes_, strides_);
+  // The same view of the same bytes: expanded, strided, conjugate and negative views come back exactly.
+  const int64_t itemsize = static_cast<int64_t>(c10::elementSize(dtype_));
+  at::Tensor out =
+      tensor_over(bytes.storage(), dtype_, sizes_, strides_, (bytes.storage_offset() + byte_offset_) / itemsize);
+  out.unsafeGetTensorImpl()->_set_conj(is_conj_);
+  out.unsafeGetTensorImpl()->_set_neg(is_neg_);
+  return out;
 }
 
 ActivationStore::ActivationStore(int64_t min_bytes, int64_t max_host_bytes, int64_t prefetch_bytes,
@@ -124,7 +188,7 @@ ActivationStore::ActivationStore(int64_t min_bytes, int64_t max_host_bytes, int6
 }
 
 bool ActivationStore::should_offload(const at::Tensor& t) const {
-  if (!t.defined() || !t.has_storage() || !(t.is_cpu() || t.is_cuda())) {
+  if (!t.defined() || !t.has_storage() || !(t.is_cpu() || t.is_cuda()) || !rebuilds_exactly(t)) {
     return false;
   }
   if (t.is_cpu() && !offload_cpu_tensors_) {
@@ -137,36 +201,52 @@ bool ActivationStore::should_offload(const at::Tensor& t) const {
 }
 
 c10::intrusive_ptr<SavedActivation> ActivationStore::pack(const at::Tensor& t) {
-  std::vector<c10::intrusive_ptr<ActivationEntry>> holders;  // released after the lock
   c10::intrusive_ptr<ActivationEntry> entry;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    ++pack_calls_;
     if (should_offload(t)) {
-      entry = entry_for_locked(t, holders);
+      entry = entry_for_locked(t);
     }
   }
   return c10::make_intrusive<SavedActivation>(t, std::move(entry));
 }
 
-c10::intrusive_ptr<ActivationEntry> ActivationStore::entry_for_locked(
-    const at::Tensor& t, std::vector<c10::intrusive_ptr<ActivationEntry>>& holders) {
-  const DedupKey key{t.storage().unsafeGetStorageImpl(), t._version()};
-  if (auto found = by_storage_.find(key); found != by_storage_.end()) {
-    // An entry whose source storage died may share the address of a new one.
-    if (auto entry = found->second.lock()) {
-      holders.push_back(entry);
-      if (!entry->source_.expired()) {
-        ++dedup_hits_;
-        return entry;
-      }
+c10::intrusive_ptr<ActivationEntry> ActivationStore::find_locked(const DedupKey& key) {
+  const auto found = by_key_.find(key);
+  if (found == by_key_.end()) {
+    return {};
+  }
+  // Null when the entry's last reference just went (its release waits for this lock).
+  auto entry = found->second.lock();
+  if (entry) {
+    ++dedup_hits_;
+  }
+  return entry;
+}
+
+c10::intrusive_ptr<ActivationEntry> ActivationStore::entry_for_locked(const at::Tensor& t) {
+  const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  const int64_t storage_nbytes = static_cast<int64_t>(storage->nbytes());
+  const void* counter = version_counter_identity(t.unsafeGetTensorImpl()->version_counter());
+  const uint32_t version = t._version();
+  const DedupKey whole{storage, counter, version, 0, storage_nbytes};
+  if (auto entry = find_locked(whole)) {
+    return entry;
+  }
+  DedupKey key = whole;
+  if (const auto [begin, end] = byte_span(t); (end - begin) * kSpanFraction <= storage_nbytes) {
+    key = DedupKey{storage, counter, version, begin, end};
+    if (auto entry = find_locked(key)) {
+      return entry;
     }
   }
-  const int64_t nbytes = static_cast<int64_t>(t.storage().nbytes());
-  at::Tensor bytes = storage_bytes(t);
+  const int64_t nbytes = key.end - key.begin;
+  at::Tensor bytes = tensor_over(t.storage(), at::kByte, {nbytes}, {1}, key.begin);
   at::Tensor packed;
   at::Tensor ticket;
   at::Tensor kept;
-  const c10::NoGradGuard no_grad;
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
   if (max_host_bytes_ < 0 || host_bytes_ + nbytes <= max_host_bytes_) {
     packed = offload_pack(bytes, /*non_blocking=*/true);
     host_bytes_ += nbytes;
@@ -183,22 +263,31 @@ c10::intrusive_ptr<ActivationEntry> ActivationStore::entry_for_locked(
   auto entry = c10::make_intrusive<ActivationEntry>(c10::intrusive_ptr<ActivationStore>::reclaim_copy(this),
                                                     next_sequence_++, key, t, std::move(packed), std::move(ticket),
                                                     std::move(kept));
-  by_storage_.insert_or_assign(key, c10::weak_intrusive_ptr<ActivationEntry>(entry));
-  by_sequence_.emplace(entry->sequence_, c10::weak_intrusive_ptr<ActivationEntry>(entry));
+  // Replaces only the record of an entry already being released (find_locked
+  // found it dead). Every live entry keeps its record: that weak reference is
+  // what makes its last strong one call release_resources().
+  by_key_.insert_or_assign(key, c10::weak_intrusive_ptr<ActivationEntry>(entry));
+  entry->older_ = newest_;
+  if (newest_ != nullptr) {
+    newest_->newer_ = entry.get();
+  }
+  newest_ = entry.get();
+  ++live_entries_;
   return entry;
 }
 
-void ActivationStore::prefetch_before_locked(int64_t sequence,
-                                             std::vector<c10::intrusive_ptr<ActivationEntry>>& holders) {
-  const c10::NoGradGuard no_grad;
-  auto it = by_sequence_.lower_bound(sequence);
-  while (it != by_sequence_.begin() && prefetch_in_flight_bytes_ < prefetch_bytes_) {
-    --it;
-    auto entry = it->second.lock();
-    if (!entry) {
-      continue;  // released: its release_resources() is waiting for this lock
-    }
-    holders.push_back(entry);
+void ActivationStore::prefetch_before_locked(ActivationEntry& restoring) {
+  // Every live entry between the last scan's stop and its start was looked at:
+  // go on from the stop when this restore lies in that stretch, else start below it.
+  const int64_t sequence = restoring.sequence_;
+  const bool resumes = sequence <= prefetch_from_ &&
+                       (prefetch_next_ == nullptr || prefetch_next_->sequence_ < sequence);
+  ActivationEntry* entry = resumes ? prefetch_next_ : restoring.older_;
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  // Entries whose last reference went but whose release waits for this lock are
+  // still linked and intact: the release unlinks them first, then frees.
+  for (; entry != nullptr && prefetch_in_flight_bytes_ < prefetch_bytes_; entry = entry->older_) {
+    ++prefetch_scanned_;
     const bool on_host = entry->packed_.defined() && !entry->prefetched_.defined();
     const bool on_disk = entry->ticket_.defined() && !entry->disk_prefetched_;
     if (entry->restored_.defined() || !(on_host || on_disk)) {
@@ -215,9 +304,11 @@ void ActivationStore::prefetch_before_locked(int64_t sequence,
     }
     prefetch_in_flight_bytes_ += entry->nbytes_;
   }
+  prefetch_from_ = sequence;
+  prefetch_next_ = entry;
 }
 
-void ActivationStore::on_entry_released(const ActivationEntry& entry) {
+void ActivationStore::on_entry_released(ActivationEntry& entry) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (entry.packed_.defined()) {
     host_bytes_ -= entry.nbytes_;
@@ -225,12 +316,19 @@ void ActivationStore::on_entry_released(const ActivationEntry& entry) {
   if (entry.prefetched_.defined() || (entry.disk_prefetched_ && entry.ticket_.defined())) {
     prefetch_in_flight_bytes_ -= entry.nbytes_;
   }
-  // Erase only our own records: a newer entry may already own the dedup key.
-  if (auto found = by_storage_.find(entry.dedup_key_);
-      found != by_storage_.end() && found->second._unsafe_get_target() == &entry) {
-    by_storage_.erase(found);
+  // Erase only our own record: a newer entry may already own the key.
+  if (auto found = by_key_.find(entry.key_); found != by_key_.end() && found->second._unsafe_get_target() == &entry) {
+    by_key_.erase(found);
   }
-  by_sequence_.erase(entry.sequence_);
+  if (prefetch_next_ == &entry) {
+    prefetch_next_ = entry.older_;
+  }
+  (entry.newer_ != nullptr ? entry.newer_->older_ : newest_) = entry.older_;
+  if (entry.older_ != nullptr) {
+    entry.older_->newer_ = entry.newer_;
+  }
+  entry.older_ = entry.newer_ = nullptr;
+  --live_entries_;
 }
 
 void ActivationStore::skip_storages_of(const std::vector<at::Tensor>& tensors) {
@@ -252,15 +350,17 @@ void ActivationStore::clear_skipped_storages() {
 c10::Dict<std::string, int64_t> ActivationStore::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   c10::Dict<std::string, int64_t> out;
+  out.insert("pack_calls", pack_calls_);
   out.insert("packed_bytes", packed_bytes_);
   out.insert("unpacked_bytes", unpacked_bytes_);
   out.insert("dedup_hits", dedup_hits_);
   out.insert("kept_on_device_bytes", kept_on_device_bytes_);
   out.insert("disk_bytes", disk_bytes_);
   out.insert("prefetch_hits", prefetch_hits_);
+  out.insert("prefetch_scanned", prefetch_scanned_);
   out.insert("peak_host_bytes", peak_host_bytes_);
   out.insert("host_bytes", host_bytes_);
-  out.insert("live_entries", static_cast<int64_t>(by_sequence_.size()));
+  out.insert("live_entries", live_entries_);
   return out;
 }
 

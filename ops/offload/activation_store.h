@@ -4,55 +4,81 @@
 // budget, the backward prefetch queue and the statistics. Python's saved-tensor hooks only
 // call pack() and unpack(); everything that must be fast happens here.
 //
-// The unit of offload is a storage: every saved tensor that views the same
-// storage (same version) shares one Entry, and is rebuilt on unpack as the same
-// view (sizes, strides, offset) of the restored bytes.
+// The unit of offload is a byte range of a storage: the whole storage, or only
+// the bytes a view spans when that is much smaller. Every saved tensor that lies
+// in the same unchanged range (same storage, version counter and version) shares
+// one Entry, and is rebuilt on unpack as the same view (sizes, strides, offset,
+// conjugate and negative bits) of the restored bytes.
 #include <cstdint>
-#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
-#include <utility>
 #include <vector>
 
-#include <ATen/core/Tensor.h>
 #include <ATen/core/Dict.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
 #include <torch/custom_class.h>
 
 namespace torch_offload {
 
 class ActivationStore;
 
-// One offloaded (or budget-kept) storage. Held by the hook's saved object, so it
-// dies, and frees its host bytes, when autograd frees the graph.
+// What makes two saved tensors' bytes interchangeable: the same bytes of the same
+// storage, unchanged since the first was packed. Versions only say that for one
+// version counter: an alias with its own counter (x.data) changes the storage
+// without bumping ours, so the counter is part of the key.
+struct DedupKey {
+  const c10::StorageImpl* storage;
+  const void* version_counter;
+  uint32_t version;
+  int64_t begin;  // bytes [begin, end) of the storage
+  int64_t end;
+  bool operator==(const DedupKey&) const = default;
+};
+
+struct DedupKeyHash {
+  size_t operator()(const DedupKey& key) const noexcept;
+};
+
+// One offloaded (or budget-kept) byte range. Held by the saved objects of the
+// tensors that use it, so it dies, and frees its host bytes, when autograd frees the graph.
 class ActivationEntry : public torch::CustomClassHolder {
  public:
   // Exactly one of packed (host), ticket (disk) and kept (device) is defined.
-  ActivationEntry(c10::intrusive_ptr<ActivationStore> store, int64_t sequence,
-                  std::pair<const c10::StorageImpl*, int64_t> dedup_key, const at::Tensor& source, at::Tensor packed,
-                  at::Tensor ticket, at::Tensor kept);
-  // Runs when the last strong reference goes (the store's weak ones keep the
+  ActivationEntry(c10::intrusive_ptr<ActivationStore> store, int64_t sequence, const DedupKey& key,
+                  const at::Tensor& source, at::Tensor packed, at::Tensor ticket, at::Tensor kept);
+  // Runs when the last strong reference goes (the store's weak one keeps the
   // object itself alive a little longer): frees the bytes, updates the store.
   void release_resources() override;
 
-  // Bytes of the whole storage, as a flat uint8 tensor on the original device.
+  // The bytes of the range, as a flat uint8 tensor on the original device.
   at::Tensor restore();
 
  private:
   friend class ActivationStore;
+  friend class SavedActivation;
   c10::intrusive_ptr<ActivationStore> store_;
   const int64_t sequence_;  // pack order
-  const std::pair<const c10::StorageImpl*, int64_t> dedup_key_;
-  const int64_t nbytes_;
+  const DedupKey key_;
+  const int64_t nbytes_;  // key_.end - key_.begin
   const c10::Device device_;
-  const c10::weak_intrusive_ptr<c10::StorageImpl> source_;  // for dedup: alive means same storage
+  // Weak and strong references that keep the storage's and the counter's
+  // addresses in key_ from being reused while the entry lives.
+  const c10::weak_intrusive_ptr<c10::StorageImpl> source_;
+  const c10::VariableVersion version_counter_;
   at::Tensor packed_;     // host bytes when offloaded
   at::Tensor ticket_;     // disk_spill ticket when spilled
   at::Tensor kept_;       // device bytes when no tier took it
   at::Tensor prefetched_;  // restored ahead of need during backward (host tier)
   bool disk_prefetched_ = false;  // disk_prefetch issued (disk tier)
-  at::Tensor restored_;   // restored bytes, shared by every view of this storage
+  at::Tensor restored_;   // restored bytes, shared by every view of this range
+  // Live entries in pack order (a list under the store's mutex): each pack,
+  // release and prefetch step is O(1), however many entries there are.
+  ActivationEntry* older_ = nullptr;
+  ActivationEntry* newer_ = nullptr;
 };
 
 // What the pack hook returns for one saved tensor: its entry (or the tensor
@@ -71,9 +97,11 @@ class SavedActivation : public torch::CustomClassHolder {
   const c10::VariableVersion version_counter_;
   const uint32_t saved_version_;
   const c10::ScalarType dtype_;
-  const std::vector<int64_t> sizes_;
-  const std::vector<int64_t> strides_;
-  const int64_t storage_offset_;
+  const bool is_conj_;
+  const bool is_neg_;
+  const c10::SmallVector<int64_t, 5> sizes_;
+  const c10::SmallVector<int64_t, 5> strides_;
+  const int64_t byte_offset_;  // of the first element, within the entry's range
 };
 
 class ActivationStore : public torch::CustomClassHolder {
@@ -84,9 +112,11 @@ class ActivationStore : public torch::CustomClassHolder {
   ActivationStore(int64_t min_bytes, int64_t max_host_bytes, int64_t prefetch_bytes, bool offload_cpu_tensors,
                   bool spill_to_disk, std::optional<std::string> spill_directory, bool allow_tmpfs);
 
-  // t saved: offloaded (through an entry shared by every tensor of its storage),
-  // or as it is when it is a parameter or a view of one, a skipped storage,
-  // smaller than min_bytes, or on the CPU without offload_cpu_tensors.
+  // t saved: offloaded (through an entry shared by every tensor in the same
+  // range), or as it is when it is a parameter or a view of one, a skipped
+  // storage, smaller than min_bytes, on the CPU without offload_cpu_tensors, or
+  // anything its bytes, sizes and strides do not rebuild exactly (quantized,
+  // nested, sparse, zero tensors, functorch or Python subclass wrappers).
   c10::intrusive_ptr<SavedActivation> pack(const at::Tensor& t);
   // Storages of these tensors (a module's parameters and buffers) are never offloaded.
   void skip_storages_of(const std::vector<at::Tensor>& tensors);
@@ -95,16 +125,17 @@ class ActivationStore : public torch::CustomClassHolder {
 
  private:
   friend class ActivationEntry;
-  using DedupKey = std::pair<const c10::StorageImpl*, int64_t>;  // storage, version
 
   bool should_offload(const at::Tensor& t) const;
-  c10::intrusive_ptr<ActivationEntry> entry_for_locked(const at::Tensor& t,
-                                                       std::vector<c10::intrusive_ptr<ActivationEntry>>& holders);
+  c10::intrusive_ptr<ActivationEntry> entry_for_locked(const at::Tensor& t);
+  // A live entry for exactly this key, or null.
+  c10::intrusive_ptr<ActivationEntry> find_locked(const DedupKey& key);
   // Called by an entry on its first restore: restores the entries packed just
-  // before it (needed next by backward), up to prefetch_bytes_ in flight. The
-  // entries it touched go to `holders`, to be released after the lock.
-  void prefetch_before_locked(int64_t sequence, std::vector<c10::intrusive_ptr<ActivationEntry>>& holders);
-  void on_entry_released(const ActivationEntry& entry);
+  // before it (needed next by backward), up to prefetch_bytes_ in flight. It
+  // resumes where the previous scan stopped when backward goes on downwards, so
+  // each entry is looked at about once per backward.
+  void prefetch_before_locked(ActivationEntry& restoring);
+  void on_entry_released(ActivationEntry& entry);
 
   const int64_t min_bytes_;
   const int64_t max_host_bytes_;
@@ -116,11 +147,17 @@ class ActivationStore : public torch::CustomClassHolder {
 
   mutable std::mutex mutex_;
   int64_t next_sequence_ = 0;
-  std::map<DedupKey, c10::weak_intrusive_ptr<ActivationEntry>> by_storage_;
-  std::map<int64_t, c10::weak_intrusive_ptr<ActivationEntry>> by_sequence_;
+  std::unordered_map<DedupKey, c10::weak_intrusive_ptr<ActivationEntry>, DedupKeyHash> by_key_;
+  ActivationEntry* newest_ = nullptr;  // the live entries' list
+  int64_t live_entries_ = 0;
+  // The last prefetch scan: the restore that started it, and the next (older)
+  // entry it would have looked at (null: it reached the oldest).
+  int64_t prefetch_from_ = -1;
+  ActivationEntry* prefetch_next_ = nullptr;
   std::unordered_set<const c10::StorageImpl*> skipped_storages_;
   std::vector<at::Tensor> skipped_holders_;  // keep the skipped storages (and so their addresses) alive
 
+  int64_t pack_calls_ = 0;
   int64_t host_bytes_ = 0;
   int64_t prefetch_in_flight_bytes_ = 0;
   int64_t packed_bytes_ = 0;
@@ -129,6 +166,7 @@ class ActivationStore : public torch::CustomClassHolder {
   int64_t kept_on_device_bytes_ = 0;
   int64_t disk_bytes_ = 0;
   int64_t prefetch_hits_ = 0;
+  int64_t prefetch_scanned_ = 0;
   int64_t peak_host_bytes_ = 0;
 };
 
