@@ -7,6 +7,7 @@
 #include <optional>
 #include <string_view>
 #include <tuple>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/SymInt.h>

@@ -1,0 +1,157 @@
+"""linear_cross_entropy on the CPU: peak memory and fwd+bwd time against eager
+F.cross_entropy(F.linear(h, W), t) and a plain-PyTorch token-chunked loss (torchtune style:
+chunks of 1024 tokens, each chunk's logits and loss through autograd), float32, h=1024.
+
+    .venv/bin/python bench/linear_cross_entropy.py   # both sizes; rewrites BENCHMARKS.md's section
+
+(with the package installed, e.g. by `make test`; or PYTHONPATH and TORCH_OFFLOAD_LIBRARY pointing at a build).
+
+Each measurement runs in a fresh process: after a small warm-up step (libraries, thread
+pool), one fwd+bwd (hidden and the weight need gradients) gives both the peak memory, the
+growth of the resident set over that step (VmHWM after it, with the high-water mark reset
+to VmRSS just before it; inputs already allocated), and the time. Large temporaries go
+back to the system when freed, so a second step would pay the same page faults. The
+methods take turns, round after round, so that drifting load on a shared machine hits
+them alike; each cell is the median over the rounds.
+"""
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HIDDEN = 1024
+SIZES = ((16384, 32000), (4096, 128256))  # (tokens, vocabulary)
+CHUNK = 1024
+METHODS = ("eager", "chunked", "fused")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def status_bytes(field):
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def reset_peak_rss():
+    """Set VmHWM to VmRSS (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+    return status_bytes("VmRSS")
+
+
+def worker(method, tokens, vocab):
+    import torch
+    import torch.nn.functional as F
+
+    import torch_offload
+
+    def eager(hidden, weight, target):
+        return F.cross_entropy(F.linear(hidden, weight), target)
+
+    def chunked(hidden, weight, target):
+        # torchtune's CEWithChunkedOutputLoss, with the head applied per chunk.
+        total = sum(F.cross_entropy(F.linear(h, weight), t, reduction="sum")
+                    for h, t in zip(hidden.split(CHUNK), target.split(CHUNK)))
+        return total / (target != -100).sum()
+
+    loss = {"eager": eager, "chunked": chunked, "fused": torch_offload.linear_cross_entropy}[method]
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, HIDDEN, generator=generator).requires_grad_()
+    weight = (torch.randn(vocab, HIDDEN, generator=generator) * HIDDEN**-0.5).requires_grad_()
+    target = torch.randint(0, vocab, (tokens,), generator=generator)
+    loss(hidden[:64], weight, target[:64]).backward()  # warm-up
+    hidden.grad = weight.grad = None
+
+    before = reset_peak_rss()
+    start = time.perf_counter()
+    loss(hidden, weight, target).backward()
+    elapsed = time.perf_counter() - start
+    print(f"{status_bytes('VmHWM') - before} {elapsed}")
+
+
+def run(method, tokens, vocab):
+    out = subprocess.run([sys.executable, __file__, "--worker", method, str(tokens), str(vocab)],
+                         check=True, capture_output=True, text=True).stdout.split()
+    return int(out[0]), float(out[1])
+
+
+def write_section(text):
+    path = ROOT / "BENCHMARKS.md"
+    doc = path.read_text() if path.exists() else (
+        "# Benchmarks\n\nRatios are taken side by side in one run; each section gives the command that produced it.\n")
+    start = doc.find("\n## linear_cross_entropy\n")
+    if start >= 0:
+        end = doc.find("\n## ", start + 1)
+        doc = doc[:start] + doc[end if end >= 0 else len(doc):]
+    path.write_text(doc.rstrip("\n") + "\n\n" + text)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", nargs=3, metavar=("METHOD", "TOKENS", "VOCAB"))
+    parser.add_argument("--sizes", nargs="+", default=[f"{t}x{v}" for t, v in SIZES], metavar="TOKENSxVOCAB")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-write", action="store_true", help="print the table only")
+    parser.add_argument("--note", default="", help="a sentence appended to the section (e.g. machine sharing)")
+    args = parser.parse_args()
+    if args.worker:
+        method, tokens, vocab = args.worker
+        worker(method, int(tokens), int(vocab))
+        return
+
+    import torch
+
+    import torch_offload
+
+    rows = []
+    for size in args.sizes:
+        tokens, vocab = (int(n) for n in size.split("x"))
+        runs = {m: [] for m in METHODS}
+        for _ in range(args.rounds):
+            for m in METHODS:
+                runs[m].append(run(m, tokens, vocab))
+        (em, et), (cm, ct), (fm, ft) = ((statistics.median(r[0] for r in runs[m]),
+                                         statistics.median(r[1] for r in runs[m])) for m in METHODS)
+        tile = torch_offload.linear_cross_entropy_tile(tokens, vocab)
+        mib = 1 << 20
+        rows.append(f"| {tokens} | {vocab} | {tile[0]}x{tile[1]} | {em / mib:.0f} | {cm / mib:.0f} | {fm / mib:.0f} "
+                    f"| **{fm / em:.3f}** | **{fm / cm:.3f}** | {et:.1f} | {ct:.1f} | {ft:.1f} | **{ft / et:.2f}** "
+                    f"| **{ft / ct:.2f}** |")
+        print(rows[-1], flush=True)
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    text = "\n".join([
+        "## linear_cross_entropy",
+        "",
+        f"`{' '.join(['.venv/bin/python', 'bench/linear_cross_entropy.py', *sys.argv[1:]])}` — CPU float32, "
+        f"h={HIDDEN}, no bias, reduction mean, fwd+bwd (hidden and the weight need gradients). torch "
+        f"{torch.__version__}, {torch.get_num_threads()} threads ({torch.backends.cpu.get_cpu_capability()}), {cpu}, "
+        f"load average {os.getloadavg()[0]:.1f} at the end.",
+        "",
+        "(a) eager `F.cross_entropy(F.linear(h, W), t)`, (c) plain-PyTorch token chunks of "
+        f"{CHUNK} (torchtune style: per-chunk logits and loss through autograd), (f) "
+        "`torch_offload.linear_cross_entropy` at its automatic tile. Peak: growth of the resident set (VmHWM over "
+        "VmRSS) during one fwd+bwd in a fresh process, inputs allocated before; time: that fwd+bwd. Methods take "
+        f"turns for {args.rounds} rounds; each cell is the median.",
+        "",
+        "| tokens | V | tile | peak (a) MiB | peak (c) MiB | peak (f) MiB | peak (f)/(a) | peak (f)/(c) "
+        "| time (a) s | time (c) s | time (f) s | time (f)/(a) | time (f)/(c) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *rows,
+        "",
+        "Goals at 16384 x 32000: peak (f)/(a) <= 0.05, peak (f)/(c) <= 0.25, time (f)/(a) <= 1.0, "
+        "time (f)/(c) <= 0.85.",
+        *([""] + [args.note] if args.note else []),
+        "",
+    ])
+    if not args.no_write:
+        write_section(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

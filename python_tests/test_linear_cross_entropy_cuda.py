@@ -1,0 +1,105 @@
+"""linear_cross_entropy on a GPU: the CUDA kernels against the CPU op and eager torch, and no
+[tokens, V] allocation. Skipped without a GPU."""
+import pytest
+import torch
+from torch.testing._internal.optests import opcheck
+
+from test_linear_cross_entropy import OPTIONS, assert_close_f32, call, loss_and_grads, make_inputs, reference
+from test_linear_cross_entropy import relative_error
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def to_cuda(inputs, dtype=None):
+    *tensors, target = inputs
+    return [t.detach().to("cuda", dtype).requires_grad_() if t is not None else None for t in tensors] + [
+        target.cuda()]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("option", OPTIONS, ids=str)
+def test_cuda_matches_cpu_op_float64(option, reduction):
+    kwargs = dict(OPTIONS[option])
+    inputs = make_inputs((3, 37, 16), 301, bias=kwargs.pop("bias", False), dtype=torch.float64, ignored_every=5)
+    gpu = to_cuda(inputs)
+    leaves, gpu_leaves = ([t for t in ins[:3] if t is not None] for ins in (inputs, gpu))
+    got, got_grads = loss_and_grads(lambda: call(*gpu, reduction=reduction, tile_tokens=16, tile_vocab=64, **kwargs),
+                                    gpu_leaves)
+    want, want_grads = loss_and_grads(lambda: call(*inputs, reduction=reduction, tile_tokens=16, tile_vocab=64,
+                                                   **kwargs), leaves)
+    assert got.is_cuda
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-10, atol=1e-12)
+    for g, w in zip(got_grads, want_grads):
+        assert g.is_cuda
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("option", OPTIONS, ids=str)
+def test_cuda_float32_matches_eager(option):
+    kwargs = dict(OPTIONS[option])
+    hidden, weight, b, target = to_cuda(make_inputs((2, 300, 64), 1000, bias=kwargs.pop("bias", False),
+                                                    ignored_every=7))
+    leaves = [t for t in (hidden, weight, b) if t is not None]
+    got, got_grads = loss_and_grads(lambda: call(hidden, weight, b, target, tile_tokens=128, tile_vocab=256, **kwargs),
+                                    leaves)
+    want, want_grads = loss_and_grads(lambda: reference(hidden, weight, target, b, **kwargs), leaves)
+    assert_close_f32(got, want)
+    for g, w in zip(got_grads, want_grads):
+        assert_close_f32(g, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cuda_reduced_precision_is_as_close_to_float64_as_eager(dtype):
+    inputs = to_cuda(make_inputs((2, 300, 32), 500, bias=True, ignored_every=7), dtype)
+    exact = [t.detach().double().requires_grad_() for t in inputs[:3]]
+    target = inputs[3]
+    want, want_grads = loss_and_grads(lambda: reference(*exact[:2], target, exact[2]), exact)
+    eager, eager_grads = loss_and_grads(lambda: reference(*inputs[:2], target, inputs[2]), inputs[:3])
+    got, got_grads = loss_and_grads(lambda: call(*inputs, tile_tokens=64, tile_vocab=64), inputs[:3])
+    assert got.dtype == dtype
+    assert relative_error(got, want) <= max(2 * relative_error(eager, want), 4e-3)
+    for g, e, w in zip(got_grads, eager_grads, want_grads):
+        assert g.dtype == dtype
+        assert relative_error(g, w) <= max(1.5 * relative_error(e, w), 1e-2)
+
+
+def test_cuda_allocates_no_tokens_by_vocabulary_tensor():
+    tokens, vocab = 8192, 32000
+    hidden, weight, _, target = to_cuda(make_inputs((tokens, 64), vocab))
+    call(hidden[:16], weight, None, target[:16]).backward()  # warm up
+    hidden.grad = weight.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    call(hidden, weight, None, target).backward()
+    torch.cuda.synchronize()
+    growth = torch.cuda.max_memory_allocated() - base
+    logits_bytes = tokens * vocab * 4
+    # The gradients (hidden's and the weight's) and one 8 MiB tile buffer; the logits are 1 GiB.
+    assert growth < logits_bytes / 16, growth
+
+
+def test_cuda_bad_target_is_an_error_not_a_crash():
+    hidden, weight, _, target = to_cuda(make_inputs((5, 16), 10))
+    target[2] = 10
+    with pytest.raises(RuntimeError, match=r"linear_cross_entropy: target holds 10 at \(flattened\) index 2"):
+        call(hidden, weight, None, target)
+
+
+def test_cuda_runs_on_the_current_stream():
+    hidden, weight, b, target = to_cuda(make_inputs((64, 16), 100, bias=True))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        loss = call(hidden, weight, b, target, tile_tokens=16, tile_vocab=32)
+        grads = torch.autograd.grad(loss, (hidden, weight, b))
+    stream.synchronize()
+    want, want_grads = loss_and_grads(lambda: reference(hidden, weight, target, b), [hidden, weight, b])
+    assert_close_f32(loss.detach(), want)
+    for g, w in zip(grads, want_grads):
+        assert_close_f32(g, w)
+
+
+def test_cuda_opcheck():
+    hidden, weight, b, target = to_cuda(make_inputs((2, 7, 16), 19, bias=True, ignored_every=3))
+    opcheck(torch.ops.offload.linear_cross_entropy.default, (hidden, weight, b, target, -100, 0.1, 2.0, 1e-3, "mean",
+                                                             4, 8))
