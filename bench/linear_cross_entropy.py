@@ -21,26 +21,13 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from measure import reset_peak_rss, status_bytes, write_section
 
 HIDDEN = 1024
 SIZES = ((16384, 32000), (4096, 128256))  # (tokens, vocabulary)
 CHUNK = 1024
 METHODS = ("eager", "chunked", "fused")
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def status_bytes(field):
-    with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
-
-
-def reset_peak_rss():
-    """Set VmHWM to VmRSS (Linux >= 4.0)."""
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
-    return status_bytes("VmRSS")
 
 
 def worker(method, tokens, vocab):
@@ -77,17 +64,6 @@ def run(method, tokens, vocab):
     out = subprocess.run([sys.executable, __file__, "--worker", method, str(tokens), str(vocab)],
                          check=True, capture_output=True, text=True).stdout.split()
     return int(out[0]), float(out[1])
-
-
-def write_section(text):
-    path = ROOT / "BENCHMARKS.md"
-    doc = path.read_text() if path.exists() else (
-        "# Benchmarks\n\nRatios are taken side by side in one run; each section gives the command that produced it.\n")
-    start = doc.find("\n## linear_cross_entropy\n")
-    if start >= 0:
-        end = doc.find("\n## ", start + 1)
-        doc = doc[:start] + doc[end if end >= 0 else len(doc):]
-    path.write_text(doc.rstrip("\n") + "\n\n" + text)
 
 
 def main():
@@ -149,7 +125,7 @@ def main():
         "",
     ])
     if not args.no_write:
-        write_section(text)
+        write_section("linear_cross_entropy", text)
     print(text)
 
 

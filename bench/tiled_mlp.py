@@ -20,26 +20,12 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from measure import ROOT, reset_peak_rss, status_bytes, write_section
 
 HIDDEN, INTERMEDIATE = 1024, 2816
 TOKENS = (4096, 16384, 32768)
 METHODS = ("eager", "tiled_mlp", "python")
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def status_bytes(field):
-    with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
-
-
-def reset_peak_rss():
-    """Set VmHWM to VmRSS (Linux >= 4.0); ru_maxrss could not be reset, and it even
-    carries the parent's peak across fork and exec."""
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
-    return status_bytes("VmRSS")
 
 
 def worker(method, tokens, num_shards):
@@ -87,17 +73,6 @@ def run(method, tokens, num_shards):
     out = subprocess.run([sys.executable, __file__, "--worker", method, str(tokens), str(num_shards)],
                          env=env, check=True, capture_output=True, text=True).stdout.split()
     return int(out[0]), float(out[1])
-
-
-def write_section(text):
-    path = ROOT / "BENCHMARKS.md"
-    doc = path.read_text() if path.exists() else (
-        "# Benchmarks\n\nRatios are taken side by side in one run; each section gives the command that produced it.\n")
-    start = doc.find("\n## tiled_mlp\n")
-    if start >= 0:
-        end = doc.find("\n## ", start + 1)
-        doc = doc[:start] + doc[end if end >= 0 else len(doc):]
-    path.write_text(doc.rstrip("\n") + "\n\n" + text)
 
 
 def main():
@@ -152,7 +127,7 @@ def main():
         "",
     ])
     if not args.no_write:
-        write_section(text)
+        write_section("tiled_mlp", text)
     print(text)
 
 

@@ -2,13 +2,13 @@
 // (autograd registered in C++) against plain ATen, a frozen head, meta tensors, errors.
 #include <gtest/gtest.h>
 
-#include <functional>
 #include <string>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include "torch_offload/torch_offload.h"
+#include "expect_error.h"
 
 namespace {
 
@@ -94,15 +94,6 @@ TEST(LinearCrossEntropy, MetaTensorsGiveShapes) {
 
 TEST(LinearCrossEntropy, AutomaticTileIsThePublishedOne) {
   EXPECT_EQ(torch_offload::linear_cross_entropy_tile(16384, 32000, at::kFloat), (std::vector<int64_t>{1024, 2000}));
-}
-
-void expect_error(const std::function<void()>& call, const std::string& message) {
-  try {
-    call();
-    ADD_FAILURE() << "no error; expected: " << message;
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
-  }
 }
 
 TEST(LinearCrossEntropy, BadInputsRaiseErrorsNamingTheArgument) {

@@ -2,13 +2,13 @@
 // registered in C++) against plain ATen, gradients that are not needed, errors.
 #include <gtest/gtest.h>
 
-#include <functional>
 #include <string>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include "torch_offload/torch_offload.h"
+#include "expect_error.h"
 
 namespace {
 
@@ -127,15 +127,6 @@ TEST(TiledMlp, MetaTensorsGiveShapes) {
   EXPECT_TRUE(out.is_meta());
   EXPECT_EQ(out.sizes(), (std::vector<int64_t>{2, 9, 8}));
   EXPECT_EQ(out.scalar_type(), at::kBFloat16);
-}
-
-void expect_error(const std::function<void()>& call, const std::string& message) {
-  try {
-    call();
-    ADD_FAILURE() << "no error; expected: " << message;
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
-  }
 }
 
 TEST(TiledMlp, BadInputsRaiseErrorsNamingTheArgument) {

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch.testing._internal.optests import opcheck
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_offload
+from op_recording import RecordBackwardMask, gemm_count
 
 
 def reference(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
@@ -166,25 +166,6 @@ def test_tied_weight_gets_both_gradients():
         assert_close_f32(g, w)
 
 
-class RecordBackwardMask(TorchDispatchMode):
-    """Records the output_mask of every linear_cross_entropy_backward call."""
-
-    def __init__(self):
-        super().__init__()
-        self.masks = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.offload.linear_cross_entropy_backward.default:
-            self.masks.append(list(args[-1]))
-        return func(*args, **(kwargs or {}))
-
-
-def gemm_count(fn):
-    with torch.profiler.profile() as prof:
-        fn()
-    return sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm", "aten::addmm_"))
-
-
 @pytest.mark.parametrize(
     "trainable, expected_mask",
     [
@@ -199,7 +180,7 @@ def test_gradients_not_needed_are_not_computed(trainable, expected_mask):
     *tensors, target = make_inputs((20, 16), 30, bias=True)
     inputs = [t.detach().requires_grad_(name in trainable) for name, t in zip(names, tensors)]
     leaves = [t for t in inputs if t.requires_grad]
-    with RecordBackwardMask() as mode:
+    with RecordBackwardMask(torch.ops.offload.linear_cross_entropy_backward.default) as mode:
         grads = torch.autograd.grad(call(*inputs, target, tile_tokens=8, tile_vocab=8), leaves)
     assert mode.masks == [expected_mask]
     for g, w in zip(grads, torch.autograd.grad(reference(inputs[0], inputs[1], target, inputs[2]), leaves)):

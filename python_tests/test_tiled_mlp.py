@@ -11,9 +11,9 @@ from torch import nn
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch.testing._internal.optests import opcheck
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_offload
+from op_recording import RecordBackwardMask, gemm_count
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -214,25 +214,6 @@ def test_bf16_weight_gradients_are_as_close_to_float64_as_the_untiled_bf16_mlp()
         assert tiled_error <= untiled_error * 1.05, (name, tiled_error, untiled_error)
 
 
-class RecordBackwardMask(TorchDispatchMode):
-    """Records the output_mask of every tiled_mlp_backward call."""
-
-    def __init__(self):
-        super().__init__()
-        self.masks = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.offload.tiled_mlp_backward.default:
-            self.masks.append(list(args[-1]))
-        return func(*args, **(kwargs or {}))
-
-
-def gemm_count(fn):
-    with torch.profiler.profile() as prof:
-        fn()
-    return sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm", "aten::addmm_"))
-
-
 @pytest.mark.parametrize(
     "trainable, expected_mask",
     [
@@ -246,7 +227,7 @@ def gemm_count(fn):
 def test_gradients_not_needed_are_not_computed(trainable, expected_mask):
     names = ["x", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down"]
     inputs = [t.detach().requires_grad_(name in trainable) for name, t in zip(names, mlp_inputs((20, 16)))]
-    with RecordBackwardMask() as mode:
+    with RecordBackwardMask(torch.ops.offload.tiled_mlp_backward.default) as mode:
         out = call_tiled(inputs, num_shards=4)
         grads = torch.autograd.grad(out.sum(), [t for t in inputs if t.requires_grad])
     assert mode.masks == [expected_mask]

@@ -1,0 +1,23 @@
+"""What the backward tests of the tiled ops share: which gradients a backward op was asked for, and how many GEMMs ran."""
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class RecordBackwardMask(TorchDispatchMode):
+    """Records the output_mask (its last argument) of every call of `op`."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+        self.masks = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is self.op:
+            self.masks.append(list(args[-1]))
+        return func(*args, **(kwargs or {}))
+
+
+def gemm_count(fn):
+    with torch.profiler.profile() as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm", "aten::addmm_"))
