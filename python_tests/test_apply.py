@@ -376,3 +376,33 @@ def test_fused_loss_with_frozen_head_under_lora_and_its_own_loss_when_unprovable
     handle.remove()
     model = make_model("llama")
     assert torch_offload.apply(model, offload=None, loss=False).loss == "off"
+
+
+def test_fused_loss_of_a_bf16_model_is_float32_like_transformers():
+    # transformers upcasts a bf16 model's logits and returns a float32 loss: the fused one
+    # must not round it to bf16 (an error of up to 2e-3 relative).
+    model = make_model("llama").to(torch.bfloat16)
+    ids, labels = _labelled_batch()
+    want = loss_and_grads(model, ids, run=lambda **kw: model(**{**kw, "labels": labels}))
+    # Only the loss changes (the tiled MLP's bf16 roundings would move the hidden states).
+    assert torch_offload.apply(model, offload=None, tiled_mlp=False, checkpoint=False).loss == "linear_cross_entropy"
+    got = loss_and_grads(model, ids, run=lambda **kw: model(**{**kw, "labels": labels}))
+    assert got[0].dtype == want[0].dtype == torch.float32
+    torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=0)
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], rtol=2e-2, atol=2e-3, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_model_whose_output_embeddings_getter_raises_keeps_its_own_loss():
+    model = make_model("llama")
+    ids, labels = _labelled_batch()
+    want = loss_and_grads(model, ids, run=lambda **kw: model(**{**kw, "labels": labels}))
+
+    def no_head():
+        raise NotImplementedError("no output embeddings")
+
+    model.get_output_embeddings = no_head
+    handle = torch_offload.apply(model, offload=None)
+    assert not handle.loss.startswith("linear_cross_entropy")
+    assert_close_runs(want, loss_and_grads(model, ids, run=lambda **kw: model(**{**kw, "labels": labels})))
+    handle.remove()

@@ -37,7 +37,8 @@ namespace torch_offload {
 namespace {
 
 // linear_cross_entropy runs its GEMMs in the autocast dtype, as the linear layer it
-// replaces would, and returns a float32 loss, as F.cross_entropy does under autocast.
+// replaces would; its loss is float32, as F.cross_entropy's under autocast (the op
+// itself already returns float32 for the bf16/fp16 it runs in there).
 template <c10::DeviceType kDevice>
 at::Tensor linear_cross_entropy_autocast(const at::Tensor& hidden, const at::Tensor& weight,
                                          const std::optional<at::Tensor>& bias, const at::Tensor& target,

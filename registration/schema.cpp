@@ -59,8 +59,8 @@ TORCH_LIBRARY(offload, m) {
       .def("stats", &torch_offload::ActivationStore::stats);
 
   // The LM head's cross-entropy in tiles of tokens x vocabulary (no [tokens, V]
-  // logits). linear_cross_entropy_forward also returns each token's log-sum-exp
-  // (float32; float64 for float64 inputs), which the backward op reuses; the backward
+  // logits). The loss, and the log-sum-exp per token that linear_cross_entropy_forward
+  // also returns for the backward op, are float32 (float64 for float64 inputs); the backward
   // op returns the gradients output_mask asks for (hidden, weight, bias).
   m.def(
       "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, int ignore_index=-100, "

@@ -54,7 +54,10 @@ def _owner_of_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | str:
         get_head = getattr(module, "get_output_embeddings", None)
         if not callable(get_head) or "labels" not in inspect.signature(module.forward).parameters:
             continue
-        head = get_head()
+        try:
+            head = get_head()
+        except (NotImplementedError, AttributeError):  # transformers' base classes may raise for a model without one
+            continue
         if head is None or not any(child is head for child in module.children()):
             continue
         if type(head) is not nn.Linear:
@@ -88,7 +91,7 @@ def _fused_loss(request: _LossRequest, hidden: torch.Tensor, head: nn.Linear, ma
         hidden = hidden * math.scale
     reduction = "mean" if request.num_items_in_batch is None else "sum"
     loss = linear_cross_entropy(hidden, head.weight, target, bias=head.bias, ignore_index=request.ignore_index,
-                                reduction=reduction, softcap=math.softcap).float()
+                                reduction=reduction, softcap=math.softcap).float()  # transformers' loss is float32 for any head
     if request.num_items_in_batch is not None:
         count = request.num_items_in_batch
         loss = loss / (count.to(loss.device) if isinstance(count, torch.Tensor) else count)

@@ -31,7 +31,8 @@ def linear_cross_entropy(
     ``z_loss`` adds ``z_loss * logsumexp(logits) ** 2`` to each counted token's loss
     (PaLM, OLMo); ``ignore_index`` and ``label_smoothing`` are ``F.cross_entropy``'s.
     ``reduction``: ``"mean"`` over the tokens not ignored (nan when all are), ``"sum"``,
-    or ``"none"`` (``target``'s shape, 0 where ignored). The loss has ``hidden``'s dtype.
+    or ``"none"`` (``target``'s shape, 0 where ignored). The loss is float32 for bf16/fp16
+    inputs (as transformers' loss, which upcasts the logits), else ``hidden``'s dtype.
 
     Forward streams over tiles of ``tile_tokens`` tokens x ``tile_vocab`` vocabulary
     rows with an online log-sum-exp and saves only the inputs and a float32 log-sum-exp

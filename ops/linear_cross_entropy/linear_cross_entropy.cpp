@@ -216,17 +216,19 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_impl(
   }
   const at::Tensor valid = f.target.ne(ignore_index);
   per_token = at::where(valid, per_token, at::zeros({}, acc_options));
+  // The loss stays in the accumulation type: float32 for a bf16/fp16 head, as transformers'
+  // loss (which upcasts the logits) and F.cross_entropy under autocast.
   at::Tensor loss;
   switch (parsed) {
     case Reduction::kNone:
-      loss = per_token.to(dtype).view(target.sizes());
+      loss = per_token.view(target.sizes());
       break;
     case Reduction::kSum:
-      loss = per_token.sum().to(dtype);
+      loss = per_token.sum();
       break;
     case Reduction::kMean:
       // No counted token gives 0 / 0 = nan, as F.cross_entropy.
-      loss = (per_token.sum() / valid.sum()).to(dtype);
+      loss = per_token.sum() / valid.sum();
       break;
   }
   return {loss, lse};
@@ -355,10 +357,10 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_meta(TORCH_OFFLO
   const Reduction parsed = check_arguments("linear_cross_entropy", hidden, weight, value_or_undefined(bias), target,
                                            label_smoothing, softcap, z_loss, reduction);
   (void)ignore_index, (void)tile_tokens, (void)tile_vocab;
-  const at::Tensor loss = at::empty_symint(parsed == Reduction::kNone ? target.sym_sizes() : c10::SymIntArrayRef{},
-                                           hidden.options());
-  const at::Tensor lse =
-      at::empty_symint({target.sym_numel()}, hidden.options().dtype(at::toOpMathType(hidden.scalar_type())));
+  const auto acc_options = hidden.options().dtype(at::toOpMathType(hidden.scalar_type()));
+  const at::Tensor loss =
+      at::empty_symint(parsed == Reduction::kNone ? target.sym_sizes() : c10::SymIntArrayRef{}, acc_options);
+  const at::Tensor lse = at::empty_symint({target.sym_numel()}, acc_options);
   return {loss, lse};
 }
 
