@@ -4,6 +4,7 @@ import os
 import resource
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -260,6 +261,29 @@ def test_checkpoint_offload_false_keeps_inputs_inside_an_offload_context():
         out = torch_offload.checkpoint(layer, x)
     out.sum().backward()
     assert context.stats()["packed_bytes"] == 8 * 32 * 4  # the input x
+
+
+def test_checkpoint_offloads_tensors_passed_by_keyword_or_in_tuples():
+    # A decoder layer's attention is called as attn(hidden_states=x, position_embeddings=(cos, sin)):
+    # torch.utils.checkpoint would hold those by reference, out of any offload context's reach.
+    def attention(hidden_states=None, position_embeddings=None, scale=1.0):
+        cos, sin = position_embeddings
+        return (hidden_states * cos + hidden_states.flip(-1) * sin).tanh() * scale
+
+    x, cos, sin = (torch.randn(64, 32, requires_grad=True) for _ in range(3))
+    want = torch.autograd.grad(attention(hidden_states=x, position_embeddings=(cos, sin), scale=2.0).sum(),
+                               (x, cos, sin))
+    freed = []
+    with torch_offload.offload_activations(offload_cpu_tensors=True, min_bytes=0) as context:
+        h = x * 1
+        weakref.finalize(h.untyped_storage(), freed.append, "h")
+        out = torch_offload.checkpoint(attention, hidden_states=h, position_embeddings=(cos, sin), scale=2.0)
+    del h
+    assert freed == ["h"]  # only the store's copy is left
+    assert context.stats()["packed_bytes"] == 64 * 32 * 4  # h; cos and sin are leaves, saved as they are
+    got = torch.autograd.grad(out.sum(), (x, cos, sin))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
 def test_disk_tier_training_is_bitwise_equal_and_lowers_peak_rss(tmp_path):

@@ -66,6 +66,8 @@ def test_apply_matches_unpatched_and_remove_restores(name, tmp_path):
     want = loss_and_grads(model, ids)
     handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0, num_shards=3)
     assert getattr(handle, EXPECTED_PATH.get(name, "tiled_mlps")) == 3
+    # With the disk tier, backward recomputes attention alone, but the last layer (kept) whole.
+    assert list(handle.checkpointing.values()) == ["attention", "attention", "layer"]
     assert list(model.state_dict()) == keys  # same parameters under the same names
     assert handle.loss == "linear_cross_entropy"
     got = loss_and_grads(model, ids)
@@ -83,7 +85,8 @@ def test_apply_matches_unpatched_and_remove_restores(name, tmp_path):
     dict(offload=None, checkpoint=False),
     dict(tiled_mlp=False, offload="disk", min_bytes=0, keep_last=0),
     dict(offload="disk", min_bytes=0, keep_last=3),
-], ids=["checkpoint_only", "tiled_only", "offload_only", "keep_all"])
+    dict(offload="disk", min_bytes=0, checkpoint="layer"),
+], ids=["checkpoint_only", "tiled_only", "offload_only", "keep_all", "disk_layer_checkpoint"])
 def test_apply_options_keep_results(options, tmp_path):
     if options.get("offload") == "disk":
         options = dict(options, spill_directory=str(tmp_path))
@@ -134,6 +137,10 @@ def test_bad_inputs_are_explained(tmp_path):
         torch_offload.apply(model, offload="gpu")
     with pytest.raises(ValueError, match="keep_last must be an int >= 0"):
         torch_offload.apply(model, keep_last=-1)
+    with pytest.raises(ValueError, match=r"checkpoint must be True, False or one of \('layer', 'attention'\), got 'mlp'"):
+        torch_offload.apply(model, checkpoint="mlp")
+    with pytest.raises(ValueError, match="checkpoint='attention' needs offload='cpu' or 'disk'"):
+        torch_offload.apply(model, checkpoint="attention", offload=None)
     with pytest.raises(RuntimeError, match="disk_spill: directory .* cannot be used"):
         torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path / "missing"))
     # Nothing was left patched by the failed calls.
@@ -405,4 +412,26 @@ def test_a_model_whose_output_embeddings_getter_raises_keeps_its_own_loss():
     handle = torch_offload.apply(model, offload=None)
     assert not handle.loss.startswith("linear_cross_entropy")
     assert_close_runs(want, loss_and_grads(model, ids, run=lambda **kw: model(**{**kw, "labels": labels})))
+    handle.remove()
+
+
+@pytest.mark.parametrize("checkpoint", ["layer", "attention"])
+def test_backward_recomputes_what_checkpoint_names(checkpoint, tmp_path):
+    model, ids = make_model("llama"), batch()
+    calls = {"attention": 0, "norm": 0}
+    for layer in model.model.layers:
+        layer.self_attn.q_proj.register_forward_pre_hook(lambda *_: calls.__setitem__("attention", calls["attention"] + 1))
+        layer.post_attention_layernorm.register_forward_pre_hook(lambda *_: calls.__setitem__("norm", calls["norm"] + 1))
+    handle = torch_offload.apply(model, offload="disk", checkpoint=checkpoint, keep_last=0, min_bytes=0,
+                                 spill_directory=str(tmp_path))
+    assert set(handle.checkpointing.values()) == {checkpoint}
+    calls.update(attention=0, norm=0)  # apply's probes ran the model
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    assert calls == {"attention": 3, "norm": 3}
+    stats = handle.stats()
+    loss.backward()
+    # Attention runs again in backward either way; the rest of a layer only when it is checkpointed whole,
+    # and otherwise its saved tensors (norms, residuals) went to disk in forward.
+    assert calls == {"attention": 6, "norm": 6 if checkpoint == "layer" else 3}
+    assert stats["pack_calls"] >= (6 if checkpoint == "layer" else 20)
     handle.remove()

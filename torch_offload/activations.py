@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 import torch.utils.checkpoint
+from torch.utils import _pytree as pytree
 
 __all__ = ["offload_activations", "checkpoint"]
 
@@ -165,7 +166,9 @@ def checkpoint(fn: Callable, *args, offload: bool = True, **kwargs):
     """
     if kwargs.pop("use_reentrant", False):
         raise ValueError("torch_offload.checkpoint: use_reentrant=True is not supported (it breaks DDP)")
-    run = lambda: torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)  # noqa: E731
+    options = {key: kwargs.pop(key) for key in _CHECKPOINT_OPTIONS if key in kwargs}
+    call, tensors = _tensors_as_arguments(fn, args, kwargs)
+    run = lambda: torch.utils.checkpoint.checkpoint(call, *tensors, use_reentrant=False, **options)  # noqa: E731
     if not offload:
         with torch.autograd.graph.saved_tensors_hooks(_saved_as_is, _unpack):
             return run()
@@ -173,3 +176,29 @@ def checkpoint(fn: Callable, *args, offload: bool = True, **kwargs):
         return run()
     with offload_activations():
         return run()
+
+
+# torch.utils.checkpoint's own keyword arguments; every other one is the function's.
+_CHECKPOINT_OPTIONS = ("preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
+
+
+def _tensors_as_arguments(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, list]:
+    """``fn`` as a function of the tensors in ``args`` and ``kwargs`` alone.
+
+    torch.utils.checkpoint saves only top-level positional tensors through the
+    saved-tensor mechanism; tensors in keyword arguments or inside tuples (a decoder
+    layer's ``hidden_states=`` and ``position_embeddings=(cos, sin)``) it holds by
+    reference, so no offload context would ever see them.
+    """
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    others = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]  # holds no tensor
+
+    def call(*tensors):
+        filled = list(others)
+        for i, tensor in zip(where, tensors):
+            filled[i] = tensor
+        call_args, call_kwargs = pytree.tree_unflatten(filled, spec)
+        return fn(*call_args, **call_kwargs)
+
+    return call, [leaves[i] for i in where]

@@ -28,6 +28,7 @@ from .tiled_mlp import TiledMLP, tiled_apply, tiled_mlp_num_shards
 __all__ = ["apply", "OffloadHandle"]
 
 _OFFLOAD_TIERS = ("auto", "cpu", "disk", None)
+_CHECKPOINTS = ("layer", "attention")
 _ABSENT = object()
 # Modules that a live handle has patched: apply() on them again is refused, since two
 # stacked patches could not be undone in any order.
@@ -214,6 +215,8 @@ class OffloadHandle:
       for a model that has no LM head, ``"off"`` with ``loss=False``.
     - ``mlp_tiling``: for each layer's MLP, by name: ``"tiled_mlp"`` (the op), ``"tiled_apply"``
       (its own forward in shards) or ``"untiled: <why>"``.
+    - ``checkpointing``: for each layer, by name, what backward recomputes: ``"layer"``,
+      ``"attention"`` (the rest of what it saves is offloaded) or ``"none"``.
     """
 
     def __init__(self, layer_path: str, layers: nn.ModuleList, offload: str | None,
@@ -223,6 +226,7 @@ class OffloadHandle:
         self.offload = offload
         self.context = context
         self.mlp_tiling: dict[str, str] = {}
+        self.checkpointing: dict[str, str] = {}
         self.loss = "off"
         self._patches: list[_Patch] = []
 
@@ -293,19 +297,47 @@ def _tile_mlp(handle: OffloadHandle, name: str, layer: nn.Module, num_shards: in
     handle.mlp_tiling[name] = "tiled_apply"
 
 
-def _wrap_layer(handle: OffloadHandle, name: str, layer: nn.Module, use_checkpoint: bool, offload_layer: bool) -> None:
-    original = layer.forward
-    context = handle.context if offload_layer else None
+def _attention_of(layer: nn.Module) -> str | None:
+    """The name of the layer's one attention child module (``self_attn``, ``attn``...), or None."""
+    names = [name for name, child in layer.named_children() if type(child).__name__.endswith("Attention")]
+    return names[0] if len(names) == 1 else None
+
+
+def _checkpoint_forward(module: nn.Module, offload: bool):
+    original = module.forward
 
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():  # inference: nothing is saved for backward
             return original(*args, **kwargs)
-        if context is None:  # checkpointed, activations kept where they are
-            return offloaded_checkpoint(original, *args, offload=False, **kwargs)
-        with context:
-            if use_checkpoint:
-                return offloaded_checkpoint(original, *args, offload=True, **kwargs)
+        return offloaded_checkpoint(original, *args, offload=offload, **kwargs)
+
+    return forward
+
+
+def _wrap_layer(handle: OffloadHandle, name: str, layer: nn.Module, checkpoint: str | None,
+                offload_layer: bool) -> None:
+    context = handle.context if offload_layer else None
+    if context is None:  # checkpointed, activations kept where they are
+        handle.checkpointing[name] = "layer"
+        handle._patch(f"{name}.forward", layer, "forward", _checkpoint_forward(layer, offload=False))
+        return
+    original = layer.forward
+    attention = _attention_of(layer) if checkpoint == "attention" else None
+    if attention is not None:
+        # Only attention is recomputed in backward; everything else the layer saves goes to
+        # the offload tier. Backward then holds one attention's activations, not a layer's.
+        module = getattr(layer, attention)
+        handle._patch(f"{name}.{attention}.forward", module, "forward", _checkpoint_forward(module, offload=True))
+        run = original
+    else:
+        run = _checkpoint_forward(layer, offload=True) if checkpoint is not None else original
+    handle.checkpointing[name] = "attention" if attention is not None else "layer" if checkpoint else "none"
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():  # inference: nothing is saved for backward
             return original(*args, **kwargs)
+        with context:
+            return run(*args, **kwargs)
 
     handle._patch(f"{name}.forward", layer, "forward", forward)
 
@@ -320,11 +352,25 @@ def _resolve_offload(model: nn.Module, offload: str | None) -> str | None:
     return offload
 
 
+def _resolve_checkpoint(checkpoint: bool | str, offload: str | None) -> str | None:
+    if checkpoint is True:
+        return "attention" if offload == "disk" else "layer"
+    if checkpoint is False:
+        return None
+    if checkpoint not in _CHECKPOINTS:
+        raise ValueError(f"torch_offload.apply: checkpoint must be True, False or one of {_CHECKPOINTS}, "
+                         f"got {checkpoint!r}")
+    if checkpoint == "attention" and offload is None:
+        raise ValueError("torch_offload.apply: checkpoint='attention' needs offload='cpu' or 'disk' (without a "
+                         "tier, what the rest of each layer saves stays in memory); use checkpoint='layer'")
+    return checkpoint
+
+
 def apply(
     model: nn.Module,
     *,
     tiled_mlp: bool = True,
-    checkpoint: bool = True,
+    checkpoint: bool | str = True,
     offload: str | None = "auto",
     num_shards: int = 0,
     keep_last: int = 1,
@@ -346,8 +392,13 @@ def apply(
       gate_up_proj as in Phi-3, GPT-2's Conv1D, Gemma3n's activation sparsity). MLPs that
       are not token-wise or whose outputs the model records (mixture-of-experts blocks and
       their router logits) stay as they are, with a warning. ``num_shards=0`` chooses per call.
-    - ``checkpoint``: every decoder layer runs under non-reentrant checkpointing
-      (only its inputs are saved; DDP-safe).
+    - ``checkpoint``: what backward recomputes (non-reentrant checkpointing, DDP-safe):
+      ``"layer"``: each decoder layer, whose inputs alone are saved; ``"attention"``: each
+      layer's attention module alone, while everything else the layer saves goes to the
+      offload tier (needs one), so that backward holds one attention's activations instead
+      of a whole layer's, at the cost of more bytes moved; True: ``"attention"`` with
+      ``offload="disk"``, ``"layer"`` otherwise; False: none. A layer without exactly one
+      attention child module (class name ending in ``Attention``) is checkpointed whole.
     - ``offload``: "cpu" sends saved activations of device tensors to host memory,
       "disk" sends every saved activation (CPU tensors included) to the disk tier,
       None keeps them in place; "auto" is "cpu" for a model on an accelerator and None
@@ -378,6 +429,7 @@ def apply(
             raise ValueError(f"torch_offload.apply: {name} is already changed by an earlier apply(); "
                              "call that handle's remove() first")
     offload = _resolve_offload(model, offload)
+    recompute = _resolve_checkpoint(checkpoint, offload)
     context = None
     if offload is not None:
         options = {"offload_cpu_tensors": offload == "disk", "module": model, **offload_options}
@@ -392,8 +444,8 @@ def apply(
             if tiled_mlp and hasattr(layer, "mlp"):
                 _tile_mlp(handle, f"{name}.mlp", layer, num_shards, recorded)
             offload_layer = context is not None and index < len(layer_list) - keep_last
-            if checkpoint or offload_layer:
-                _wrap_layer(handle, name, layer, checkpoint, offload_layer)
+            if recompute or offload_layer:
+                _wrap_layer(handle, name, layer, recompute, offload_layer)
         if loss:
             handle.loss = fuse_causal_lm_loss(handle, model)
         if not handle._patches:
