@@ -151,6 +151,8 @@ def test_prefetch_restores_in_reverse_pack_order():
     assert stats["prefetch_hits"] == 9  # every entry but the last packed, which backward needs first
     # A budget of one tensor still prefetches each next one in time.
     assert sin_chain_stats(prefetch_bytes=256 * 4)["prefetch_hits"] == 9
+    # A budget under one tensor still has the next one in flight (one at a time).
+    assert sin_chain_stats(prefetch_bytes=16)["prefetch_hits"] == 9
     assert sin_chain_stats(prefetch_bytes=0)["prefetch_hits"] == 0
 
 

@@ -47,14 +47,16 @@ class offload_activations:
     ``max_host_bytes``; past it a tensor goes to disk with ``tier="disk"``
     (``torch_offload.disk_spill``) and stays on its device with ``tier="cpu"``.
     During backward the tensors packed just before the one being unpacked are
-    restored ahead of need, up to ``prefetch_bytes`` in flight. Host copies and
+    restored ahead of need, up to ``prefetch_bytes`` in flight (the next one always,
+    however large). Host copies and
     disk space are freed with the graph.
 
     Args:
         min_bytes: smallest tensor (in bytes) worth offloading.
         max_host_bytes: most host bytes held at once by this context; None: no limit
             with tier="cpu", no host copies at all with tier="disk".
-        prefetch_bytes: most bytes restored ahead of need during backward; 0 disables it.
+        prefetch_bytes: most bytes restored ahead of need during backward (at least the
+            next tensor, even a larger one); 0 disables it.
         tier: where activations wait: "cpu" (host memory) or "disk" (host memory up to
             max_host_bytes, then the spill file).
         spill_directory, allow_tmpfs: where the disk tier writes, as for ``disk_spill``.
@@ -68,7 +70,7 @@ class offload_activations:
         *,
         min_bytes: int = 1 << 20,
         max_host_bytes: int | None = None,
-        prefetch_bytes: int = 256 << 20,
+        prefetch_bytes: int = 64 << 20,
         tier: str = "cpu",
         offload_cpu_tensors: bool | None = None,
         module: torch.nn.Module | list[torch.nn.Module] | None = None,

@@ -293,7 +293,9 @@ void ActivationStore::prefetch_before_locked(ActivationEntry& restoring) {
     if (entry->restored_.defined() || !(on_host || on_disk)) {
       continue;
     }
-    if (prefetch_in_flight_bytes_ + entry->nbytes_ > prefetch_bytes_) {
+    // The next entry goes even when it alone is over the budget: one in flight keeps
+    // backward from waiting, whatever the tensor sizes.
+    if (prefetch_in_flight_bytes_ > 0 && prefetch_in_flight_bytes_ + entry->nbytes_ > prefetch_bytes_) {
       break;
     }
     if (on_host) {

@@ -131,7 +131,7 @@ class ActivationStore : public torch::CustomClassHolder {
   // A live entry for exactly this key, or null.
   c10::intrusive_ptr<ActivationEntry> find_locked(const DedupKey& key);
   // Called by an entry on its first restore: restores the entries packed just
-  // before it (needed next by backward), up to prefetch_bytes_ in flight. It
+  // before it (needed next by backward), up to prefetch_bytes_ in flight (at least one). It
   // resumes where the previous scan stopped when backward goes on downwards, so
   // each entry is looked at about once per backward.
   void prefetch_before_locked(ActivationEntry& restoring);
