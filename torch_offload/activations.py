@@ -166,6 +166,10 @@ def checkpoint(fn: Callable, *args, offload: bool = True, **kwargs):
     if kwargs.pop("use_reentrant", False):
         raise ValueError("torch_offload.checkpoint: use_reentrant=True is not supported (it breaks DDP)")
     run = lambda: torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)  # noqa: E731
+    if not offload and torch.compiler.is_compiling():
+        # dynamo cannot enter saved-tensor hooks; the checkpoint it compiles saves
+        # the inputs in the graph, where no offload context reaches them anyway.
+        return run()
     if not offload:
         with torch.autograd.graph.saved_tensors_hooks(_saved_as_is, _unpack):
             return run()
