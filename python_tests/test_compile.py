@@ -4,6 +4,8 @@ import warnings
 import peft
 import pytest
 import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 
 import torch_offload
 from torch_offload.tiled_mlp import _compiled_num_shards
@@ -90,3 +92,57 @@ def test_compiled_shard_count_is_the_ops():
         for tokens in (0, 1, 2048, 2049, 40000, 1 << 20):
             assert (_compiled_num_shards(tokens, intermediate, gated, dtype)
                     == torch.ops.offload.tiled_mlp_num_shards(tokens, intermediate, gated, dtype))
+
+
+@pytest.mark.parametrize("name, offload", [(name, "disk") for name in COMPILED] + [("llama", "cpu")])
+def test_offloading_applied_model_traces_without_graph_break(name, offload, tmp_path):
+    model, handle = applied(name, offload=offload, spill_directory=str(tmp_path), min_bytes=0)
+    assert graph_breaks(model, batch()) == (0, [])
+    handle.remove()
+
+
+def aot_graphs(model, ids):
+    """Loss and gradients of one compiled step, and the code of its forward and backward AOT graphs."""
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    return loss_and_grads(model, ids, run=compiled), graphs
+
+
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_compiled_graph_offloads_saved_activations_through_the_store(offload, tmp_path):
+    # checkpoint=False: the layers' saved activations are the forward graph's intermediates.
+    model, handle = applied("llama", offload=offload, checkpoint=False, keep_last=1, min_bytes=0, num_shards=2,
+                            spill_directory=str(tmp_path), offload_cpu_tensors=True)
+    ids = batch()
+    want = loss_and_grads(model, ids)
+    before = handle.stats()
+    got, (forward, backward) = aot_graphs(model, ids)
+    assert_close_runs(want, got)
+    assert "torch.ops.torch_offload.store_pack" in forward and "store_unpack" not in forward
+    assert "torch.ops.torch_offload.store_unpack" in backward and "store_pack" not in backward
+    after = handle.stats()
+    moved = "disk_bytes" if offload == "disk" else "packed_bytes"
+    assert after["pack_calls"] > before["pack_calls"] and after[moved] > before[moved]
+    assert after["unpacked_bytes"] - before["unpacked_bytes"] == after["packed_bytes"] - before["packed_bytes"]
+    assert after["live_entries"] == 0 and after["host_bytes"] == 0
+    assert graph_breaks(model, ids) == (0, [])
+    handle.remove()
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_compiled_graph_keeps_the_last_layers_activations(tmp_path):
+    packs = []
+    for keep_last in (0, 1, 3):
+        model, handle = applied("llama", offload="disk", checkpoint=False, keep_last=keep_last, min_bytes=0,
+                                spill_directory=str(tmp_path))
+        _, (forward, _) = aot_graphs(model, batch())
+        packs.append(forward.count("torch.ops.torch_offload.store_pack"))
+        handle.remove()
+    assert packs[0] > packs[1] > packs[2] == 0
+    assert packs[0] - packs[1] == packs[1] // 2  # 3 layers alike: one layer's share

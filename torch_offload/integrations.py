@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import re
 import warnings
 import weakref
 from typing import Any
@@ -23,6 +24,7 @@ from .activations import checkpoint as offloaded_checkpoint
 from .activations import offload_activations
 from .disk import disk_spill, disk_wait
 from .causal_lm_loss import fuse_causal_lm_loss
+from .compiled_offload import graph_hooks
 from .tiled_mlp import TiledMLP, tiled_apply, tiled_mlp_num_shards
 
 __all__ = ["apply", "OffloadHandle"]
@@ -253,7 +255,9 @@ class OffloadHandle:
 
     def remove(self) -> None:
         """Restores every attribute apply set; refuses, changing nothing, if one was replaced since."""
-        replaced = [p.name for p in self._patches if not p.intact()]
+        replaced = [p.name for i, p in enumerate(self._patches) if not p.intact()
+                    and not any(q.store is p.store and q.key == p.key and q.previous is p.value  # wrapped by apply
+                                for q in self._patches[i + 1:])]
         if replaced:
             raise RuntimeError(f"torch_offload: handle.remove(): {', '.join(replaced)} changed after apply() "
                                "(another wrapper?); undo that change first")
@@ -302,12 +306,40 @@ def _wrap_layer(handle: OffloadHandle, name: str, layer: nn.Module, use_checkpoi
             return original(*args, **kwargs)
         if context is None:  # checkpointed, activations kept where they are
             return offloaded_checkpoint(original, *args, offload=False, **kwargs)
+        if torch.compiler.is_compiling():  # dynamo cannot enter the context: apply's graph hooks offload
+            return offloaded_checkpoint(original, *args, offload=False, **kwargs) if use_checkpoint else \
+                original(*args, **kwargs)
         with context:
             if use_checkpoint:
                 return offloaded_checkpoint(original, *args, offload=True, **kwargs)
             return original(*args, **kwargs)
 
     handle._patch(f"{name}.forward", layer, "forward", forward)
+
+
+def _offload_in_compiled_graphs(handle: OffloadHandle, model: nn.Module, offloaded: set[int]) -> None:
+    """Under torch.compile, the saved activations of the ``offloaded`` layers go to the handle's store.
+
+    The model's forward enters graph saved-tensor hooks (see compiled_offload) and is left to
+    eager (dynamo compiles what it calls), since hooks must be entered outside compiled code.
+    Called eagerly, the hooks keep every tensor as it is, and the layers' own contexts offload.
+    """
+    # A node's module path as dynamo records it, e.g. "L['self'].model.layers.0.mlp": its layer's index.
+    in_layer = re.compile(rf"\.{re.escape(handle.layer_path)}\.(\d+)(\.|$)")
+
+    def offloads(node: torch.fx.Node) -> bool:
+        paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+        return any(int(found.group(1)) in offloaded for found in map(in_layer.search, paths) if found)
+
+    pack, unpack = graph_hooks(handle.context, offloads)
+    original = model.forward
+
+    @torch._dynamo.disable(recursive=False)
+    def forward(*args, **kwargs):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return original(*args, **kwargs)
+
+    handle._patch("forward", model, "forward", forward)
 
 
 def _resolve_offload(model: nn.Module, offload: str | None) -> str | None:
@@ -396,6 +428,9 @@ def apply(
                 _wrap_layer(handle, name, layer, checkpoint, offload_layer)
         if loss:
             handle.loss = fuse_causal_lm_loss(handle, model)
+        if context is not None and not checkpoint:
+            # With checkpointing, AOTAutograd cannot inline graph hooks yet (the README says why).
+            _offload_in_compiled_graphs(handle, model, set(range(len(layer_list) - keep_last)))
         if not handle._patches:
             raise ValueError(f"torch_offload.apply: nothing to change in {layer_path} with tiled_mlp={tiled_mlp}, "
                              f"checkpoint={checkpoint}, offload={offload!r}, keep_last={keep_last}"
