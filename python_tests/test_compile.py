@@ -146,3 +146,19 @@ def test_compiled_graph_keeps_the_last_layers_activations(tmp_path):
         handle.remove()
     assert packs[0] > packs[1] > packs[2] == 0
     assert packs[0] - packs[1] == packs[1] // 2  # 3 layers alike: one layer's share
+
+
+def test_inductor_compiled_graph_offloads_the_right_bytes(tmp_path):
+    # Inductor reuses dead buffers for later tensors: the store must not take one for another.
+    model, handle = applied("llama", offload="cpu", checkpoint=False, min_bytes=0, num_shards=2,
+                            offload_cpu_tensors=True)
+    ids = batch()
+    want = loss_and_grads(model, ids)
+    before = handle.stats()["packed_bytes"]
+    torch._dynamo.reset()
+    got = loss_and_grads(model, ids, run=torch.compile(model, fullgraph=True))
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], rtol=1e-3, atol=1e-5)
+    assert handle.stats()["packed_bytes"] > before and handle.stats()["live_entries"] == 0
+    handle.remove()

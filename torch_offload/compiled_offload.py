@@ -32,7 +32,10 @@ _numbers = itertools.count()
 def store_pack(tensor: torch.Tensor, store: int) -> torch.Tensor:
     """Hands ``tensor`` to the store ``store`` (an ``id`` of ``graph_hooks``); returns its ticket."""
     number = next(_numbers)
-    _saved[number] = _stores[store]._store_pack(tensor)
+    # A copy: inductor reuses a dead tensor's buffer for later ones without bumping its version, so
+    # the store would take the same storage and version for a different tensor (a false dedup hit)
+    # and could find its bytes overwritten before they are written out.
+    _saved[number] = _stores[store]._store_pack(tensor.clone())
     ticket = torch.tensor([number])
     weakref.finalize(ticket, _saved.pop, number, None)  # freed with the graph, backward or not
     return ticket
@@ -56,9 +59,11 @@ def _(ticket, size, stride, dtype, device):
 
 
 def _hook(forward: Callable) -> torch.fx.GraphModule:
-    # A GraphModule (what AOTAutograd inlines) whose forward is ours: AOTAutograd traces it per tensor.
+    # A GraphModule (what AOTAutograd inlines) whose forward is ours: AOTAutograd traces it per
+    # tensor. Its graph only keys AOTAutograd's cache, which cannot know the store behind it: a
+    # call of a Python function makes the cache step aside (autograd_cache.check_node_safe).
     graph = torch.fx.Graph()
-    graph.output(graph.placeholder("saved"))
+    graph.output(graph.call_function(forward, (graph.placeholder("saved"),)))
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
     module.forward = forward
     return module
