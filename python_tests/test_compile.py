@@ -114,11 +114,11 @@ def aot_graphs(model, ids):
     return loss_and_grads(model, ids, run=compiled), graphs
 
 
-@pytest.mark.parametrize("offload", ["cpu", "disk"])
-def test_compiled_graph_offloads_saved_activations_through_the_store(offload, tmp_path):
-    # checkpoint=False: the layers' saved activations are the forward graph's intermediates.
-    model, handle = applied("llama", offload=offload, checkpoint=False, keep_last=1, min_bytes=0, num_shards=2,
-                            spill_directory=str(tmp_path), offload_cpu_tensors=True)
+@pytest.mark.parametrize("offload, checkpoint", [("cpu", False), ("disk", False), ("disk", True)])
+def test_compiled_graph_offloads_saved_activations_through_the_store(offload, checkpoint, tmp_path):
+    # checkpoint=True: the layers' inputs and their attention's outputs (saved: random ops are not recomputed).
+    model, handle = applied("llama", offload=offload, checkpoint=checkpoint, keep_last=1, min_bytes=0,
+                            num_shards=2, spill_directory=str(tmp_path), offload_cpu_tensors=True)
     ids = batch()
     want = loss_and_grads(model, ids)
     before = handle.stats()
@@ -150,8 +150,7 @@ def test_compiled_graph_keeps_the_last_layers_activations(tmp_path):
 
 def test_inductor_compiled_graph_offloads_the_right_bytes(tmp_path):
     # Inductor reuses dead buffers for later tensors: the store must not take one for another.
-    model, handle = applied("llama", offload="cpu", checkpoint=False, min_bytes=0, num_shards=2,
-                            offload_cpu_tensors=True)
+    model, handle = applied("gpt2", offload="cpu", min_bytes=0, num_shards=2, offload_cpu_tensors=True)
     ids = batch()
     want = loss_and_grads(model, ids)
     before = handle.stats()["packed_bytes"]

@@ -10,6 +10,7 @@ restores the model.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import re
 import warnings
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .activations import checkpoint as offloaded_checkpoint
 from .activations import offload_activations
@@ -304,17 +306,32 @@ def _wrap_layer(handle: OffloadHandle, name: str, layer: nn.Module, use_checkpoi
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():  # inference: nothing is saved for backward
             return original(*args, **kwargs)
+        if handle.context is not None and torch.compiler.is_compiling():
+            # dynamo cannot enter the context: apply's graph hooks offload (the kept layers' too, for keep_last)
+            if not use_checkpoint:
+                return original(*args, **kwargs)
+            return offloaded_checkpoint(original, *args, offload=False, context_fn=_random_ops_saved, **kwargs)
         if context is None:  # checkpointed, activations kept where they are
             return offloaded_checkpoint(original, *args, offload=False, **kwargs)
-        if torch.compiler.is_compiling():  # dynamo cannot enter the context: apply's graph hooks offload
-            return offloaded_checkpoint(original, *args, offload=False, **kwargs) if use_checkpoint else \
-                original(*args, **kwargs)
         with context:
             if use_checkpoint:
                 return offloaded_checkpoint(original, *args, offload=True, **kwargs)
             return original(*args, **kwargs)
 
     handle._patch(f"{name}.forward", layer, "forward", forward)
+
+
+def _save_random_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    # A recomputed random op makes AOTAutograd save its random state, which it cannot pass through
+    # graph saved-tensor hooks (partitioners.functionalize_rng_ops names the backward's input
+    # rng_state_output_N, and maybe_inline_graph_saved_tensors_hooks looks it up by the forward's name).
+    # Saved instead, their outputs go through the hooks like the layer's inputs.
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_random_ops_saved = functools.partial(create_selective_checkpoint_contexts, _save_random_ops)
 
 
 def _offload_in_compiled_graphs(handle: OffloadHandle, model: nn.Module, offloaded: set[int]) -> None:
@@ -328,7 +345,8 @@ def _offload_in_compiled_graphs(handle: OffloadHandle, model: nn.Module, offload
     in_layer = re.compile(rf"\.{re.escape(handle.layer_path)}\.(\d+)(\.|$)")
 
     def offloads(node: torch.fx.Node) -> bool:
-        paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+        # As in eager, where the layer that saves a tensor (uses it) decides, not the one that made it.
+        paths = [path for user in node.users for path, _ in (user.meta.get("nn_module_stack") or {}).values()]
         return any(int(found.group(1)) in offloaded for found in map(in_layer.search, paths) if found)
 
     pack, unpack = graph_hooks(handle.context, offloads)
@@ -428,8 +446,7 @@ def apply(
                 _wrap_layer(handle, name, layer, checkpoint, offload_layer)
         if loss:
             handle.loss = fuse_causal_lm_loss(handle, model)
-        if context is not None and not checkpoint:
-            # With checkpointing, AOTAutograd cannot inline graph hooks yet (the README says why).
+        if context is not None:
             _offload_in_compiled_graphs(handle, model, set(range(len(layer_list) - keep_last)))
         if not handle._patches:
             raise ValueError(f"torch_offload.apply: nothing to change in {layer_path} with tiled_mlp={tiled_mlp}, "
