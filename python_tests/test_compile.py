@@ -69,10 +69,10 @@ def test_inductor_compiled_applied_model_matches_eager():
     handle.remove()
 
 
-# Phi-3: tiled_apply's checkpointed shards inside the layer's checkpoint. (GPT-2 under dynamic=True
-# trips a dynamo assertion in nested checkpoints: "lift_tracked_freevar_to_input should not be called
-# on root SubgraphTracer", raised tracing its NewGELU; static shapes compile.)
-@pytest.mark.parametrize("name", ["llama", "phi3"])
+# Phi-3: tiled_apply's checkpointed shards inside the layer's checkpoint. GPT-2 trips a dynamo assertion
+# under dynamic=True ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer", tracing
+# its NewGELU inside a checkpoint, the layer's or a shard's); static shapes compile.
+@pytest.mark.parametrize("name", ["llama", "phi3", pytest.param("gpt2", marks=pytest.mark.xfail(strict=True))])
 def test_dynamic_compile_serves_two_lengths_without_recompiling(name):
     model, handle = applied(name, offload=None)
     torch._dynamo.reset()
