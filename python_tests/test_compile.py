@@ -121,10 +121,11 @@ def aot_graphs(model, ids):
     return loss_and_grads(model, ids, run=compiled), graphs
 
 
-@pytest.mark.parametrize("offload, checkpoint", [("cpu", False), ("disk", False), ("disk", True)])
-def test_compiled_graph_offloads_saved_activations_through_the_store(offload, checkpoint, tmp_path):
+@pytest.mark.parametrize("name, offload, checkpoint", [("llama", "cpu", False), ("llama", "disk", False),
+                                                       ("llama", "disk", True), ("lora", "disk", True)])
+def test_compiled_graph_offloads_saved_activations_through_the_store(name, offload, checkpoint, tmp_path):
     # checkpoint=True: the layers' inputs and their attention's outputs (saved: random ops are not recomputed).
-    model, handle = applied("llama", offload=offload, checkpoint=checkpoint, keep_last=1, min_bytes=0,
+    model, handle = applied(name, offload=offload, checkpoint=checkpoint, keep_last=1, min_bytes=0,
                             num_shards=2, spill_directory=str(tmp_path), offload_cpu_tensors=True)
     ids = batch()
     want = loss_and_grads(model, ids)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import re
 import warnings
 import weakref
 from typing import Any
@@ -299,7 +298,8 @@ def _tile_mlp(handle: OffloadHandle, name: str, layer: nn.Module, num_shards: in
     handle.mlp_tiling[name] = "tiled_apply"
 
 
-def _wrap_layer(handle: OffloadHandle, name: str, layer: nn.Module, use_checkpoint: bool, offload_layer: bool) -> None:
+def _wrap_layer(handle: OffloadHandle, index: int, name: str, layer: nn.Module, use_checkpoint: bool,
+                offload_layer: bool) -> None:
     original = layer.forward
     context = handle.context if offload_layer else None
 
@@ -307,10 +307,11 @@ def _wrap_layer(handle: OffloadHandle, name: str, layer: nn.Module, use_checkpoi
         if not torch.is_grad_enabled():  # inference: nothing is saved for backward
             return original(*args, **kwargs)
         if handle.context is not None and torch.compiler.is_compiling():
-            # dynamo cannot enter the context: apply's graph hooks offload (the kept layers' too, for keep_last)
-            if not use_checkpoint:
-                return original(*args, **kwargs)
-            return offloaded_checkpoint(original, *args, offload=False, context_fn=_random_ops_saved, **kwargs)
+            # dynamo cannot enter the context: apply's graph hooks offload, by the layer marked on each node.
+            with torch.fx.traceback.annotate({_LAYER: index}):
+                if not use_checkpoint:
+                    return original(*args, **kwargs)
+                return offloaded_checkpoint(original, *args, offload=False, context_fn=_random_ops_saved, **kwargs)
         if context is None:  # checkpointed, activations kept where they are
             return offloaded_checkpoint(original, *args, offload=False, **kwargs)
         with context:
@@ -319,6 +320,9 @@ def _wrap_layer(handle: OffloadHandle, name: str, layer: nn.Module, use_checkpoi
             return original(*args, **kwargs)
 
     handle._patch(f"{name}.forward", layer, "forward", forward)
+
+
+_LAYER = "torch_offload_layer"  # the index of the decoder layer a compiled graph's node belongs to
 
 
 def _save_random_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -341,13 +345,9 @@ def _offload_in_compiled_graphs(handle: OffloadHandle, model: nn.Module, offload
     eager (dynamo compiles what it calls), since hooks must be entered outside compiled code.
     Called eagerly, the hooks keep every tensor as it is, and the layers' own contexts offload.
     """
-    # A node's module path as dynamo records it, e.g. "L['self'].model.layers.0.mlp": its layer's index.
-    in_layer = re.compile(rf"\.{re.escape(handle.layer_path)}\.(\d+)(\.|$)")
-
     def offloads(node: torch.fx.Node) -> bool:
         # As in eager, where the layer that saves a tensor (uses it) decides, not the one that made it.
-        paths = [path for user in node.users for path, _ in (user.meta.get("nn_module_stack") or {}).values()]
-        return any(int(found.group(1)) in offloaded for found in map(in_layer.search, paths) if found)
+        return any(user.meta.get("custom", {}).get(_LAYER) in offloaded for user in node.users)
 
     pack, unpack = graph_hooks(handle.context, offloads)
     original = model.forward
@@ -443,7 +443,7 @@ def apply(
                 _tile_mlp(handle, f"{name}.mlp", layer, num_shards, recorded)
             offload_layer = context is not None and index < len(layer_list) - keep_last
             if checkpoint or offload_layer:
-                _wrap_layer(handle, name, layer, checkpoint, offload_layer)
+                _wrap_layer(handle, index, name, layer, checkpoint, offload_layer)
         if loss:
             handle.loss = fuse_causal_lm_loss(handle, model)
         if context is not None:
