@@ -409,6 +409,10 @@ def apply(
       ``num_items_in_batch``, tied embeddings and the logits' soft-capping or scaling are
       honoured, and a probe at apply time checks the loss against the model's own (a model
       that does not match keeps its own, with a warning). Calls without labels are unchanged.
+    - ``torch.compile(model, fullgraph=True)`` afterwards traces in one graph: each layer is
+      a checkpoint in the graph and, with offloading, the compiled graphs hand the saved
+      activations the offloaded layers use to the same store (``torch_offload::store_pack``
+      and ``store_unpack`` nodes). Compile the model itself, not a function that calls it.
     - ``offload_options`` go to ``offload_activations`` (``min_bytes``,
       ``max_host_bytes``, ``prefetch_bytes``, ``spill_directory``...).
 
