@@ -171,6 +171,10 @@ def checkpoint(fn: Callable, *args, offload: bool = True, **kwargs):
     options = {key: kwargs.pop(key) for key in _CHECKPOINT_OPTIONS if key in kwargs}
     call, tensors = _tensors_as_arguments(fn, args, kwargs)
     run = lambda: torch.utils.checkpoint.checkpoint(call, *tensors, use_reentrant=False, **options)  # noqa: E731
+    if not offload and torch.compiler.is_compiling():
+        # dynamo cannot enter saved-tensor hooks; the checkpoint it compiles saves
+        # the inputs in the graph, where no offload context reaches them anyway.
+        return run()
     if not offload:
         with torch.autograd.graph.saved_tensors_hooks(_saved_as_is, _unpack):
             return run()

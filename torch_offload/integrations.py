@@ -10,6 +10,7 @@ restores the model.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import warnings
 import weakref
@@ -18,11 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .activations import checkpoint as offloaded_checkpoint
 from .activations import offload_activations
 from .disk import disk_spill, disk_wait
 from .causal_lm_loss import fuse_causal_lm_loss
+from .compiled_offload import graph_hooks
 from .tiled_mlp import TiledMLP, tiled_apply, tiled_mlp_num_shards
 
 __all__ = ["apply", "OffloadHandle"]
@@ -257,7 +260,9 @@ class OffloadHandle:
 
     def remove(self) -> None:
         """Restores every attribute apply set; refuses, changing nothing, if one was replaced since."""
-        replaced = [p.name for p in self._patches if not p.intact()]
+        replaced = [p.name for i, p in enumerate(self._patches) if not p.intact()
+                    and not any(q.store is p.store and q.key == p.key and q.previous is p.value  # wrapped by apply
+                                for q in self._patches[i + 1:])]
         if replaced:
             raise RuntimeError(f"torch_offload: handle.remove(): {', '.join(replaced)} changed after apply() "
                                "(another wrapper?); undo that change first")
@@ -303,23 +308,26 @@ def _attention_of(layer: nn.Module) -> str | None:
     return names[0] if len(names) == 1 else None
 
 
-def _checkpoint_forward(module: nn.Module, offload: bool):
+def _checkpoint_forward(handle: OffloadHandle, module: nn.Module, offload: bool):
     original = module.forward
 
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():  # inference: nothing is saved for backward
             return original(*args, **kwargs)
+        if handle.context is not None and torch.compiler.is_compiling():
+            # apply's graph hooks offload in compiled graphs (see _offload_in_compiled_graphs).
+            return offloaded_checkpoint(original, *args, offload=False, context_fn=_random_ops_saved, **kwargs)
         return offloaded_checkpoint(original, *args, offload=offload, **kwargs)
 
     return forward
 
 
-def _wrap_layer(handle: OffloadHandle, name: str, layer: nn.Module, checkpoint: str | None,
+def _wrap_layer(handle: OffloadHandle, index: int, name: str, layer: nn.Module, checkpoint: str | None,
                 offload_layer: bool) -> None:
     context = handle.context if offload_layer else None
     if context is None:  # checkpointed, activations kept where they are
         handle.checkpointing[name] = "layer"
-        handle._patch(f"{name}.forward", layer, "forward", _checkpoint_forward(layer, offload=False))
+        handle._patch(f"{name}.forward", layer, "forward", _checkpoint_forward(handle, layer, offload=False))
         return
     original = layer.forward
     attention = _attention_of(layer) if checkpoint == "attention" else None
@@ -327,19 +335,62 @@ def _wrap_layer(handle: OffloadHandle, name: str, layer: nn.Module, checkpoint: 
         # Only attention is recomputed in backward; everything else the layer saves goes to
         # the offload tier. Backward then holds one attention's activations, not a layer's.
         module = getattr(layer, attention)
-        handle._patch(f"{name}.{attention}.forward", module, "forward", _checkpoint_forward(module, offload=True))
+        handle._patch(f"{name}.{attention}.forward", module, "forward",
+                      _checkpoint_forward(handle, module, offload=True))
         run = original
     else:
-        run = _checkpoint_forward(layer, offload=True) if checkpoint is not None else original
+        run = _checkpoint_forward(handle, layer, offload=True) if checkpoint is not None else original
     handle.checkpointing[name] = "attention" if attention is not None else "layer" if checkpoint else "none"
 
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():  # inference: nothing is saved for backward
             return original(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            # dynamo cannot enter the context: apply's graph hooks offload, by the layer marked on each node.
+            with torch.fx.traceback.annotate({_LAYER: index}):
+                return run(*args, **kwargs)
         with context:
             return run(*args, **kwargs)
 
     handle._patch(f"{name}.forward", layer, "forward", forward)
+
+
+_LAYER = "torch_offload_layer"  # the index of the decoder layer a compiled graph's node belongs to
+
+
+def _save_random_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    # A recomputed random op makes AOTAutograd save its random state, which it cannot pass through
+    # graph saved-tensor hooks (partitioners.functionalize_rng_ops names the backward's input
+    # rng_state_output_N, and maybe_inline_graph_saved_tensors_hooks looks it up by the forward's name).
+    # Saved instead, their outputs go through the hooks like the layer's inputs.
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_random_ops_saved = functools.partial(create_selective_checkpoint_contexts, _save_random_ops)
+
+
+def _offload_in_compiled_graphs(handle: OffloadHandle, model: nn.Module, offloaded: set[int]) -> None:
+    """Under torch.compile, the saved activations of the ``offloaded`` layers go to the handle's store.
+
+    The model's forward enters graph saved-tensor hooks (see compiled_offload) and is left to
+    eager (dynamo compiles what it calls), since hooks must be entered outside compiled code.
+    Called eagerly, the hooks keep every tensor as it is, and the layers' own contexts offload.
+    """
+    def offloads(node: torch.fx.Node) -> bool:
+        # As in eager, where the layer that saves a tensor (uses it) decides, not the one that made it.
+        return any(user.meta.get("custom", {}).get(_LAYER) in offloaded for user in node.users)
+
+    pack, unpack = graph_hooks(handle.context, offloads)
+    original = model.forward
+
+    @torch._dynamo.disable(recursive=False)
+    def forward(*args, **kwargs):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return original(*args, **kwargs)
+
+    handle._patch("forward", model, "forward", forward)
 
 
 def _resolve_offload(model: nn.Module, offload: str | None) -> str | None:
@@ -410,6 +461,10 @@ def apply(
       ``num_items_in_batch``, tied embeddings and the logits' soft-capping or scaling are
       honoured, and a probe at apply time checks the loss against the model's own (a model
       that does not match keeps its own, with a warning). Calls without labels are unchanged.
+    - ``torch.compile(model, fullgraph=True)`` afterwards traces in one graph: each layer is
+      a checkpoint in the graph and, with offloading, the compiled graphs hand the saved
+      activations the offloaded layers use to the same store (``torch_offload::store_pack``
+      and ``store_unpack`` nodes). Compile the model itself, not a function that calls it.
     - ``offload_options`` go to ``offload_activations`` (``min_bytes``,
       ``max_host_bytes``, ``prefetch_bytes``, ``spill_directory``...).
 
@@ -445,9 +500,11 @@ def apply(
                 _tile_mlp(handle, f"{name}.mlp", layer, num_shards, recorded)
             offload_layer = context is not None and index < len(layer_list) - keep_last
             if recompute or offload_layer:
-                _wrap_layer(handle, name, layer, recompute, offload_layer)
+                _wrap_layer(handle, index, name, layer, recompute, offload_layer)
         if loss:
             handle.loss = fuse_causal_lm_loss(handle, model)
+        if context is not None:
+            _offload_in_compiled_graphs(handle, model, set(range(len(layer_list) - keep_last)))
         if not handle._patches:
             raise ValueError(f"torch_offload.apply: nothing to change in {layer_path} with tiled_mlp={tiled_mlp}, "
                              f"checkpoint={checkpoint}, offload={offload!r}, keep_last={keep_last}"

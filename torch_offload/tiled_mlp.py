@@ -11,6 +11,7 @@ from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from . import _require_tensor
@@ -54,7 +55,21 @@ def tiled_mlp_num_shards(tokens: int, intermediate: int, *, gated: bool = True,
     the dtype only, so every rank with the same shapes picks the same count. Handy to
     give ``tiled_apply`` the count ``tiled_mlp`` would use.
     """
+    if torch.compiler.is_compiling():
+        return _compiled_num_shards(tokens, intermediate, gated, dtype)
     return torch.ops.offload.tiled_mlp_num_shards(tokens, intermediate, gated, dtype)
+
+
+# The op's rule (ops/tiled_mlp/tiled_mlp.cpp), for torch.compile: dynamo cannot trace an op that
+# returns an int, and ``tokens`` may be symbolic there (dynamic=True); the count then guards
+# only on which multiple of the shard size ``tokens`` falls in.
+_SHARD_BYTES, _MIN_SHARD_TOKENS, _MAX_SHARD_TOKENS = 128 << 20, 2048, 32768
+
+
+def _compiled_num_shards(tokens, intermediate: int, gated: bool, dtype: torch.dtype):
+    bytes_per_token = max(1, (3 if gated else 2) * intermediate * dtype.itemsize)
+    shard_tokens = min(max(_SHARD_BYTES // bytes_per_token, _MIN_SHARD_TOKENS), _MAX_SHARD_TOKENS)
+    return max(1, (tokens + shard_tokens - 1) // shard_tokens)
 
 
 # Activation modules by class name (torch.nn and transformers' ACT2FN classes), by what they compute.
@@ -161,7 +176,21 @@ def tiled_apply(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, par
     if not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"tiled_apply: num_shards is {num_shards!r}; expected an int >= 1")
     _require_tensor(x, "tiled_apply", "x")
+    if torch.compiler.is_compiling():
+        return _checkpointed_shards(fn, x, num_shards)
     return _TiledApply.apply(fn, num_shards, x, *params)
+
+
+def _checkpointed_shards(fn, x: torch.Tensor, num_shards: int) -> torch.Tensor:
+    # Under torch.compile, which cannot trace _TiledApply (random state, autograd.grad in
+    # backward): each shard is a non-reentrant checkpoint, which dynamo lowers to its
+    # activation-checkpoint op, so forward keeps only x and backward recomputes shard by
+    # shard. tensor_split gives num_shards pieces for any token count, so the graph does
+    # not depend on it (dynamic=True); pieces are empty when there are fewer tokens.
+    flat = _token_rows(x)
+    ys = [torch.utils.checkpoint.checkpoint(fn, rows, use_reentrant=False) for rows in flat.tensor_split(num_shards)]
+    y = torch.cat(ys)
+    return y.reshape(*x.shape[:-1], *y.shape[1:])
 
 
 def _token_rows(t: torch.Tensor) -> torch.Tensor:
