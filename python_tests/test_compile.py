@@ -157,10 +157,8 @@ def test_compiled_graph_keeps_the_last_layers_activations(tmp_path):
     assert packs[0] - packs[1] == packs[1] // 2  # 3 layers alike: one layer's share
 
 
-def test_inductor_compiled_graph_offloads_the_right_bytes(tmp_path):
-    # Inductor reuses dead buffers for later tensors: the store must not take one for another.
-    model, handle = applied("gpt2", offload="cpu", min_bytes=0, num_shards=2, offload_cpu_tensors=True)
-    ids = batch()
+def assert_inductor_step_matches_eager_and_offloads(model, handle, ids):
+    """An inductor-compiled step gives eager apply()'s loss and gradients; the store took bytes and gave all back."""
     want = loss_and_grads(model, ids)
     before = handle.stats()["packed_bytes"]
     torch._dynamo.reset()
@@ -169,4 +167,10 @@ def test_inductor_compiled_graph_offloads_the_right_bytes(tmp_path):
     for name in want[1]:
         torch.testing.assert_close(got[1][name], want[1][name], rtol=1e-3, atol=1e-5)
     assert handle.stats()["packed_bytes"] > before and handle.stats()["live_entries"] == 0
+
+
+def test_inductor_compiled_graph_offloads_the_right_bytes(tmp_path):
+    # Inductor reuses dead buffers for later tensors: the store must not take one for another.
+    model, handle = applied("gpt2", offload="cpu", min_bytes=0, num_shards=2, offload_cpu_tensors=True)
+    assert_inductor_step_matches_eager_and_offloads(model, handle, batch())
     handle.remove()

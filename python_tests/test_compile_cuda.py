@@ -5,7 +5,7 @@ import torch
 
 import torch_offload
 from test_apply import assert_close_runs, batch, loss_and_grads, make_model
-from test_compile import aot_graphs, graph_breaks
+from test_compile import aot_graphs, assert_inductor_step_matches_eager_and_offloads, graph_breaks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -31,13 +31,5 @@ def test_compiled_applied_model_on_a_gpu_matches_eager_and_offloads_to_the_host(
 def test_inductor_on_a_gpu_gives_eager_numbers_with_host_offload():
     model = make_model("gpt2").cuda()
     handle = torch_offload.apply(model, offload="cpu", min_bytes=0, num_shards=2)
-    ids = batch().cuda()
-    want = loss_and_grads(model, ids)
-    before = handle.stats()["packed_bytes"]
-    torch._dynamo.reset()
-    got = loss_and_grads(model, ids, run=torch.compile(model, fullgraph=True))
-    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
-    for name in want[1]:
-        torch.testing.assert_close(got[1][name], want[1][name], rtol=1e-3, atol=1e-5)
-    assert handle.stats()["packed_bytes"] > before and handle.stats()["live_entries"] == 0
+    assert_inductor_step_matches_eager_and_offloads(model, handle, batch().cuda())
     handle.remove()
