@@ -4,8 +4,9 @@ Finds the language model's decoder layers by structure (a ``ModuleList`` of laye
 each have an ``mlp``, looked for inside ``model.get_decoder()`` where the model has one,
 so that a vision tower's blocks are not mistaken for them), computes each MLP in shards
 of tokens where a probe shows that this leaves its output unchanged, and runs each layer
-under offloaded non-reentrant checkpointing. ``.remove()`` on the returned handle
-restores the model.
+under offloaded non-reentrant checkpointing (with the disk tier, only its attention is
+recomputed and the rest of what it saves goes to disk). ``.remove()`` on the returned
+handle restores the model.
 """
 from __future__ import annotations
 
