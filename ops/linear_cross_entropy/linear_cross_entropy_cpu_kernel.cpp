@@ -23,7 +23,7 @@ int64_t row_grain(int64_t cols) {
 
 template <typename T>
 T max_of(T a, T b) {
-  return a < b || a != a ? b : a;  // NaN wins, as at::vec::maximum
+  return a < b || b != b ? b : a;  // NaN wins, as at::vec::maximum
 }
 
 // One row of the forward: z over the row (stored over the logits with a softcap),

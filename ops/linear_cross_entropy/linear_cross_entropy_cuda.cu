@@ -50,7 +50,7 @@ __device__ T block_reduce(T v, Op op) {
 struct MaxOp {
   template <typename T>
   __device__ T operator()(T a, T b) const {
-    return a < b || a != a ? b : a;  // NaN wins
+    return a < b || b != b ? b : a;  // NaN wins
   }
 };
 struct SumOp {
