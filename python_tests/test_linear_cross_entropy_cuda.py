@@ -56,7 +56,7 @@ def test_cuda_reduced_precision_is_as_close_to_float64_as_eager(dtype):
     want, want_grads = loss_and_grads(lambda: reference(*exact[:2], target, exact[2]), exact)
     eager, eager_grads = loss_and_grads(lambda: reference(*inputs[:2], target, inputs[2]), inputs[:3])
     got, got_grads = loss_and_grads(lambda: call(*inputs, tile_tokens=64, tile_vocab=64), inputs[:3])
-    assert got.dtype == dtype
+    assert got.dtype == torch.float32  # as transformers' loss, which upcasts the logits
     assert relative_error(got, want) <= max(2 * relative_error(eager, want), 4e-3)
     for g, e, w in zip(got_grads, eager_grads, want_grads):
         assert g.dtype == dtype
