@@ -82,6 +82,29 @@ TEST(LinearCrossEntropy, FrozenHeadGetsNoGradientAndTheBackwardOpSkipsIt) {
   EXPECT_FALSE(d_bias.defined());
 }
 
+TEST(LinearCrossEntropy, GradientFilteringSkipsTheImprobableVocabularyTiles) {
+  Head m = make_head();
+  m.bias = m.bias.detach().index_fill(0, at::arange(12, 23), -60.0).requires_grad_(true);
+  m.target = at::where(m.target.ge(0), m.target.remainder(12), m.target);
+  const auto grads = [&](double filter_eps) {
+    const at::Tensor loss = torch_offload::linear_cross_entropy(m.hidden, m.weight, m.bias, m.target, -100, 0.0, 0.0,
+                                                                0.0, "mean", 4, 6, filter_eps);
+    return torch::autograd::grad({loss}, {m.hidden, m.weight, m.bias});
+  };
+  const auto filtered = grads(1e-20);
+  const auto unfiltered = grads(0.0);
+  // Columns 12..22 (two of the four vocabulary tiles) have softmax < 1e-20: skipped, so exactly zero.
+  EXPECT_TRUE(filtered[1].slice(0, 12).eq(0).all().item<bool>());
+  EXPECT_TRUE(unfiltered[1].slice(0, 12).ne(0).all().item<bool>());
+  EXPECT_TRUE(at::equal(filtered[1].slice(0, 0, 12), unfiltered[1].slice(0, 0, 12)));
+  for (size_t i = 0; i < filtered.size(); ++i) {
+    expect_close(filtered[i], unfiltered[i]);
+  }
+  expect_error([&] { torch_offload::linear_cross_entropy(m.hidden, m.weight, m.bias, m.target, -100, 0.1, 0.0, 0.0,
+                                                         "mean", 0, 0, 1e-20); },
+               "linear_cross_entropy: filter_eps is 1e-20 with label_smoothing 0.1");
+}
+
 TEST(LinearCrossEntropy, MetaTensorsGiveShapes) {
   const auto meta = at::TensorOptions().device(at::kMeta).dtype(at::kBFloat16);
   const at::Tensor loss = torch_offload::linear_cross_entropy(

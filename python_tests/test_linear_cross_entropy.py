@@ -240,6 +240,84 @@ def test_autocast_runs_the_gemms_in_the_autocast_dtype_and_returns_a_float32_los
         assert relative_error(g, w) < 2e-2
 
 
+def improbable_tail_inputs(dtype=torch.float32, softcap=None, **kwargs):
+    """Inputs (vocabulary 77, tiles of 16 x 20 in use) whose classes from 40 on are improbable for every token
+    (bias -60: softmax below 1e-17 even with a softcap of 50), so gradient filtering may skip the last two vocabulary
+    tiles; every target is a probable class."""
+    hidden, weight, b, target = make_inputs((3, 45, 16), 77, bias=True, dtype=dtype, ignored_every=4, **kwargs)
+    with torch.no_grad():
+        b[40:] = -60.0
+    target = torch.where(target >= 0, target % 40, target)
+    return hidden, weight, b, target
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("kwargs", [{}, {"softcap": 50.0, "z_loss": 1e-2}, {"reduction": "none"}], ids=str)
+def test_gradient_filtering_skips_improbable_tiles_and_still_matches_eager(dtype, kwargs):
+    hidden, weight, b, target = improbable_tail_inputs(dtype)
+    leaves = [hidden, weight, b]
+    loss = reference(hidden.double(), weight.double(), target, b.double(), **kwargs)
+    grad_out = torch.rand_like(loss) + 0.5
+    want, want_grads = loss_and_grads(lambda: loss, leaves, grad_out)
+    results = {}
+    for filter_eps in (None, "auto"):
+        results[filter_eps] = loss_and_grads(
+            lambda: call(hidden, weight, b, target, tile_tokens=16, tile_vocab=20, filter_eps=filter_eps, **kwargs),
+            leaves, grad_out.to(dtype))
+    _, (_, unfiltered_weight, unfiltered_bias) = results[None]
+    got, got_grads = results["auto"]
+    # The skipped tiles added nothing (unfiltered, their gradients are tiny but not zero) ...
+    _, grad_weight, grad_bias = got_grads
+    assert (grad_weight[40:] == 0).all() and (grad_bias[40:] == 0).all()
+    assert (unfiltered_weight[40:] != 0).all() and (unfiltered_bias[40:] != 0).all()
+    # ... the tiles that count are computed as without filtering, and everything is as close to eager.
+    torch.testing.assert_close(grad_weight[:40], unfiltered_weight[:40], rtol=0, atol=0)
+    assert_close_f32(got.double(), want)
+    for g, w in zip(got_grads, want_grads):
+        assert_close_f32(g.double(), w.double())
+
+
+def test_gradient_filtering_keeps_every_tile_that_counts():
+    # Logits of order 1: no tile is below float resolution, so filtering changes no bit; nor does it hide a NaN.
+    hidden, weight, b, target = make_inputs((2, 30, 16), 90, bias=True, ignored_every=3)
+    for poison in (False, True):
+        if poison:
+            with torch.no_grad():
+                hidden[1, 7, 3] = float("nan")
+        results = [loss_and_grads(lambda: call(hidden, weight, b, target, tile_tokens=8, tile_vocab=16,
+                                               filter_eps=filter_eps), [hidden, weight, b])
+                   for filter_eps in (None, "auto", 1e-6)]
+        for _, grads in results[1:]:
+            for got, want in zip(grads, results[0][1]):
+                torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        assert results[1][1][1].isnan().any() == poison
+
+
+def test_gradient_filtering_skips_every_tile_when_all_tokens_are_ignored():
+    hidden, weight, b, target = improbable_tail_inputs()
+    target.fill_(-100)
+    got, got_grads = loss_and_grads(lambda: call(hidden, weight, b, target, reduction="sum", filter_eps=1e-30),
+                                    [hidden, weight, b])
+    assert got == 0 and all((g == 0).all() for g in got_grads)
+
+
+@pytest.mark.parametrize("filter_eps, message", [
+    (-1.0, "filter_eps is -1; expected a finite value >= 0"),
+    (float("inf"), "filter_eps is inf; expected a finite value >= 0"),
+    ("on", "filter_eps is 'on'; expected None, \"auto\" or a float"),
+    (1e-9, "filter_eps is 1e-09 with label_smoothing 0.1; gradient filtering needs label_smoothing = 0"),
+])
+def test_bad_filter_eps_is_refused_by_name(filter_eps, message):
+    hidden, weight, _, target = make_inputs((3, 16), 10)
+    with pytest.raises(RuntimeError, match=f"linear_cross_entropy: {message}"):
+        call(hidden, weight, None, target, label_smoothing=0.1, filter_eps=filter_eps)
+    if not isinstance(filter_eps, str):
+        with pytest.raises(RuntimeError, match=f"linear_cross_entropy_backward: {message}"):
+            torch.ops.offload.linear_cross_entropy_backward(
+                torch.tensor(1.0), hidden.detach(), weight.detach(), None, target, torch.zeros(3), -100, 0.1, 0.0,
+                0.0, "sum", 0, 0, [True] * 3, filter_eps)
+
+
 def opcheck_cases():
     cases = []
     for bias in (True, False):
@@ -254,6 +332,7 @@ def opcheck_cases():
 def test_opcheck(name, inputs):
     opcheck(torch.ops.offload.linear_cross_entropy.default, (*inputs, -100, 0.1, 2.0, 1e-3, "mean", 4, 8))
     opcheck(torch.ops.offload.linear_cross_entropy.default, (*inputs, -100, 0.0, 0.0, 0.0, "none"))
+    opcheck(torch.ops.offload.linear_cross_entropy.default, (*inputs, -100, 0.0, 3.0, 0.0, "sum", 4, 8, 1e-3))
     detached = [t.detach() if t is not None else None for t in inputs]
     opcheck(torch.ops.offload.linear_cross_entropy_forward.default,
             (*detached, -100, 0.1, 0.0, 0.0, "sum", 3, 5))
@@ -269,6 +348,10 @@ def test_opcheck_backward(reduction):
     for mask in ([True, True, True], [True, False, False]):
         opcheck(torch.ops.offload.linear_cross_entropy_backward.default,
                 (grad_loss, hidden, weight, b, target, lse, -100, 0.1, 2.0, 0.0, reduction, 4, 8, mask))
+    _, lse = torch.ops.offload.linear_cross_entropy_forward(hidden, weight, b, target, -100, 0.0, 2.0, 0.0,
+                                                            reduction, 4, 8)
+    opcheck(torch.ops.offload.linear_cross_entropy_backward.default,
+            (grad_loss, hidden, weight, b, target, lse, -100, 0.0, 2.0, 0.0, reduction, 4, 8, [True] * 3, 1e-3))
 
 
 class Head(torch.nn.Module):
@@ -299,6 +382,21 @@ def test_compile_fullgraph_dynamic_matches_eager_over_changing_tokens():
             assert_close_f32(g, w)
     explanation = torch._dynamo.explain(head)(torch.randn(2, 12, 16), torch.randint(0, 37, (2, 12)))
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+
+def test_gradient_filtering_compiles_without_graph_break():
+    torch._dynamo.reset()
+    hidden, weight, b, target = improbable_tail_inputs()
+
+    def loss(h, w, bb):
+        return call(h, w, bb, target, tile_tokens=16, tile_vocab=20, filter_eps="auto")
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    want, want_grads = loss_and_grads(lambda: loss(hidden, weight, b), [hidden, weight, b])
+    got, got_grads = loss_and_grads(lambda: compiled(hidden, weight, b), [hidden, weight, b])
+    assert (got_grads[1][40:] == 0).all()
+    for g, w in zip([got, *got_grads], [want, *want_grads]):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
 def test_compiled_backward_calls_the_backward_op():
@@ -462,6 +560,12 @@ def test_every_cpu_kernel_variant_matches_eager(capability):
         "                assert t.relative_error(a, e) < 1e-2\n"
         "            else:\n"
         "                t.assert_close_f32(a.double(), e.double())\n"
+        "    h, w, b, target = t.improbable_tail_inputs(dtype)\n"
+        "    _, (gh, gw, gb) = t.loss_and_grads(lambda: t.call(h, w, b, target, tile_tokens=16, tile_vocab=20,\n"
+        "                                                      filter_eps='auto'), [h, w, b])\n"
+        "    _, (uh, uw, ub) = t.loss_and_grads(lambda: t.call(h, w, b, target, tile_tokens=16, tile_vocab=20),\n"
+        "                                       [h, w, b])\n"
+        "    assert (gw[40:] == 0).all() and (uw[40:] != 0).all() and torch.equal(gw[:40], uw[:40])\n"
         "print(torch.backends.cpu.get_cpu_capability())\n"
     )
     env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)

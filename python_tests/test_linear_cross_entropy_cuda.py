@@ -5,7 +5,7 @@ import torch
 from torch.testing._internal.optests import opcheck
 
 from test_linear_cross_entropy import OPTIONS, assert_close_f32, call, loss_and_grads, make_inputs, reference
-from test_linear_cross_entropy import relative_error
+from test_linear_cross_entropy import improbable_tail_inputs, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -63,6 +63,19 @@ def test_cuda_reduced_precision_is_as_close_to_float64_as_eager(dtype):
         assert relative_error(g, w) <= max(1.5 * relative_error(e, w), 1e-2)
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"softcap": 50.0, "z_loss": 1e-2}], ids=str)
+def test_cuda_gradient_filtering_skips_the_tiles_the_cpu_op_skips(kwargs):
+    inputs = improbable_tail_inputs(torch.float64)
+    gpu = to_cuda(inputs)
+    results = [loss_and_grads(lambda: call(*ins, tile_tokens=16, tile_vocab=20, filter_eps="auto", **kwargs), ins[:3])
+               for ins in (gpu, inputs)]
+    (got, got_grads), (want, want_grads) = results
+    assert (got_grads[1][40:] == 0).all() and (got_grads[2][40:] == 0).all()
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-10, atol=1e-12)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-10, atol=1e-12)
+
+
 def test_cuda_allocates_no_tokens_by_vocabulary_tensor():
     tokens, vocab = 8192, 32000
     hidden, weight, _, target = to_cuda(make_inputs((tokens, 64), vocab))
@@ -103,3 +116,5 @@ def test_cuda_opcheck():
     hidden, weight, b, target = to_cuda(make_inputs((2, 7, 16), 19, bias=True, ignored_every=3))
     opcheck(torch.ops.offload.linear_cross_entropy.default, (hidden, weight, b, target, -100, 0.1, 2.0, 1e-3, "mean",
                                                              4, 8))
+    opcheck(torch.ops.offload.linear_cross_entropy.default, (hidden, weight, b, target, -100, 0.0, 2.0, 1e-3, "sum",
+                                                             4, 8, 1e-3))

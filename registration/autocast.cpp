@@ -44,12 +44,12 @@ at::Tensor linear_cross_entropy_autocast(const at::Tensor& hidden, const at::Ten
                                          const std::optional<at::Tensor>& bias, const at::Tensor& target,
                                          int64_t ignore_index, double label_smoothing, double softcap, double z_loss,
                                          c10::string_view reduction, c10::SymInt tile_tokens,
-                                         c10::SymInt tile_vocab) {
+                                         c10::SymInt tile_vocab, double filter_eps) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
   const auto cast = [&](const auto& t) { return at::autocast::cached_cast(dtype, t, kDevice); };
   return linear_cross_entropy(cast(hidden), cast(weight), cast(bias), target, ignore_index, label_smoothing, softcap,
-                              z_loss, reduction, std::move(tile_tokens), std::move(tile_vocab))
+                              z_loss, reduction, std::move(tile_tokens), std::move(tile_vocab), filter_eps)
       .to(at::kFloat);
 }
 

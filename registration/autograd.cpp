@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include "ops/linear_cross_entropy/linear_cross_entropy.h"
 #include "torch_offload/torch_offload.h"
 
 namespace torch_offload {
@@ -131,7 +132,8 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, const at::Tensor& target, int64_t ignore_index,
                             double label_smoothing, double softcap, double z_loss, c10::string_view reduction,
-                            c10::SymInt tile_tokens, c10::SymInt tile_vocab) {
+                            c10::SymInt tile_tokens, c10::SymInt tile_vocab, double filter_eps) {
+    check_filter_eps("linear_cross_entropy", filter_eps, label_smoothing);  // before the work, not in backward
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [loss, lse] = linear_cross_entropy_forward(hidden, weight, bias, target, ignore_index, label_smoothing,
                                                     softcap, z_loss, reduction, tile_tokens, tile_vocab);
@@ -143,6 +145,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     ctx->saved_data["reduction"] = std::string(reduction);
     ctx->saved_data["tile_tokens"] = tile_tokens;
     ctx->saved_data["tile_vocab"] = tile_vocab;
+    ctx->saved_data["filter_eps"] = filter_eps;
     return loss;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -156,9 +159,9 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
         grads[0], saved[0], saved[1], has_bias ? std::optional<at::Tensor>(saved[2]) : std::nullopt, saved[3],
         saved[4], d.at("ignore_index").toInt(), d.at("label_smoothing").toDouble(), d.at("softcap").toDouble(),
         d.at("z_loss").toDouble(), d.at("reduction").toStringRef(), d.at("tile_tokens").toSymInt(),
-        d.at("tile_vocab").toSymInt(), output_mask);
+        d.at("tile_vocab").toSymInt(), output_mask, d.at("filter_eps").toDouble());
     return {grad_hidden, grad_weight, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -166,9 +169,10 @@ at::Tensor linear_cross_entropy_autograd(const at::Tensor& hidden, const at::Ten
                                          const std::optional<at::Tensor>& bias, const at::Tensor& target,
                                          int64_t ignore_index, double label_smoothing, double softcap, double z_loss,
                                          c10::string_view reduction, c10::SymInt tile_tokens,
-                                         c10::SymInt tile_vocab) {
+                                         c10::SymInt tile_vocab, double filter_eps) {
   return LinearCrossEntropyFunction::apply(hidden, weight, bias, target, ignore_index, label_smoothing, softcap,
-                                           z_loss, reduction, std::move(tile_tokens), std::move(tile_vocab));
+                                           z_loss, reduction, std::move(tile_tokens), std::move(tile_vocab),
+                                           filter_eps);
 }
 
 }  // namespace

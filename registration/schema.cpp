@@ -61,11 +61,12 @@ TORCH_LIBRARY(offload, m) {
   // The LM head's cross-entropy in tiles of tokens x vocabulary (no [tokens, V]
   // logits). The loss, and the log-sum-exp per token that linear_cross_entropy_forward
   // also returns for the backward op, are float32 (float64 for float64 inputs); the backward
-  // op returns the gradients output_mask asks for (hidden, weight, bias).
+  // op returns the gradients output_mask asks for (hidden, weight, bias). filter_eps > 0
+  // turns on gradient filtering in backward (tiles whose gradient is negligible are skipped).
   m.def(
       "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, int ignore_index=-100, "
       "float label_smoothing=0.0, float softcap=0.0, float z_loss=0.0, str reduction=\"mean\", "
-      "SymInt tile_tokens=0, SymInt tile_vocab=0) -> Tensor");
+      "SymInt tile_tokens=0, SymInt tile_vocab=0, float filter_eps=0.0) -> Tensor");
   m.def(
       "linear_cross_entropy_forward(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, int ignore_index, "
       "float label_smoothing, float softcap, float z_loss, str reduction, SymInt tile_tokens, SymInt tile_vocab) "
@@ -73,7 +74,7 @@ TORCH_LIBRARY(offload, m) {
   m.def(
       "linear_cross_entropy_backward(Tensor grad_loss, Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
       "Tensor lse, int ignore_index, float label_smoothing, float softcap, float z_loss, str reduction, "
-      "SymInt tile_tokens, SymInt tile_vocab, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+      "SymInt tile_tokens, SymInt tile_vocab, bool[3] output_mask, float filter_eps=0.0) -> (Tensor, Tensor, Tensor)");
   // The automatic tile [tokens, vocabulary columns]; takes no tensor, so one kernel serves every backend.
   m.def("linear_cross_entropy_tile(int tokens, int vocab, ScalarType dtype) -> int[]",
         &torch_offload::linear_cross_entropy_tile_kernel);

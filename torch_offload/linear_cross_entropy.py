@@ -22,6 +22,7 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     tile_tokens: int = 0,
     tile_vocab: int = 0,
+    filter_eps: float | str | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` without the logits (differentiable).
 
@@ -39,12 +40,32 @@ def linear_cross_entropy(
     per token; backward recomputes each tile's logits and computes only the gradients
     that are needed (a frozen head gets none), bf16/fp16 ones added up in float32.
     ``tile_* <= 0`` picks the tile from a memory budget (see ``linear_cross_entropy_tile``).
+
+    ``filter_eps`` turns on gradient filtering (Cut Cross-Entropy's), an approximation that
+    is off by default: backward skips the two gradient GEMMs of every tile in which each
+    gradient entry is at most ``filter_eps`` times its token's weight in the reduction (for
+    plain cross-entropy: every softmax probability at most ``filter_eps``), so those tiles add
+    nothing. ``"auto"`` is ``torch.finfo(hidden.dtype).eps / 32``, below the dtype's
+    resolution. Not with ``label_smoothing``, whose gradient reaches every logit. It pays
+    where whole tiles of the vocabulary are improbable for a whole tile of tokens (see
+    BENCHMARKS.md); on CUDA each tile's check costs a device synchronization.
     """
     for value, arg in ((hidden, "hidden"), (weight, "weight"), (target, "target")):
         _require_tensor(value, "linear_cross_entropy", arg)
     return torch.ops.offload.linear_cross_entropy(
         hidden, weight, bias, target, ignore_index, label_smoothing, softcap or 0.0, z_loss, reduction,
-        tile_tokens, tile_vocab)
+        tile_tokens, tile_vocab, _filter_threshold(filter_eps, hidden.dtype))
+
+
+def _filter_threshold(filter_eps: float | str | None, dtype: torch.dtype) -> float:
+    # The op's filter_eps: 0 turns filtering off.
+    if filter_eps is None:
+        return 0.0
+    if filter_eps == "auto":
+        return torch.finfo(dtype).eps / 32
+    if isinstance(filter_eps, str):
+        raise RuntimeError(f"linear_cross_entropy: filter_eps is {filter_eps!r}; expected None, \"auto\" or a float")
+    return float(filter_eps)
 
 
 def linear_cross_entropy_tile(tokens: int, vocab: int, *, dtype: torch.dtype = torch.float32) -> tuple[int, int]:

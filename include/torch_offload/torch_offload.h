@@ -144,19 +144,23 @@ inline int64_t tiled_mlp_num_shards(int64_t tokens, int64_t intermediate, bool g
 // ignore_index are F.cross_entropy's; reduction "mean" (over the tokens not
 // ignored), "sum" or "none" (a loss per token, 0 where ignored). tile_tokens and
 // tile_vocab <= 0 pick the tile from a memory budget (linear_cross_entropy_tile).
+// filter_eps > 0 (label_smoothing 0 only) turns on gradient filtering: backward skips
+// the tiles where every gradient entry is at most filter_eps times the token's weight
+// in the reduction (plain cross-entropy: every softmax probability <= filter_eps), an
+// approximation that saves two of a tile's three GEMMs there; 0 computes every tile.
 inline at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
                                        const std::optional<at::Tensor>& bias, const at::Tensor& target,
                                        int64_t ignore_index = -100, double label_smoothing = 0.0,
                                        double softcap = 0.0, double z_loss = 0.0,
                                        std::string_view reduction = "mean", c10::SymInt tile_tokens = 0,
-                                       c10::SymInt tile_vocab = 0) {
+                                       c10::SymInt tile_vocab = 0, double filter_eps = 0.0) {
   TORCH_CHECK(hidden.defined(), "linear_cross_entropy: hidden is an undefined tensor; expected a defined tensor");
   static const auto handle =
       detail::op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
-                            int64_t, double, double, double, std::string_view, c10::SymInt, c10::SymInt)>(
+                            int64_t, double, double, double, std::string_view, c10::SymInt, c10::SymInt, double)>(
           "offload::linear_cross_entropy");
   return handle.call(hidden, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction,
-                     std::move(tile_tokens), std::move(tile_vocab));
+                     std::move(tile_tokens), std::move(tile_vocab), filter_eps);
 }
 
 // The forward that the autograd formula uses: (loss, log-sum-exp of each token
@@ -176,21 +180,22 @@ inline std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward(
 // The gradients of linear_cross_entropy with respect to (hidden, weight, bias),
 // each computed only where output_mask asks for it and the input exists
 // (undefined otherwise); grad_loss has the loss's shape and lse is the forward's.
-// bf16/fp16 gradients add up in float32 and are rounded once.
+// bf16/fp16 gradients add up in float32 and are rounded once. filter_eps is
+// linear_cross_entropy's.
 using LinearCrossEntropyGradients = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 inline LinearCrossEntropyGradients linear_cross_entropy_backward(
     const at::Tensor& grad_loss, const at::Tensor& hidden, const at::Tensor& weight,
     const std::optional<at::Tensor>& bias, const at::Tensor& target, const at::Tensor& lse, int64_t ignore_index,
     double label_smoothing, double softcap, double z_loss, std::string_view reduction, c10::SymInt tile_tokens,
-    c10::SymInt tile_vocab, std::array<bool, 3> output_mask) {
+    c10::SymInt tile_vocab, std::array<bool, 3> output_mask, double filter_eps = 0.0) {
   TORCH_CHECK(hidden.defined(),
               "linear_cross_entropy_backward: hidden is an undefined tensor; expected a defined tensor");
   static const auto handle = detail::op<LinearCrossEntropyGradients(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
       const at::Tensor&, int64_t, double, double, double, std::string_view, c10::SymInt, c10::SymInt,
-      std::array<bool, 3>)>("offload::linear_cross_entropy_backward");
+      std::array<bool, 3>, double)>("offload::linear_cross_entropy_backward");
   return handle.call(grad_loss, hidden, weight, bias, target, lse, ignore_index, label_smoothing, softcap, z_loss,
-                     reduction, std::move(tile_tokens), std::move(tile_vocab), output_mask);
+                     reduction, std::move(tile_tokens), std::move(tile_vocab), output_mask, filter_eps);
 }
 
 // The tile [tokens, vocabulary columns] linear_cross_entropy picks when tile_tokens

@@ -37,6 +37,15 @@ TORCH_OFFLOAD_HOST_DEVICE inline T logit_gradient(T logit, T lse, T prob_scale, 
   }
 }
 
+// Gradient filtering (as Cut Cross-Entropy's): a row's gradient entries are negligible
+// when the largest magnitude among them is at most filter_eps times the row's weight |g|
+// in the reduction (for plain cross-entropy away from the target: every softmax
+// probability at most filter_eps). A NaN is never negligible.
+template <typename T>
+TORCH_OFFLOAD_HOST_DEVICE inline bool gradient_is_negligible(T max_abs_gradient, T g, T filter_eps) {
+  return max_abs_gradient <= filter_eps * (g < T(0) ? -g : g);
+}
+
 // Folds one tile's maximum and sum of exp(z - tile_max) into a row's running
 // (max, sum of exp(z - max)): the online log-sum-exp.
 template <typename T>

@@ -169,6 +169,14 @@ at::Tensor narrow_or_undefined(const at::Tensor& t, int64_t start, int64_t lengt
 
 }  // namespace
 
+void check_filter_eps(const char* op, double filter_eps, double label_smoothing) {
+  TORCH_CHECK(filter_eps >= 0.0 && filter_eps < std::numeric_limits<double>::infinity(), op, ": filter_eps is ",
+              filter_eps, "; expected a finite value >= 0 (0: no gradient filtering)");
+  TORCH_CHECK(filter_eps == 0.0 || label_smoothing == 0.0, op, ": filter_eps is ", filter_eps,
+              " with label_smoothing ", label_smoothing,
+              "; gradient filtering needs label_smoothing = 0 (smoothing's gradient reaches every logit)");
+}
+
 std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_impl(
     const CrossEntropyTileKernels& kernels, const at::Tensor& hidden, const at::Tensor& weight,
     const std::optional<at::Tensor>& bias_opt, const at::Tensor& target, int64_t ignore_index, double label_smoothing,
@@ -188,7 +196,7 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_impl(
   const at::Tensor sum_exp = at::zeros({f.tokens}, acc_options);
   const at::Tensor target_z = at::zeros({f.tokens}, acc_options);
   const at::Tensor sum_z = at::zeros({f.tokens}, acc_options);
-  const CrossEntropyOptions options{softcap, label_smoothing, z_loss, f.vocab};
+  const CrossEntropyOptions options{softcap, label_smoothing, z_loss, f.vocab, /*filter_eps=*/0.0};
   if (f.tokens > 0 && f.vocab > 0) {
     const auto [tile_rows, tile_cols] = tile_shape(f.tokens, f.vocab, dtype, tile_tokens, tile_vocab);
     const at::Tensor buffer = at::empty({tile_rows * tile_cols}, hidden.options());
@@ -238,11 +246,13 @@ LinearCrossEntropyGradients linear_cross_entropy_backward_impl(
     const CrossEntropyTileKernels& kernels, const at::Tensor& grad_loss, const at::Tensor& hidden,
     const at::Tensor& weight, const std::optional<at::Tensor>& bias_opt, const at::Tensor& target, const at::Tensor& lse,
     int64_t ignore_index, double label_smoothing, double softcap, double z_loss, std::string_view reduction,
-    const c10::SymInt& tile_tokens, const c10::SymInt& tile_vocab, std::array<bool, 3> output_mask) {
+    const c10::SymInt& tile_tokens, const c10::SymInt& tile_vocab, std::array<bool, 3> output_mask,
+    double filter_eps) {
   const char* op = "linear_cross_entropy_backward";
   const at::Tensor bias = value_or_undefined(bias_opt);
   const Reduction parsed =
       check_arguments(op, hidden, weight, bias, target, label_smoothing, softcap, z_loss, reduction);
+  check_filter_eps(op, filter_eps, label_smoothing);
   const auto dtype = hidden.scalar_type();
   const auto acc_type = at::toOpMathType(dtype);
   check_tensor(op, "lse", lse, hidden, acc_type, {target.sym_numel()}, "[tokens]");
@@ -272,7 +282,7 @@ LinearCrossEntropyGradients linear_cross_entropy_backward_impl(
   at::Tensor grad_bias = want_bias ? at::zeros({f.vocab}, acc_options) : at::Tensor();
 
   if (f.tokens > 0 && f.vocab > 0 && (want_hidden || want_weight || want_bias)) {
-    const CrossEntropyOptions options{softcap, label_smoothing, z_loss, f.vocab};
+    const CrossEntropyOptions options{softcap, label_smoothing, z_loss, f.vocab, filter_eps};
     const auto [tile_rows, tile_cols] = tile_shape(f.tokens, f.vocab, dtype, tile_tokens, tile_vocab);
     const at::Tensor buffer = at::empty({tile_rows * tile_cols}, hidden.options());
     // bf16/fp16 gradients add up over the tiles in float32 and are rounded once;
@@ -294,8 +304,11 @@ LinearCrossEntropyGradients linear_cross_entropy_backward_impl(
         const at::Tensor weight_tile = weight.narrow(0, col0, cols);
         const at::Tensor logits = tile_view(buffer, rows, cols);
         linear_into(logits, hidden_tile, weight_tile, narrow_or_undefined(bias, col0, cols));
-        kernels.backward(options, logits, target_tile, col0, lse.narrow(0, start, rows),
-                         grad_scale.narrow(0, start, rows));  // logits now hold d loss / d logits
+        // logits now hold d loss / d logits; a tile that gradient filtering finds negligible adds nothing.
+        if (!kernels.backward(options, logits, target_tile, col0, lse.narrow(0, start, rows),
+                              grad_scale.narrow(0, start, rows))) {
+          continue;
+        }
         const at::Tensor d_logits = convert ? logits.to(acc_type) : logits;
         if (want_hidden) {
           accumulate_mm(grad_hidden_tile, d_logits, convert ? weight_tile.to(acc_type) : weight_tile);
@@ -335,7 +348,8 @@ const CrossEntropyTileKernels& cpu_cross_entropy_kernels() {
 #endif
 }
 
-at::Tensor linear_cross_entropy_cpu(TORCH_OFFLOAD_LCE_ARGS) {
+at::Tensor linear_cross_entropy_cpu(TORCH_OFFLOAD_LCE_ARGS, double filter_eps) {
+  check_filter_eps("linear_cross_entropy", filter_eps, label_smoothing);  // used by backward only
   return std::get<0>(linear_cross_entropy_forward_impl(cpu_cross_entropy_kernels(), hidden, weight, bias, target,
                                                        ignore_index, label_smoothing, softcap, z_loss, reduction,
                                                        tile_tokens, tile_vocab));
@@ -349,7 +363,7 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_cpu(TORCH_OFFLOA
 LinearCrossEntropyGradients linear_cross_entropy_backward_cpu(TORCH_OFFLOAD_LCE_BACKWARD_ARGS) {
   return linear_cross_entropy_backward_impl(cpu_cross_entropy_kernels(), grad_loss, hidden, weight, bias, target, lse,
                                             ignore_index, label_smoothing, softcap, z_loss, reduction, tile_tokens,
-                                            tile_vocab, output_mask);
+                                            tile_vocab, output_mask, filter_eps);
 }
 
 // Meta: the same checks (on symbolic shapes), then results shaped like the real ones.
@@ -364,7 +378,8 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_meta(TORCH_OFFLO
   return {loss, lse};
 }
 
-at::Tensor linear_cross_entropy_meta(TORCH_OFFLOAD_LCE_ARGS) {
+at::Tensor linear_cross_entropy_meta(TORCH_OFFLOAD_LCE_ARGS, double filter_eps) {
+  check_filter_eps("linear_cross_entropy", filter_eps, label_smoothing);
   return std::get<0>(linear_cross_entropy_forward_meta(hidden, weight, bias, target, ignore_index, label_smoothing,
                                                        softcap, z_loss, reduction, tile_tokens, tile_vocab));
 }
@@ -373,6 +388,7 @@ LinearCrossEntropyGradients linear_cross_entropy_backward_meta(TORCH_OFFLOAD_LCE
   const char* op = "linear_cross_entropy_backward";
   const at::Tensor b = value_or_undefined(bias);
   const Reduction parsed = check_arguments(op, hidden, weight, b, target, label_smoothing, softcap, z_loss, reduction);
+  check_filter_eps(op, filter_eps, label_smoothing);
   (void)ignore_index, (void)tile_tokens, (void)tile_vocab;
   check_tensor(op, "lse", lse, hidden, at::toOpMathType(hidden.scalar_type()), {target.sym_numel()}, "[tokens]");
   check_defined(grad_loss, op, "grad_loss");

@@ -22,6 +22,7 @@ struct CrossEntropyOptions {
   double label_smoothing;  // eps in [0, 1]
   double z_loss;           // 0: no z-loss
   int64_t vocab;           // V, for eps / V
+  double filter_eps;       // backward: > 0 skips the tiles whose gradient is negligible
 };
 
 // The fused steps on one contiguous [rows, cols] tile of logits, columns [col0,
@@ -35,8 +36,10 @@ struct CrossEntropyTileKernels {
                   const at::Tensor& max, const at::Tensor& sum_exp, const at::Tensor& target_z,
                   const at::Tensor& sum_z);
   // Logits <- the loss's gradient by them, given each row's log-sum-exp and
-  // weight g in the reduction (0 for ignored tokens).
-  void (*backward)(const CrossEntropyOptions& options, const at::Tensor& logits, const at::Tensor& target,
+  // weight g in the reduction (0 for ignored tokens). Returns whether the tile's
+  // gradient counts: false only when options.filter_eps > 0 and every entry of
+  // every row is negligible (gradient_is_negligible), so its GEMMs can be skipped.
+  bool (*backward)(const CrossEntropyOptions& options, const at::Tensor& logits, const at::Tensor& target,
                    int64_t col0, const at::Tensor& lse, const at::Tensor& grad_scale);
 };
 
@@ -51,7 +54,12 @@ LinearCrossEntropyGradients linear_cross_entropy_backward_impl(
     const CrossEntropyTileKernels& kernels, const at::Tensor& grad_loss, const at::Tensor& hidden,
     const at::Tensor& weight, const std::optional<at::Tensor>& bias, const at::Tensor& target, const at::Tensor& lse,
     int64_t ignore_index, double label_smoothing, double softcap, double z_loss, std::string_view reduction,
-    const c10::SymInt& tile_tokens, const c10::SymInt& tile_vocab, std::array<bool, 3> output_mask);
+    const c10::SymInt& tile_tokens, const c10::SymInt& tile_vocab, std::array<bool, 3> output_mask,
+    double filter_eps);
+
+// filter_eps (gradient filtering's threshold) is finite and >= 0, and 0 with label
+// smoothing, whose gradient reaches every logit. Errors name the argument.
+void check_filter_eps(const char* op, double filter_eps, double label_smoothing);
 
 // The automatic tile ([tokens, vocabulary]) for `tokens` tokens, a vocabulary of
 // `vocab` and `dtype`: a pure function of these, so every rank agrees on it.
@@ -66,16 +74,16 @@ std::vector<int64_t> linear_cross_entropy_tile_kernel(int64_t tokens, int64_t vo
   const at::Tensor &grad_loss, const at::Tensor &hidden, const at::Tensor &weight,                              \
       const std::optional<at::Tensor>&bias, const at::Tensor &target, const at::Tensor &lse, int64_t ignore_index, \
       double label_smoothing, double softcap, double z_loss, c10::string_view reduction, c10::SymInt tile_tokens, \
-      c10::SymInt tile_vocab, std::array<bool, 3> output_mask
+      c10::SymInt tile_vocab, std::array<bool, 3> output_mask, double filter_eps
 
-at::Tensor linear_cross_entropy_cpu(TORCH_OFFLOAD_LCE_ARGS);
+at::Tensor linear_cross_entropy_cpu(TORCH_OFFLOAD_LCE_ARGS, double filter_eps);
 std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_cpu(TORCH_OFFLOAD_LCE_ARGS);
 LinearCrossEntropyGradients linear_cross_entropy_backward_cpu(TORCH_OFFLOAD_LCE_BACKWARD_ARGS);
-at::Tensor linear_cross_entropy_meta(TORCH_OFFLOAD_LCE_ARGS);
+at::Tensor linear_cross_entropy_meta(TORCH_OFFLOAD_LCE_ARGS, double filter_eps);
 std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_meta(TORCH_OFFLOAD_LCE_ARGS);
 LinearCrossEntropyGradients linear_cross_entropy_backward_meta(TORCH_OFFLOAD_LCE_BACKWARD_ARGS);
 #ifdef TORCH_OFFLOAD_WITH_CUDA
-at::Tensor linear_cross_entropy_cuda(TORCH_OFFLOAD_LCE_ARGS);
+at::Tensor linear_cross_entropy_cuda(TORCH_OFFLOAD_LCE_ARGS, double filter_eps);
 std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_cuda(TORCH_OFFLOAD_LCE_ARGS);
 LinearCrossEntropyGradients linear_cross_entropy_backward_cuda(TORCH_OFFLOAD_LCE_BACKWARD_ARGS);
 #endif

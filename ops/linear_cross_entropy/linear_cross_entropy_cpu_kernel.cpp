@@ -1,7 +1,10 @@
 // Fused per-tile CPU kernels of linear_cross_entropy: rows of a logits tile split
 // across threads, each row vectorized with at::vec. Compiled once per
 // CPU_CAPABILITY (see CMakeLists.txt); the arithmetic is cross_entropy_math.h's.
+#include <atomic>
+#include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -114,34 +117,50 @@ void forward_tile(const CrossEntropyOptions& options, const at::Tensor& logits, 
   });
 }
 
-// One row of the backward, in place: logits <- the loss's gradient by them.
-template <bool kSoftcap, typename scalar_t>
-void backward_row(scalar_t* row, int64_t cols, at::opmath_type<scalar_t> lse, at::opmath_type<scalar_t> prob_scale,
-                  at::opmath_type<scalar_t> subtract, at::opmath_type<scalar_t> softcap) {
+// One row of the backward, in place: logits <- the loss's gradient by them. Returns the
+// largest magnitude written when kTrack (for gradient filtering), else 0.
+template <bool kSoftcap, bool kTrack, typename scalar_t>
+at::opmath_type<scalar_t> backward_row(scalar_t* row, int64_t cols, at::opmath_type<scalar_t> lse,
+                                       at::opmath_type<scalar_t> prob_scale, at::opmath_type<scalar_t> subtract,
+                                       at::opmath_type<scalar_t> softcap) {
   using L = Lanes<scalar_t>;
   using Vec = typename L::Vec;
   using opmath_t = at::opmath_type<scalar_t>;
   constexpr int64_t kStep = CPU_CAPABILITY::kStep<scalar_t>;
   const int64_t vec_end = cols - cols % kStep;
   const Vec vlse(lse), vscale(prob_scale), vsubtract(subtract), vsoftcap(softcap);
+  Vec vmax_abs(0);
   for (int64_t j = 0; j < vec_end; j += kStep) {
     Vec v[L::kVecs];
     L::load(row + j, v);
     for (int k = 0; k < L::kVecs; ++k) {
       v[k] = logit_gradient<kSoftcap>(v[k], vlse, vscale, vsubtract, vsoftcap);
+      if constexpr (kTrack) {
+        vmax_abs = at::vec::maximum(vmax_abs, v[k].abs());
+      }
     }
     L::store(row + j, v);
   }
-  for (int64_t j = vec_end; j < cols; ++j) {
-    row[j] = static_cast<scalar_t>(
-        logit_gradient<kSoftcap>(static_cast<opmath_t>(row[j]), lse, prob_scale, subtract, softcap));
+  opmath_t max_abs = 0;
+  if constexpr (kTrack) {
+    max_abs = at::vec::vec_reduce_all<opmath_t>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, vmax_abs);
   }
+  for (int64_t j = vec_end; j < cols; ++j) {
+    const opmath_t d = logit_gradient<kSoftcap>(static_cast<opmath_t>(row[j]), lse, prob_scale, subtract, softcap);
+    row[j] = static_cast<scalar_t>(d);
+    if constexpr (kTrack) {
+      max_abs = max_of(max_abs, std::abs(d));
+    }
+  }
+  return max_abs;
 }
 
-void backward_tile(const CrossEntropyOptions& options, const at::Tensor& logits, const at::Tensor& target,
+bool backward_tile(const CrossEntropyOptions& options, const at::Tensor& logits, const at::Tensor& target,
                    int64_t col0, const at::Tensor& lse, const at::Tensor& grad_scale) {
   const int64_t rows = logits.size(0);
   const int64_t cols = logits.size(1);
+  const bool filter = options.filter_eps > 0;
+  std::atomic<bool> counts{!filter};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "linear_cross_entropy_backward_cpu",
                                   [&] {
     using opmath_t = at::opmath_type<scalar_t>;
@@ -153,7 +172,17 @@ void backward_tile(const CrossEntropyOptions& options, const at::Tensor& logits,
     const auto eps = static_cast<opmath_t>(options.label_smoothing);
     const auto uniform = eps / static_cast<opmath_t>(options.vocab);
     const auto z_loss = static_cast<opmath_t>(options.z_loss);
+    const auto filter_eps = static_cast<opmath_t>(options.filter_eps);
+    const auto row_kernel = [&](auto softcap_flag, auto track_flag) {
+      return &backward_row<decltype(softcap_flag)::value, decltype(track_flag)::value, scalar_t>;
+    };
+    const auto gradient_row =
+        options.softcap > 0 ? (filter ? row_kernel(std::true_type{}, std::true_type{})
+                                      : row_kernel(std::true_type{}, std::false_type{}))
+                            : (filter ? row_kernel(std::false_type{}, std::true_type{})
+                                      : row_kernel(std::false_type{}, std::false_type{}));
     at::parallel_for(0, rows, row_grain(cols), [&](int64_t begin, int64_t end) {
+      bool rows_count = false;
       for (int64_t r = begin; r < end; ++r) {
         scalar_t* row = data + r * cols;
         const opmath_t g = scales[r];
@@ -161,20 +190,23 @@ void backward_tile(const CrossEntropyOptions& options, const at::Tensor& logits,
         const int64_t column = targets[r] - col0;
         const bool has_target = column >= 0 && column < cols;
         const opmath_t target_logit = has_target ? static_cast<opmath_t>(row[column]) : opmath_t(0);
-        if (options.softcap > 0) {
-          backward_row<true>(row, cols, lses[r], prob_scale, g * uniform, softcap);
-        } else {
-          backward_row<false>(row, cols, lses[r], prob_scale, g * uniform, softcap);
-        }
+        opmath_t max_abs = gradient_row(row, cols, lses[r], prob_scale, g * uniform, softcap);
         if (has_target) {
           const opmath_t subtract = g * uniform + g * (opmath_t(1) - eps);
-          row[column] = static_cast<scalar_t>(
+          const opmath_t d =
               options.softcap > 0 ? logit_gradient<true>(target_logit, lses[r], prob_scale, subtract, softcap)
-                                  : logit_gradient<false>(target_logit, lses[r], prob_scale, subtract, softcap));
+                                  : logit_gradient<false>(target_logit, lses[r], prob_scale, subtract, softcap);
+          row[column] = static_cast<scalar_t>(d);
+          max_abs = max_of(max_abs, std::abs(d));
         }
+        rows_count = rows_count || (filter && !gradient_is_negligible(max_abs, g, filter_eps));
+      }
+      if (rows_count) {
+        counts.store(true, std::memory_order_relaxed);
       }
     });
   });
+  return counts.load();
 }
 
 }  // namespace

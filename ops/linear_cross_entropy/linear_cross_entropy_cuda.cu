@@ -7,6 +7,7 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -93,11 +94,12 @@ __global__ void forward_tile_kernel(scalar_t* logits, int64_t cols, const int64_
   }
 }
 
-// logits <- d loss / d logits, element by element.
+// logits <- d loss / d logits, element by element; with gradient filtering (counts
+// not null), *counts <- 1 where an entry is not negligible.
 template <bool kSoftcap, typename scalar_t, typename acc_t>
 __global__ void backward_tile_kernel(scalar_t* logits, int64_t rows, int64_t cols, const int64_t* target,
                                      int64_t col0, const acc_t* lse, const acc_t* grad_scale, acc_t softcap,
-                                     acc_t eps, acc_t uniform, acc_t z_loss) {
+                                     acc_t eps, acc_t uniform, acc_t z_loss, acc_t filter_eps, int* counts) {
   const int64_t n = rows * cols;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{blockDim.x} * gridDim.x) {
     const int64_t r = i / cols;
@@ -105,8 +107,11 @@ __global__ void backward_tile_kernel(scalar_t* logits, int64_t rows, int64_t col
     const acc_t prob_scale = g * (acc_t(1) + acc_t(2) * z_loss * lse[r]);
     const bool is_target = target[r] - col0 == i - r * cols;
     const acc_t subtract = g * uniform + (is_target ? g * (acc_t(1) - eps) : acc_t(0));
-    logits[i] = static_cast<scalar_t>(
-        logit_gradient<kSoftcap>(static_cast<acc_t>(logits[i]), lse[r], prob_scale, subtract, softcap));
+    const acc_t d = logit_gradient<kSoftcap>(static_cast<acc_t>(logits[i]), lse[r], prob_scale, subtract, softcap);
+    logits[i] = static_cast<scalar_t>(d);
+    if (counts != nullptr && !gradient_is_negligible(d < acc_t(0) ? -d : d, g, filter_eps)) {
+      *counts = 1;
+    }
   }
 }
 
@@ -135,12 +140,15 @@ void forward_tile_cuda(const CrossEntropyOptions& options, const at::Tensor& log
   });
 }
 
-void backward_tile_cuda(const CrossEntropyOptions& options, const at::Tensor& logits, const at::Tensor& target,
+bool backward_tile_cuda(const CrossEntropyOptions& options, const at::Tensor& logits, const at::Tensor& target,
                         int64_t col0, const at::Tensor& lse, const at::Tensor& grad_scale) {
   const int64_t n = logits.numel();
   if (n == 0) {
-    return;
+    return options.filter_eps <= 0;
   }
+  // Filtering reads the flag back: one device synchronization per tile.
+  const at::Tensor counts =
+      options.filter_eps > 0 ? at::zeros({1}, logits.options().dtype(at::kInt)) : at::Tensor();
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const int blocks = static_cast<int>(std::min<int64_t>(kMaxBlocks, (n + kThreads - 1) / kThreads));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "linear_cross_entropy_backward_cuda",
@@ -152,7 +160,8 @@ void backward_tile_cuda(const CrossEntropyOptions& options, const at::Tensor& lo
           lse.const_data_ptr<acc_t>(), grad_scale.const_data_ptr<acc_t>(), static_cast<acc_t>(options.softcap),
           static_cast<acc_t>(options.label_smoothing),
           static_cast<acc_t>(options.label_smoothing / static_cast<double>(options.vocab)),
-          static_cast<acc_t>(options.z_loss));
+          static_cast<acc_t>(options.z_loss), static_cast<acc_t>(options.filter_eps),
+          counts.defined() ? counts.data_ptr<int>() : nullptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (options.softcap > 0) {
@@ -161,13 +170,15 @@ void backward_tile_cuda(const CrossEntropyOptions& options, const at::Tensor& lo
       launch(std::false_type{});
     }
   });
+  return !counts.defined() || counts.item<int>() != 0;
 }
 
 const CrossEntropyTileKernels kCudaKernels{&forward_tile_cuda, &backward_tile_cuda};
 
 }  // namespace
 
-at::Tensor linear_cross_entropy_cuda(TORCH_OFFLOAD_LCE_ARGS) {
+at::Tensor linear_cross_entropy_cuda(TORCH_OFFLOAD_LCE_ARGS, double filter_eps) {
+  check_filter_eps("linear_cross_entropy", filter_eps, label_smoothing);
   const c10::cuda::CUDAGuard device_guard(hidden.device());
   return std::get<0>(linear_cross_entropy_forward_impl(kCudaKernels, hidden, weight, bias, target, ignore_index,
                                                        label_smoothing, softcap, z_loss, reduction, tile_tokens,
@@ -184,7 +195,7 @@ LinearCrossEntropyGradients linear_cross_entropy_backward_cuda(TORCH_OFFLOAD_LCE
   const c10::cuda::CUDAGuard device_guard(hidden.device());
   return linear_cross_entropy_backward_impl(kCudaKernels, grad_loss, hidden, weight, bias, target, lse, ignore_index,
                                             label_smoothing, softcap, z_loss, reduction, tile_tokens, tile_vocab,
-                                            output_mask);
+                                            output_mask, filter_eps);
 }
 
 }  // namespace torch_offload
