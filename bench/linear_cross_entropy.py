@@ -3,6 +3,7 @@ F.cross_entropy(F.linear(h, W), t) and a plain-PyTorch token-chunked loss (torch
 chunks of 1024 tokens, each chunk's logits and loss through autograd), float32, h=1024.
 
     .venv/bin/python bench/linear_cross_entropy.py   # both sizes; rewrites BENCHMARKS.md's section
+    .venv/bin/python bench/linear_cross_entropy.py --filtering   # gradient filtering's effect, its own section
 
 (with the package installed, e.g. by `make test`; or PYTHONPATH and TORCH_OFFLOAD_LIBRARY pointing at a build).
 
@@ -28,9 +29,13 @@ HIDDEN = 1024
 SIZES = ((16384, 32000), (4096, 128256))  # (tokens, vocabulary)
 CHUNK = 1024
 METHODS = ("eager", "chunked", "fused")
+# Gradient filtering: the fused op without and with filter_eps="auto", on logits where the last
+# fraction of the vocabulary is improbable for every token (bias -60, softmax < 1e-26).
+FILTER_METHODS = ("fused", "filtered")
+IMPROBABLE_FRACTIONS = (0.0, 0.5, 0.9)
 
 
-def worker(method, tokens, vocab):
+def worker(method, tokens, vocab, improbable=None):
     import torch
     import torch.nn.functional as F
 
@@ -45,11 +50,21 @@ def worker(method, tokens, vocab):
                     for h, t in zip(hidden.split(CHUNK), target.split(CHUNK)))
         return total / (target != -100).sum()
 
-    loss = {"eager": eager, "chunked": chunked, "fused": torch_offload.linear_cross_entropy}[method]
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(tokens, HIDDEN, generator=generator).requires_grad_()
     weight = (torch.randn(vocab, HIDDEN, generator=generator) * HIDDEN**-0.5).requires_grad_()
-    target = torch.randint(0, vocab, (tokens,), generator=generator)
+    if improbable is None:
+        target = torch.randint(0, vocab, (tokens,), generator=generator)
+        loss = {"eager": eager, "chunked": chunked, "fused": torch_offload.linear_cross_entropy}[method]
+    else:
+        probable = vocab - int(improbable * vocab)
+        target = torch.randint(0, probable, (tokens,), generator=generator)
+        bias = torch.zeros(vocab)
+        bias[probable:] = -60.0
+        filter_eps = "auto" if method == "filtered" else None
+
+        def loss(hidden, weight, target):
+            return torch_offload.linear_cross_entropy(hidden, weight, target, bias=bias, filter_eps=filter_eps)
     loss(hidden[:64], weight, target[:64]).backward()  # warm-up
     hidden.grad = weight.grad = None
 
@@ -57,13 +72,62 @@ def worker(method, tokens, vocab):
     start = time.perf_counter()
     loss(hidden, weight, target).backward()
     elapsed = time.perf_counter() - start
-    print(f"{status_bytes('VmHWM') - before} {elapsed}")
+    # The vocabulary rows no tile's gradient reached: skipped by filtering for every token tile.
+    skipped = (weight.grad == 0).all(1).float().mean().item()
+    print(f"{status_bytes('VmHWM') - before} {elapsed} {skipped}")
 
 
-def run(method, tokens, vocab):
-    out = subprocess.run([sys.executable, __file__, "--worker", method, str(tokens), str(vocab)],
-                         check=True, capture_output=True, text=True).stdout.split()
-    return int(out[0]), float(out[1])
+def run(method, tokens, vocab, improbable=None):
+    command = [sys.executable, __file__, "--worker", method, str(tokens), str(vocab)]
+    if improbable is not None:
+        command += ["--improbable", str(improbable)]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout.split()
+    return int(out[0]), float(out[1]), float(out[2])
+
+
+def machine():
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    return (f"torch {torch.__version__}, {torch.get_num_threads()} threads "
+            f"({torch.backends.cpu.get_cpu_capability()}), {cpu}, load average {os.getloadavg()[0]:.1f} at the end")
+
+
+def filtering(args):
+    """Time of the fused op's fwd+bwd without and with gradient filtering, per improbable fraction."""
+    tokens, vocab = (int(n) for n in args.sizes[0].split("x"))
+    rows = []
+    for fraction in IMPROBABLE_FRACTIONS:
+        runs = {m: [] for m in FILTER_METHODS}
+        for _ in range(args.rounds):
+            for m in FILTER_METHODS:
+                runs[m].append(run(m, tokens, vocab, fraction))
+        (ut, _), (ft, skipped) = ((statistics.median(r[1] for r in runs[m]), statistics.median(r[2] for r in runs[m]))
+                                  for m in FILTER_METHODS)
+        rows.append(f"| {fraction:.0%} | {skipped:.1%} | {ut:.1f} | {ft:.1f} | **{ft / ut:.2f}** |")
+        print(rows[-1], flush=True)
+    text = "\n".join([
+        "## linear_cross_entropy: gradient filtering",
+        "",
+        f"`{' '.join(['.venv/bin/python', 'bench/linear_cross_entropy.py', *sys.argv[1:]])}` — CPU float32, "
+        f"{tokens} tokens, V={vocab}, h={HIDDEN}, automatic tile, fwd+bwd (hidden and the weight need gradients), "
+        f"a fresh process per measurement, methods taking turns for {args.rounds} rounds, medians. {machine()}.",
+        "",
+        "`torch_offload.linear_cross_entropy` without and with `filter_eps=\"auto\"` (float32: 2^-28). The logits are "
+        "random (O(1)) except that the last fraction of the vocabulary is improbable for every token (bias -60: "
+        "softmax < 1e-26); targets are in the rest. \"Skipped\" is the share of the weight gradient's rows that no tile "
+        "reached (measured: exactly zero).",
+        "",
+        "| improbable vocabulary | skipped | time, unfiltered s | time, filtered s | filtered / unfiltered |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+        *rows,
+        *([""] + [args.note] if args.note else []),
+        "",
+    ])
+    if not args.no_write:
+        write_section("linear_cross_entropy: gradient filtering", text)
+    print(text)
 
 
 def main():
@@ -73,13 +137,17 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--note", default="", help="a sentence appended to the section (e.g. machine sharing)")
+    parser.add_argument("--filtering", action="store_true",
+                        help="measure gradient filtering at the first size instead (its own section)")
+    parser.add_argument("--improbable", type=float, help=argparse.SUPPRESS)  # a worker's improbable fraction
     args = parser.parse_args()
     if args.worker:
         method, tokens, vocab = args.worker
-        worker(method, int(tokens), int(vocab))
+        worker(method, int(tokens), int(vocab), args.improbable)
         return
-
-    import torch
+    if args.filtering:
+        filtering(args)
+        return
 
     import torch_offload
 
@@ -98,15 +166,11 @@ def main():
                     f"| **{fm / em:.3f}** | **{fm / cm:.3f}** | {et:.1f} | {ct:.1f} | {ft:.1f} | **{ft / et:.2f}** "
                     f"| **{ft / ct:.2f}** |")
         print(rows[-1], flush=True)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
     text = "\n".join([
         "## linear_cross_entropy",
         "",
         f"`{' '.join(['.venv/bin/python', 'bench/linear_cross_entropy.py', *sys.argv[1:]])}` — CPU float32, "
-        f"h={HIDDEN}, no bias, reduction mean, fwd+bwd (hidden and the weight need gradients). torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads ({torch.backends.cpu.get_cpu_capability()}), {cpu}, "
-        f"load average {os.getloadavg()[0]:.1f} at the end.",
+        f"h={HIDDEN}, no bias, reduction mean, fwd+bwd (hidden and the weight need gradients). {machine()}.",
         "",
         "(a) eager `F.cross_entropy(F.linear(h, W), t)`, (c) plain-PyTorch token chunks of "
         f"{CHUNK} (torchtune style: per-chunk logits and loss through autograd), (f) "
