@@ -122,12 +122,16 @@ def aot_graphs(model, ids):
     return loss_and_grads(model, ids, run=compiled), graphs
 
 
-@pytest.mark.parametrize("name, offload, checkpoint", [("llama", "cpu", False), ("llama", "disk", False),
-                                                       ("llama", "disk", True), ("lora", "disk", True)])
+@pytest.mark.parametrize("name, offload, checkpoint", [("llama", "cpu", False), ("llama", "cpu", True),
+                                                       ("llama", "disk", False), ("llama", "disk", True),
+                                                       ("lora", "disk", True)])
 def test_compiled_graph_offloads_saved_activations_through_the_store(name, offload, checkpoint, tmp_path):
-    # checkpoint=True: the layers' inputs and their attention's outputs (saved: random ops are not recomputed).
+    # checkpoint=True: the layers' inputs and their attention's outputs (saved: random ops are not recomputed);
+    # whole layers with "cpu", attention only with "disk".
     model, handle = applied(name, offload=offload, checkpoint=checkpoint, keep_last=1, min_bytes=0,
                             num_shards=2, spill_directory=str(tmp_path), offload_cpu_tensors=True)
+    recomputed = {False: "none", True: "layer" if offload == "cpu" else "attention"}[checkpoint]
+    assert set(list(handle.checkpointing.values())[:-1]) == {recomputed}  # the last layer is kept (keep_last=1)
     ids = batch()
     want = loss_and_grads(model, ids)
     before = handle.stats()
