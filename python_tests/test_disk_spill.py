@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -280,6 +281,42 @@ def run_child(code, timeout=300):
 def test_unwritable_directory_is_refused():
     with pytest.raises(RuntimeError, match="disk_spill: directory '/proc/sys' is not writable"):
         torch_offload.disk_spill(torch.ones(4), directory="/proc/sys")
+
+
+# The engine's first spill as the user nobody with no thread allowed, then with threads allowed again.
+SPILL_AS_NOBODY_WITHOUT_THREADS = """
+        import os, pwd, resource, torch, torch_offload
+        t = torch.arange(10000.0)
+        nobody = pwd.getpwnam("nobody")
+        os.setgid(nobody.pw_gid)
+        os.setuid(nobody.pw_uid)
+        _, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+        resource.setrlimit(resource.RLIMIT_NPROC, (0, hard))
+        try:
+            torch_offload.disk_spill(t, directory={directory!r})
+        except RuntimeError as error:
+            print("refused:", error)
+        stats = torch_offload.disk_spill_stats()
+        assert stats["tickets_live"] == 0 and stats["extents_live"] == 0, stats
+        assert stats["peak_file_bytes"] == 0 and stats["bytes_written"] == 0, stats
+        resource.setrlimit(resource.RLIMIT_NPROC, (hard, hard))
+        ticket = torch_offload.disk_spill(t, directory={directory!r})
+        assert torch.equal(torch_offload.disk_restore(ticket, t.shape, t.dtype, "cpu"), t)
+        print("recovered")
+"""
+
+
+def test_worker_threads_that_cannot_start_leave_no_ticket_behind():
+    # The child runs as an unprivileged user allowed no more threads (RLIMIT_NPROC 0), so the engine's first
+    # spill cannot start its I/O threads: it fails with nothing registered, and works once threads may start.
+    if os.getuid() != 0:
+        unavailable("needs root, to run the child as the unprivileged user nobody")
+    with tempfile.TemporaryDirectory(prefix="torch_offload_nobody_") as directory:  # pytest's tmp_path is root's
+        os.chmod(directory, 0o777)
+        child = run_child(SPILL_AS_NOBODY_WITHOUT_THREADS.format(directory=directory))
+    assert child.returncode == 0, child.stderr
+    assert "refused: disk_spill: cannot start an I/O thread (" in child.stdout, child.stdout
+    assert child.stdout.rstrip().endswith("recovered"), child.stdout
 
 
 def test_file_size_limit_fails_clearly_and_the_process_recovers(tmp_path):

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <system_error>
 #include <utility>
 
 #include <pthread.h>
@@ -202,7 +203,12 @@ void SpillEngine::start_workers_locked() {
   for (int64_t i = 0; i < config_.num_threads; ++i) {
     std::shared_ptr<char> staging(static_cast<char*>(std::aligned_alloc(SpillFile::kBlock, staging_bytes)), &std::free);
     TORCH_CHECK(staging, "disk_spill: cannot allocate a ", staging_bytes, "-byte staging buffer");
-    workers_.emplace_back([this, staging] { worker_loop(staging.get()); });
+    try {
+      workers_.emplace_back([this, staging] { worker_loop(staging.get()); });
+    } catch (const std::system_error& error) {  // e.g. the process may start no more threads
+      TORCH_CHECK(false, "disk_spill: cannot start an I/O thread (", error.what(), "); ", workers_.size(), " of ",
+                  config_.num_threads, " are running");
+    }
   }
 }
 
@@ -260,8 +266,11 @@ int64_t SpillEngine::spill(const at::Tensor& source, std::shared_ptr<SpillFile> 
   done_cv_.wait(lock, [&] {
     return in_flight_bytes_ == 0 || in_flight_bytes_ + ticket->nbytes <= config_.max_in_flight_bytes;
   });
-  ticket->id = next_ticket_++;
   const size_t extents = (static_cast<size_t>(ticket->nbytes) + ticket->extent_bytes - 1) / ticket->extent_bytes;
+  if (extents > 0) {
+    start_workers_locked();  // before the ticket exists: if no thread starts, nothing is left registered
+  }
+  ticket->id = next_ticket_++;
   for (size_t index = 0; index < extents; ++index) {
     ticket->offsets.push_back(ticket->file->allocate(ticket->layout(index).span()));
   }
@@ -273,7 +282,6 @@ int64_t SpillEngine::spill(const at::Tensor& source, std::shared_ptr<SpillFile> 
     ticket->source.reset();
     return ticket->id;
   }
-  start_workers_locked();
   ticket->writes_pending = static_cast<int64_t>(extents);
   in_flight_bytes_ += ticket->nbytes;
   for (size_t index = 0; index < extents; ++index) {
