@@ -1,6 +1,7 @@
 #include "ops/common/checks.h"
 
 #include <ATen/Context.h>
+#include <c10/core/SymBool.h>
 #include <c10/util/Exception.h>
 #include <unistd.h>
 
@@ -8,6 +9,20 @@ namespace torch_offload {
 
 void check_defined(const at::Tensor& t, const char* op, const char* arg) {
   TORCH_CHECK(t.defined(), op, ": ", arg, " is an undefined tensor; expected a defined tensor");
+}
+
+void check_tensor(const char* op, const char* arg, const at::Tensor& t, const at::Tensor& ref, const char* ref_name,
+                  c10::ScalarType dtype, c10::SymIntArrayRef want, const char* what) {
+  check_defined(t, op, arg);
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", arg, " is on ", t.device(), " but ", ref_name, " is on ",
+              ref.device(), "; every tensor must be on ", ref_name, "'s device");
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", arg, " has dtype ", t.scalar_type(), "; expected ", dtype);
+  TORCH_CHECK(t.dim() == static_cast<int64_t>(want.size()), op, ": ", arg, " has shape ", t.sym_sizes(),
+              "; expected ", what, " = ", want);
+  for (size_t i = 0; i < want.size(); ++i) {
+    TORCH_SYM_CHECK(t.sym_size(static_cast<int64_t>(i)).sym_eq(want[i]), op, ": ", arg, " has shape ",
+                    t.sym_sizes(), "; expected ", what, " = ", want);
+  }
 }
 
 void check_device_available(c10::Device device, const char* op, const char* arg) {

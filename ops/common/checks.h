@@ -8,6 +8,11 @@ namespace torch_offload {
 // `op` and `arg` appear in the message, e.g. "offload_pack: src is undefined".
 void check_defined(const at::Tensor& t, const char* op, const char* arg);
 
+// `t` is on `ref`'s device with `dtype`, shaped `want`: `ref_name` names ref and `what`
+// the expected shape in the messages. Works on symbolic shapes.
+void check_tensor(const char* op, const char* arg, const at::Tensor& t, const at::Tensor& ref, const char* ref_name,
+                  c10::ScalarType dtype, c10::SymIntArrayRef want, const char* what);
+
 // Errors unless `device` exists in this process (CPU always does; CUDA needs a
 // CUDA build of torch and a visible GPU with that index).
 void check_device_available(c10::Device device, const char* op, const char* arg);

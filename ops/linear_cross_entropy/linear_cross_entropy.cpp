@@ -75,21 +75,6 @@ Reduction parse_reduction(std::string_view name, const char* op) {
   return Reduction::kNone;
 }
 
-// `t` is on hidden's device with `dtype`, shaped `want` (`what` names it in the message).
-void check_tensor(const char* op, const char* arg, const at::Tensor& t, const at::Tensor& hidden,
-                  c10::ScalarType dtype, c10::SymIntArrayRef want, const char* what) {
-  check_defined(t, op, arg);
-  TORCH_CHECK(t.device() == hidden.device(), op, ": ", arg, " is on ", t.device(), " but hidden is on ",
-              hidden.device(), "; every tensor must be on hidden's device");
-  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", arg, " has dtype ", t.scalar_type(), "; expected ", dtype);
-  TORCH_CHECK(t.dim() == static_cast<int64_t>(want.size()), op, ": ", arg, " has shape ", t.sym_sizes(),
-              "; expected ", what, " = ", want);
-  for (size_t i = 0; i < want.size(); ++i) {
-    TORCH_SYM_CHECK(t.sym_size(static_cast<int64_t>(i)).sym_eq(want[i]), op, ": ", arg, " has shape ",
-                    t.sym_sizes(), "; expected ", what, " = ", want);
-  }
-}
-
 // Every argument against hidden [..., h] and weight [V, h]; works on symbolic shapes.
 Reduction check_arguments(const char* op, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
                           const at::Tensor& target, double label_smoothing, double softcap, double z_loss,
@@ -104,14 +89,15 @@ Reduction check_arguments(const char* op, const at::Tensor& hidden, const at::Te
   TORCH_CHECK(weight.dim() == 2, op, ": weight has shape ", weight.sym_sizes(), "; expected [V, h]");
   const c10::SymInt h = hidden.sym_size(-1);
   const c10::SymInt vocab = weight.sym_size(0);
-  check_tensor(op, "weight", weight, hidden, dtype, {vocab, h}, "[V, h]");
+  check_tensor(op, "weight", weight, hidden, "hidden", dtype, {vocab, h}, "[V, h]");
   if (bias.defined()) {
-    check_tensor(op, "bias", bias, hidden, dtype, {vocab}, "[V]");
+    check_tensor(op, "bias", bias, hidden, "hidden", dtype, {vocab}, "[V]");
   }
   check_defined(target, op, "target");
   TORCH_CHECK(target.scalar_type() == at::kLong || target.scalar_type() == at::kInt, op, ": target has dtype ",
               target.scalar_type(), "; expected int64 (or int32) class indices");
-  check_tensor(op, "target", target, hidden, target.scalar_type(), hidden.sym_sizes().slice(0, hidden.dim() - 1),
+  check_tensor(op, "target", target, hidden, "hidden", target.scalar_type(),
+               hidden.sym_sizes().slice(0, hidden.dim() - 1),
                "hidden's shape without h");
   TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, op, ": label_smoothing is ", label_smoothing,
               "; expected a value in [0, 1]");
@@ -255,9 +241,9 @@ LinearCrossEntropyGradients linear_cross_entropy_backward_impl(
   check_filter_eps(op, filter_eps, label_smoothing);
   const auto dtype = hidden.scalar_type();
   const auto acc_type = at::toOpMathType(dtype);
-  check_tensor(op, "lse", lse, hidden, acc_type, {target.sym_numel()}, "[tokens]");
+  check_tensor(op, "lse", lse, hidden, "hidden", acc_type, {target.sym_numel()}, "[tokens]");
   check_defined(grad_loss, op, "grad_loss");
-  check_tensor(op, "grad_loss", grad_loss, hidden, grad_loss.scalar_type(),
+  check_tensor(op, "grad_loss", grad_loss, hidden, "hidden", grad_loss.scalar_type(),
                parsed == Reduction::kNone ? target.sym_sizes() : c10::SymIntArrayRef{},
                parsed == Reduction::kNone ? "target's shape" : "a scalar");
   const Flat f = flatten(hidden, weight, target);
@@ -390,9 +376,10 @@ LinearCrossEntropyGradients linear_cross_entropy_backward_meta(TORCH_OFFLOAD_LCE
   const Reduction parsed = check_arguments(op, hidden, weight, b, target, label_smoothing, softcap, z_loss, reduction);
   check_filter_eps(op, filter_eps, label_smoothing);
   (void)ignore_index, (void)tile_tokens, (void)tile_vocab;
-  check_tensor(op, "lse", lse, hidden, at::toOpMathType(hidden.scalar_type()), {target.sym_numel()}, "[tokens]");
+  check_tensor(op, "lse", lse, hidden, "hidden", at::toOpMathType(hidden.scalar_type()), {target.sym_numel()},
+               "[tokens]");
   check_defined(grad_loss, op, "grad_loss");
-  check_tensor(op, "grad_loss", grad_loss, hidden, grad_loss.scalar_type(),
+  check_tensor(op, "grad_loss", grad_loss, hidden, "hidden", grad_loss.scalar_type(),
                parsed == Reduction::kNone ? target.sym_sizes() : c10::SymIntArrayRef{},
                parsed == Reduction::kNone ? "target's shape" : "a scalar");
   const auto like = [](bool want, const at::Tensor& t) {
