@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include "ops/attention_block/attention_block.h"
 #include "ops/linear_cross_entropy/linear_cross_entropy.h"
 #include "torch_offload/torch_offload.h"
 
@@ -183,4 +184,69 @@ TORCH_LIBRARY_IMPL(offload, Autograd, m) {
   // Called by the formula above below autograd; gradients of gradients are not supported.
   m.impl("linear_cross_entropy_forward", torch::autograd::autogradNotImplementedFallback());
   m.impl("linear_cross_entropy_backward", torch::autograd::autogradNotImplementedFallback());
+}
+
+namespace torch_offload {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// attention_block saves its inputs only; its backward is one node computed by the
+// attention_block_backward op (each head group recomputed), which AOTAutograd traces
+// like any other op. Gradients nobody needs are not computed. No double backward.
+class AttentionBlockFunction : public torch::autograd::Function<AttentionBlockFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
+                            const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
+                            const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
+                            const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
+                            const std::optional<at::Tensor>& b_o, std::optional<double> scale) {
+    check_rotary_needs_no_grad(cos, sin);
+    const auto or_undefined = [](const std::optional<at::Tensor>& t) { return t.value_or(at::Tensor()); };
+    ctx->save_for_backward({x, w_q, w_k, w_v, w_o, cos, sin, or_undefined(b_q), or_undefined(b_k), or_undefined(b_v),
+                            or_undefined(b_o)});
+    ctx->saved_data["scale"] = scale;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return attention_block(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    // Edges: x, the four weights, cos and sin, then the biases given (absent ones have none).
+    std::array<bool, 9> output_mask{};
+    for (size_t i = 0; i < 5; ++i) {
+      output_mask[i] = ctx->needs_input_grad(i);
+    }
+    size_t edge = 7;
+    for (size_t i = 5; i < output_mask.size(); ++i) {
+      if (saved[i + 2].defined()) {
+        output_mask[i] = ctx->needs_input_grad(edge++);
+      }
+    }
+    const auto or_nullopt = [](const at::Tensor& t) {
+      return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+    };
+    const auto scale = ctx->saved_data["scale"].toOptional<double>();
+    const auto [x, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o] = attention_block_backward(
+        grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], saved[6], or_nullopt(saved[7]),
+        or_nullopt(saved[8]), or_nullopt(saved[9]), or_nullopt(saved[10]), scale, output_mask);
+    return {x, w_q, w_k, w_v, w_o, at::Tensor(), at::Tensor(), b_q, b_k, b_v, b_o, at::Tensor()};
+  }
+};
+
+at::Tensor attention_block_autograd(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
+                                    const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
+                                    const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
+                                    const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
+                                    const std::optional<at::Tensor>& b_o, std::optional<double> scale) {
+  return AttentionBlockFunction::apply(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale);
+}
+
+}  // namespace
+}  // namespace torch_offload
+
+TORCH_LIBRARY_IMPL(offload, Autograd, m) {
+  m.impl("attention_block", &torch_offload::attention_block_autograd);
+  // Computing gradients of gradients is not supported: an error if backward reaches it.
+  m.impl("attention_block_backward", torch::autograd::autogradNotImplementedFallback());
 }

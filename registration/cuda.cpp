@@ -3,6 +3,7 @@
 #include "ops/disk_spill/disk_spill.h"
 #include "ops/offload/offload.h"
 #include "ops/tiled_mlp/tiled_mlp.h"
+#include "ops/attention_block/attention_block.h"
 #include "ops/linear_cross_entropy/linear_cross_entropy.h"
 
 TORCH_LIBRARY_IMPL(offload, CUDA, m) {
@@ -17,4 +18,9 @@ TORCH_LIBRARY_IMPL(offload, CUDA, m) {
   m.impl("linear_cross_entropy", &torch_offload::linear_cross_entropy_cuda);
   m.impl("linear_cross_entropy_forward", &torch_offload::linear_cross_entropy_forward_cuda);
   m.impl("linear_cross_entropy_backward", &torch_offload::linear_cross_entropy_backward_cuda);
+}
+
+TORCH_LIBRARY_IMPL(offload, CUDA, m) {
+  m.impl("attention_block", &torch_offload::attention_block_cuda);
+  m.impl("attention_block_backward", &torch_offload::attention_block_backward_cuda);
 }

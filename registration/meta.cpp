@@ -3,6 +3,7 @@
 #include "ops/disk_spill/disk_spill.h"
 #include "ops/offload/offload.h"
 #include "ops/tiled_mlp/tiled_mlp.h"
+#include "ops/attention_block/attention_block.h"
 #include "ops/linear_cross_entropy/linear_cross_entropy.h"
 
 // Meta kernels keep meta tensors on meta. Under FakeTensor (torch.compile) the
@@ -24,4 +25,9 @@ TORCH_LIBRARY_IMPL(offload, Meta, m) {
   m.impl("linear_cross_entropy", &torch_offload::linear_cross_entropy_meta);
   m.impl("linear_cross_entropy_forward", &torch_offload::linear_cross_entropy_forward_meta);
   m.impl("linear_cross_entropy_backward", &torch_offload::linear_cross_entropy_backward_meta);
+}
+
+TORCH_LIBRARY_IMPL(offload, Meta, m) {
+  m.impl("attention_block", &torch_offload::attention_block_meta);
+  m.impl("attention_block_backward", &torch_offload::attention_block_backward_meta);
 }

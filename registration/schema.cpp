@@ -7,6 +7,7 @@
 #include "ops/disk_spill/disk_spill.h"
 #include "ops/offload/activation_store.h"
 #include "ops/linear_cross_entropy/linear_cross_entropy.h"
+#include "ops/attention_block/attention_block.h"
 
 TORCH_LIBRARY(offload, m) {
   m.def("offload_pack(Tensor src, bool non_blocking=False) -> Tensor");
@@ -78,4 +79,18 @@ TORCH_LIBRARY(offload, m) {
   // The automatic tile [tokens, vocabulary columns]; takes no tensor, so one kernel serves every backend.
   m.def("linear_cross_entropy_tile(int tokens, int vocab, ScalarType dtype) -> int[]",
         &torch_offload::linear_cross_entropy_tile_kernel);
+
+  // A decoder layer's attention from its normalized input x [batch, tokens, h] to its
+  // output projection: q/k/v projections, the rotary embedding (cos, sin [1 or batch,
+  // tokens, head_dim]), causal attention (grouped-query when w_k has fewer heads than
+  // w_q) and w_o, one group of heads at a time; backward saves only the inputs and
+  // recomputes each group. The backward op returns the gradients output_mask asks for
+  // (x, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o), undefined where not asked or absent.
+  m.def(
+      "attention_block(Tensor x, Tensor w_q, Tensor w_k, Tensor w_v, Tensor w_o, Tensor cos, Tensor sin, "
+      "Tensor? b_q=None, Tensor? b_k=None, Tensor? b_v=None, Tensor? b_o=None, float? scale=None) -> Tensor");
+  m.def(
+      "attention_block_backward(Tensor grad_out, Tensor x, Tensor w_q, Tensor w_k, Tensor w_v, Tensor w_o, "
+      "Tensor cos, Tensor sin, Tensor? b_q, Tensor? b_k, Tensor? b_v, Tensor? b_o, float? scale, "
+      "bool[9] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }

@@ -206,4 +206,50 @@ inline std::vector<int64_t> linear_cross_entropy_tile(int64_t tokens, int64_t vo
   return handle.call(tokens, vocab, dtype);
 }
 
+// A decoder layer's attention from its normalized input x [batch, tokens, h] to its
+// output: q = rope(x w_q^T + b_q), k = rope(x w_k^T + b_k), v = x w_v^T + b_v, causal
+// softmax(q k^T * scale) v per head (grouped-query when w_k has fewer heads than w_q),
+// then the output projection w_o [out_features, heads * head_dim] and b_o. The rotary
+// embedding is transformers' apply_rotary_pos_emb with cos and sin [1 or batch, tokens,
+// head_dim]; scale defaults to 1/sqrt(head_dim). It runs one group of heads at a time,
+// so one group's q, k, v and attention output exist at once, and its backward saves
+// only the inputs and recomputes each group. cos and sin get no gradient.
+inline at::Tensor attention_block(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
+                                  const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
+                                  const at::Tensor& sin, const std::optional<at::Tensor>& b_q = std::nullopt,
+                                  const std::optional<at::Tensor>& b_k = std::nullopt,
+                                  const std::optional<at::Tensor>& b_v = std::nullopt,
+                                  const std::optional<at::Tensor>& b_o = std::nullopt,
+                                  std::optional<double> scale = std::nullopt) {
+  TORCH_CHECK(x.defined(), "attention_block: x is an undefined tensor; expected a defined tensor");
+  static const auto handle = detail::op<at::Tensor(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::optional<double>)>(
+      "offload::attention_block");
+  return handle.call(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale);
+}
+
+// The gradients of attention_block with respect to (x, w_q, w_k, w_v, w_o, b_q, b_k,
+// b_v, b_o), each computed only where output_mask asks for it and the input exists
+// (undefined otherwise). Gradients of bf16/fp16 tensors add up in float32 and are
+// rounded once.
+using AttentionBlockGradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                           at::Tensor, at::Tensor, at::Tensor>;
+inline AttentionBlockGradients attention_block_backward(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
+    const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
+    const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
+    const std::optional<at::Tensor>& b_o, std::optional<double> scale, std::array<bool, 9> output_mask) {
+  TORCH_CHECK(grad_out.defined(),
+              "attention_block_backward: grad_out is an undefined tensor; expected a defined tensor");
+  TORCH_CHECK(x.defined(), "attention_block_backward: x is an undefined tensor; expected a defined tensor");
+  static const auto handle = detail::op<AttentionBlockGradients(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+      std::optional<double>, std::array<bool, 9>)>("offload::attention_block_backward");
+  return handle.call(grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, output_mask);
+}
+
 }  // namespace torch_offload

@@ -1,0 +1,132 @@
+// attention_block from C++ through the public header: values and gradients (autograd
+// registered in C++) against the same attention written in plain ATen, gradients that
+// are not needed, errors, and the GPU path where a GPU exists.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include "torch_offload/torch_offload.h"
+#include "expect_error.h"
+
+namespace {
+
+// batch 2, 9 tokens, h 12, 4 query heads sharing 2 key/value heads of 4, with biases.
+struct Attention {
+  at::Tensor x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o;
+
+  std::vector<at::Tensor> leaves() const { return {x, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o}; }
+};
+
+Attention make_attention(at::Device device = at::kCPU) {
+  at::manual_seed(0);
+  const auto options = at::TensorOptions().dtype(at::kDouble);
+  const auto grad = [&](const at::Tensor& t) { return t.to(device).requires_grad_(true); };
+  Attention a;
+  a.x = grad(at::randn({2, 9, 12}, options));
+  a.w_q = grad(at::randn({16, 12}, options) / 3);
+  a.w_k = grad(at::randn({8, 12}, options) / 3);
+  a.w_v = grad(at::randn({8, 12}, options) / 3);
+  a.w_o = grad(at::randn({12, 16}, options) / 4);
+  a.b_q = grad(at::randn({16}, options));
+  a.b_k = grad(at::randn({8}, options));
+  a.b_v = grad(at::randn({8}, options));
+  a.b_o = grad(at::randn({12}, options));
+  const at::Tensor angles = at::randn({1, 9, 2}, options).repeat({1, 1, 2});
+  a.cos = angles.cos().to(device);
+  a.sin = angles.sin().to(device);
+  return a;
+}
+
+at::Tensor fused(const Attention& a) {
+  return torch_offload::attention_block(a.x, a.w_q, a.w_k, a.w_v, a.w_o, a.cos, a.sin, a.b_q, a.b_k, a.b_v, a.b_o);
+}
+
+at::Tensor rotate_half(const at::Tensor& t) {
+  return at::cat({-t.narrow(-1, 2, 2), t.narrow(-1, 0, 2)}, -1);
+}
+
+// The same attention in plain ATen: every head at once, the causal mask and softmax written out.
+at::Tensor reference(const Attention& a) {
+  const auto heads = [](const at::Tensor& rows) { return rows.view({2, 9, -1, 4}).transpose(1, 2); };
+  const auto rope = [&](const at::Tensor& t) { return t * a.cos.unsqueeze(1) + rotate_half(t) * a.sin.unsqueeze(1); };
+  const at::Tensor q = rope(heads(at::linear(a.x, a.w_q, a.b_q)));
+  const at::Tensor k = rope(heads(at::linear(a.x, a.w_k, a.b_k))).repeat_interleave(2, 1);
+  const at::Tensor v = heads(at::linear(a.x, a.w_v, a.b_v)).repeat_interleave(2, 1);
+  const at::Tensor future = at::ones({9, 9}, at::TensorOptions().dtype(at::kBool).device(a.x.device())).triu(1);
+  const at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).div(2.0).masked_fill(future, -INFINITY);
+  const at::Tensor out = at::matmul(at::softmax(scores, -1), v).transpose(1, 2).reshape({2, 9, 16});
+  return at::linear(out, a.w_o, a.b_o);
+}
+
+void expect_close(const at::Tensor& got, const at::Tensor& want) {
+  ASSERT_EQ(got.sizes(), want.sizes());
+  EXPECT_TRUE(at::allclose(got, want, 1e-10, 1e-12)) << (got - want).abs().max().item<double>();
+}
+
+TEST(AttentionBlock, ValuesAndGradientsMatchAtenWithAutogradFromCpp) {
+  const Attention a = make_attention();
+  const at::Tensor out = fused(a);
+  const at::Tensor want = reference(a);
+  ASSERT_TRUE(out.requires_grad());
+  expect_close(out, want);
+  const at::Tensor grad_out = at::randn_like(want);
+  const auto got_grads = torch::autograd::grad({out}, a.leaves(), {grad_out});
+  const auto want_grads = torch::autograd::grad({want}, a.leaves(), {grad_out});
+  ASSERT_EQ(got_grads.size(), want_grads.size());
+  for (size_t i = 0; i < got_grads.size(); ++i) {
+    expect_close(got_grads[i], want_grads[i]);
+  }
+}
+
+TEST(AttentionBlock, GradientsNotAskedForAreUndefined) {
+  const Attention a = make_attention();
+  const auto [dx, dw_q, dw_k, dw_v, dw_o, db_q, db_k, db_v, db_o] = torch_offload::attention_block_backward(
+      at::ones({2, 9, 12}, at::kDouble), a.x.detach(), a.w_q, a.w_k, a.w_v, a.w_o, a.cos, a.sin, a.b_q, a.b_k,
+      a.b_v, a.b_o, std::nullopt, {false, false, false, false, true, false, false, false, true});
+  for (const at::Tensor& g : {dx, dw_q, dw_k, dw_v, db_q, db_k, db_v}) {
+    EXPECT_FALSE(g.defined());
+  }
+  const auto want = torch::autograd::grad({reference(a).sum()}, {a.w_o, a.b_o});
+  expect_close(dw_o, want[0]);
+  expect_close(db_o, want[1]);
+}
+
+TEST(AttentionBlock, BadInputsRaiseErrorsNamingTheArgument) {
+  const Attention a = make_attention();
+  const at::Tensor x = a.x.detach();
+  expect_error([&] { torch_offload::attention_block(x, a.w_q.narrow(0, 0, 12), a.w_k, a.w_v, a.w_o, a.cos, a.sin); },
+               "attention_block: w_q has 3 heads and w_k 2; the query heads must be a multiple");
+  expect_error([&] { torch_offload::attention_block(x, a.w_q, a.w_k, a.w_v, a.w_o, a.cos.narrow(1, 0, 8), a.sin); },
+               "attention_block: cos has shape [1, 8, 4]; expected [1 or batch, tokens, head_dim]");
+  expect_error([&] { torch_offload::attention_block(x, a.w_q, a.w_k, a.w_v.to(at::kFloat), a.w_o, a.cos, a.sin); },
+               "attention_block: w_v has dtype Float; expected Double");
+  expect_error([&] { torch_offload::attention_block(at::Tensor(), a.w_q, a.w_k, a.w_v, a.w_o, a.cos, a.sin); },
+               "attention_block: x is an undefined tensor");
+}
+
+// GPU path: runs wherever a GPU is present; skipped (and reported as such) here.
+TEST(AttentionBlockCuda, MatchesAtenWithGradientsInFloat32) {
+  if (!at::hasCUDA()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  Attention a = make_attention(at::kCUDA);
+  for (at::Tensor* t : {&a.x, &a.w_q, &a.w_k, &a.w_v, &a.w_o, &a.b_q, &a.b_k, &a.b_v, &a.b_o}) {
+    *t = t->detach().to(at::kFloat).requires_grad_(true);
+  }
+  a.cos = a.cos.to(at::kFloat);
+  a.sin = a.sin.to(at::kFloat);
+  const at::Tensor out = fused(a);
+  EXPECT_TRUE(out.is_cuda());
+  const at::Tensor want = reference(a);
+  EXPECT_TRUE(at::allclose(out, want, 1e-4, 1e-5));
+  const auto got_grads = torch::autograd::grad({out.sum()}, a.leaves());
+  const auto want_grads = torch::autograd::grad({want.sum()}, a.leaves());
+  for (size_t i = 0; i < got_grads.size(); ++i) {
+    EXPECT_TRUE(at::allclose(got_grads[i], want_grads[i], 1e-4, 1e-5)) << i;
+  }
+}
+
+}  // namespace

@@ -1,0 +1,379 @@
+// The head-group loop of attention_block, the same on every device: projections,
+// rotary embedding and the output projection through ATen, causal attention by
+// the device's kernels (AttentionKernels).
+#include "ops/attention_block/attention_block.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <ATen/OpMathType.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/SymBool.h>
+#include <c10/util/Exception.h>
+
+#include "ops/common/checks.h"
+#include "ops/common/gemm.h"
+
+namespace torch_offload {
+
+namespace {
+
+// A head group's q, k, v, attention output and their gradients stay within about
+// kGroupBytes: the memory of attention no longer grows with the number of heads,
+// and short sequences still run every head in one group (fewer, larger GEMMs).
+constexpr int64_t kGroupBytes = int64_t{16} << 20;
+
+// Every argument against x [B, T, h] and cos [1 or B, T, D]; works on symbolic shapes.
+void check_arguments(const char* op, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
+                     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& b_q, const at::Tensor& b_k, const at::Tensor& b_v, const at::Tensor& b_o,
+                     std::optional<double> scale) {
+  check_defined(x, op, "x");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              ": x has dtype ", dtype, "; expected float32, float64, bfloat16 or float16");
+  TORCH_CHECK(x.dim() == 3, op, ": x has shape ", x.sym_sizes(), "; expected [batch, tokens, h]");
+  const c10::SymInt batch = x.sym_size(0);
+  const c10::SymInt tokens = x.sym_size(1);
+  const c10::SymInt h = x.sym_size(2);
+  check_defined(cos, op, "cos");
+  TORCH_CHECK(cos.dim() == 3, op, ": cos has shape ", cos.sym_sizes(), "; expected [1 or batch, tokens, head_dim]");
+  const c10::SymInt cos_batch = cos.sym_size(0);
+  const c10::SymInt head_dim = cos.sym_size(2);
+  TORCH_SYM_CHECK(cos_batch.sym_eq(1).sym_or(cos_batch.sym_eq(batch)), op, ": cos has shape ", cos.sym_sizes(),
+                  "; expected [1 or batch, tokens, head_dim] with batch = ", batch);
+  TORCH_SYM_CHECK(head_dim.sym_gt(0).sym_and((head_dim % 2).sym_eq(0)), op, ": cos has shape ", cos.sym_sizes(),
+                  "; its last dimension is the head dimension, which must be even and > 0");
+  check_tensor(op, "cos", cos, x, "x", dtype, {cos_batch, tokens, head_dim}, "[1 or batch, tokens, head_dim]");
+  check_tensor(op, "sin", sin, x, "x", dtype, cos.sym_sizes(), "cos's shape");
+  check_defined(w_q, op, "w_q");
+  check_defined(w_k, op, "w_k");
+  TORCH_CHECK(w_q.dim() == 2, op, ": w_q has shape ", w_q.sym_sizes(), "; expected [heads * head_dim, h]");
+  TORCH_CHECK(w_k.dim() == 2, op, ": w_k has shape ", w_k.sym_sizes(), "; expected [kv_heads * head_dim, h]");
+  const c10::SymInt q_rows = w_q.sym_size(0);
+  const c10::SymInt kv_rows = w_k.sym_size(0);
+  check_tensor(op, "w_q", w_q, x, "x", dtype, {q_rows, h}, "[heads * head_dim, h]");
+  check_tensor(op, "w_k", w_k, x, "x", dtype, {kv_rows, h}, "[kv_heads * head_dim, h]");
+  check_tensor(op, "w_v", w_v, x, "x", dtype, {kv_rows, h}, "w_k's shape [kv_heads * head_dim, h]");
+  TORCH_SYM_CHECK(q_rows.sym_gt(0).sym_and((q_rows % head_dim).sym_eq(0)), op, ": w_q has ", q_rows,
+                  " rows; expected a multiple > 0 of the head dimension ", head_dim, " (cos's last dimension)");
+  TORCH_SYM_CHECK(kv_rows.sym_gt(0).sym_and((kv_rows % head_dim).sym_eq(0)), op, ": w_k has ", kv_rows,
+                  " rows; expected a multiple > 0 of the head dimension ", head_dim, " (cos's last dimension)");
+  TORCH_SYM_CHECK(((q_rows / head_dim) % (kv_rows / head_dim)).sym_eq(0), op, ": w_q has ", q_rows / head_dim,
+                  " heads and w_k ", kv_rows / head_dim, "; the query heads must be a multiple of the key/value heads");
+  check_defined(w_o, op, "w_o");
+  TORCH_CHECK(w_o.dim() == 2, op, ": w_o has shape ", w_o.sym_sizes(), "; expected [out_features, heads * head_dim]");
+  check_tensor(op, "w_o", w_o, x, "x", dtype, {w_o.sym_size(0), q_rows}, "[out_features, heads * head_dim]");
+  if (b_q.defined()) {
+    check_tensor(op, "b_q", b_q, x, "x", dtype, {q_rows}, "[heads * head_dim]");
+  }
+  if (b_k.defined()) {
+    check_tensor(op, "b_k", b_k, x, "x", dtype, {kv_rows}, "[kv_heads * head_dim]");
+  }
+  if (b_v.defined()) {
+    check_tensor(op, "b_v", b_v, x, "x", dtype, {kv_rows}, "[kv_heads * head_dim]");
+  }
+  if (b_o.defined()) {
+    check_tensor(op, "b_o", b_o, x, "x", dtype, {w_o.sym_size(0)}, "[out_features]");
+  }
+  TORCH_CHECK(!scale.has_value() || (std::isfinite(*scale) && *scale > 0), op, ": scale is ", *scale,
+              "; expected a finite value > 0 (or None for 1/sqrt(head_dim))");
+}
+
+// The shapes of one call, and the head groups it runs.
+struct Layout {
+  int64_t batch, tokens, h, head_dim, heads, kv_heads, repeats, out_features, kv_heads_per_group;
+  double scale;
+
+  Layout(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_o,
+         const at::Tensor& cos, std::optional<double> scale_opt)
+      : batch(x.size(0)),
+        tokens(x.size(1)),
+        h(x.size(2)),
+        head_dim(cos.size(2)),
+        heads(w_q.size(0) / head_dim),
+        kv_heads(w_k.size(0) / head_dim),
+        repeats(heads / kv_heads),
+        out_features(w_o.size(0)),
+        scale(scale_opt.value_or(1.0 / std::sqrt(static_cast<double>(head_dim)))) {
+    // Per key/value head: q, out, dq, dout and the repeated k, v, dk, dv (repeats each),
+    // plus k and v themselves.
+    const int64_t bytes = std::max<int64_t>(
+        1, (8 * repeats + 2) * batch * tokens * head_dim * static_cast<int64_t>(x.element_size()));
+    kv_heads_per_group = std::clamp<int64_t>(kGroupBytes / bytes, 1, kv_heads);
+  }
+};
+
+at::Tensor rotate_half(const at::Tensor& t) {
+  const int64_t half = t.size(-1) / 2;
+  return at::cat({-t.narrow(-1, half, half), t.narrow(-1, 0, half)}, -1);
+}
+
+// rotate_half's transpose: what its gradient applies.
+at::Tensor rotate_half_transposed(const at::Tensor& t) {
+  const int64_t half = t.size(-1) / 2;
+  return at::cat({t.narrow(-1, half, half), -t.narrow(-1, 0, half)}, -1);
+}
+
+// rows [B * T, n * D] as heads [B, n, T, D] with the rotary embedding applied (cos,
+// sin [1 or B, T, D]), as transformers' apply_rotary_pos_emb computes it.
+at::Tensor rotary(const at::Tensor& rows, const Layout& l, const at::Tensor& cos, const at::Tensor& sin) {
+  const at::Tensor heads = rows.view({l.batch, l.tokens, -1, l.head_dim}).transpose(1, 2);
+  return heads * cos.unsqueeze(1) + rotate_half(heads) * sin.unsqueeze(1);
+}
+
+// The gradient of rotary's input as rows [B * T, n * D], given the gradient of its output [B, n, T, D].
+at::Tensor rotary_backward(const at::Tensor& grad, const Layout& l, const at::Tensor& cos, const at::Tensor& sin) {
+  const at::Tensor heads = grad * cos.unsqueeze(1) + rotate_half_transposed(grad * sin.unsqueeze(1));
+  return heads.transpose(1, 2).reshape({l.batch * l.tokens, -1});
+}
+
+// [B, n, T, D] key/value heads repeated for the `repeats` query heads that share each.
+at::Tensor repeat_kv(const at::Tensor& t, const Layout& l) {
+  if (l.repeats == 1) {
+    return t;
+  }
+  const int64_t n = t.size(1);
+  return t.unsqueeze(2).expand({l.batch, n, l.repeats, l.tokens, l.head_dim}).reshape({l.batch, n * l.repeats,
+                                                                                       l.tokens, l.head_dim});
+}
+
+// The gradient of repeat_kv's input.
+at::Tensor sum_repeats(const at::Tensor& t, const Layout& l) {
+  if (l.repeats == 1) {
+    return t;
+  }
+  return t.view({l.batch, -1, l.repeats, l.tokens, l.head_dim}).sum(2);
+}
+
+at::Tensor narrow_or_undefined(const at::Tensor& t, int64_t dim, int64_t start, int64_t length) {
+  return t.defined() ? t.narrow(dim, start, length) : t;
+}
+
+// One group of key/value heads [first, first + count) and the query heads that share them.
+struct Group {
+  int64_t q_start, q_rows, kv_start, kv_rows;
+  at::Tensor q, k, v;  // [B, heads, T, D], rotary applied, k and v repeated
+
+  Group(const Layout& l, int64_t first, int64_t count)
+      : q_start(first * l.repeats * l.head_dim),
+        q_rows(count * l.repeats * l.head_dim),
+        kv_start(first * l.head_dim),
+        kv_rows(count * l.head_dim) {}
+};
+
+// Projects x's rows to the group's q, k and v.
+void project(Group& g, const Layout& l, const at::Tensor& x_rows, const at::Tensor& w_q, const at::Tensor& w_k,
+             const at::Tensor& w_v, const at::Tensor& b_q, const at::Tensor& b_k, const at::Tensor& b_v,
+             const at::Tensor& cos, const at::Tensor& sin) {
+  const auto linear = [&](const at::Tensor& w, const at::Tensor& b, int64_t start, int64_t rows) {
+    at::Tensor out = at::empty({x_rows.size(0), rows}, x_rows.options());
+    linear_into(out, x_rows, w.narrow(0, start, rows), narrow_or_undefined(b, 0, start, rows));
+    return out;
+  };
+  g.q = rotary(linear(w_q, b_q, g.q_start, g.q_rows), l, cos, sin);
+  g.k = repeat_kv(rotary(linear(w_k, b_k, g.kv_start, g.kv_rows), l, cos, sin), l);
+  g.v = repeat_kv(linear(w_v, b_v, g.kv_start, g.kv_rows).view({l.batch, l.tokens, -1, l.head_dim}).transpose(1, 2),
+                  l);
+}
+
+at::Tensor as_rows(const at::Tensor& heads, const Layout& l) {
+  return heads.transpose(1, 2).reshape({l.batch * l.tokens, -1});
+}
+
+}  // namespace
+
+at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tensor& x, const at::Tensor& w_q,
+                                const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o,
+                                const at::Tensor& cos, const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
+                                const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
+                                const std::optional<at::Tensor>& b_o, std::optional<double> scale) {
+  const at::Tensor bq = value_or_undefined(b_q), bk = value_or_undefined(b_k), bv = value_or_undefined(b_v),
+                   bo = value_or_undefined(b_o);
+  check_arguments("attention_block", x, w_q, w_k, w_v, w_o, cos, sin, bq, bk, bv, bo, scale);
+  const Layout l(x, w_q, w_k, w_o, cos, scale);
+  const int64_t rows = l.batch * l.tokens;
+  // The groups' output projections add up in float32 for bf16/fp16 and are rounded once.
+  const at::ScalarType acc_type = at::toOpMathType(x.scalar_type());
+  at::Tensor out = at::zeros({rows, l.out_features}, x.options().dtype(acc_type));
+  if (bo.defined()) {
+    out.add_(bo);
+  }
+  if (rows > 0) {
+    const at::Tensor x_rows = x.reshape({rows, l.h}).contiguous();
+    for (int64_t first = 0; first < l.kv_heads; first += l.kv_heads_per_group) {
+      Group g(l, first, std::min(l.kv_heads_per_group, l.kv_heads - first));
+      project(g, l, x_rows, w_q, w_k, w_v, bq, bk, bv, cos, sin);
+      const AttentionResult attention = kernels.forward(g.q, g.k, g.v, l.scale);
+      accumulate_mm(out, as_rows(attention.out, l), w_o.narrow(1, g.q_start, g.q_rows).t());
+    }
+  }
+  return out.to(x.scalar_type()).view({l.batch, l.tokens, l.out_features});
+}
+
+AttentionBlockGradients attention_block_backward_impl(
+    const AttentionKernels& kernels, const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q,
+    const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
+    const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
+    const std::optional<at::Tensor>& b_o, std::optional<double> scale, std::array<bool, 9> output_mask) {
+  const char* op = "attention_block_backward";
+  const at::Tensor bq = value_or_undefined(b_q), bk = value_or_undefined(b_k), bv = value_or_undefined(b_v),
+                   bo = value_or_undefined(b_o);
+  check_arguments(op, x, w_q, w_k, w_v, w_o, cos, sin, bq, bk, bv, bo, scale);
+  const Layout l(x, w_q, w_k, w_o, cos, scale);
+  check_tensor(op, "grad_out", grad_out, x, "x", x.scalar_type(), {l.batch, l.tokens, l.out_features},
+               "[batch, tokens, out_features]");
+  const int64_t rows = l.batch * l.tokens;
+
+  // What is asked for, and present. Nothing else is computed.
+  const bool want_x = output_mask[0], want_w_q = output_mask[1], want_w_k = output_mask[2],
+             want_w_v = output_mask[3], want_w_o = output_mask[4];
+  const bool want_b_q = output_mask[5] && bq.defined(), want_b_k = output_mask[6] && bk.defined(),
+             want_b_v = output_mask[7] && bv.defined(), want_b_o = output_mask[8] && bo.defined();
+  // Every gradient but w_o's and b_o's goes back through the attention.
+  const bool want_inner = want_x || want_w_q || want_w_k || want_w_v || want_b_q || want_b_k || want_b_v;
+
+  // Gradients of bf16/fp16 tensors add up in float32 and are rounded once.
+  const at::ScalarType acc_type = at::toOpMathType(x.scalar_type());
+  const auto zeros_like = [&](bool wanted, const at::Tensor& t) {
+    return wanted ? at::zeros(t.sizes(), t.options().dtype(acc_type)) : at::Tensor();
+  };
+  at::Tensor grad_x = want_x ? at::zeros({rows, l.h}, x.options().dtype(acc_type)) : at::Tensor();
+  at::Tensor grad_w_q = zeros_like(want_w_q, w_q), grad_w_k = zeros_like(want_w_k, w_k),
+             grad_w_v = zeros_like(want_w_v, w_v), grad_w_o = zeros_like(want_w_o, w_o);
+  at::Tensor grad_b_q = zeros_like(want_b_q, bq), grad_b_k = zeros_like(want_b_k, bk),
+             grad_b_v = zeros_like(want_b_v, bv);
+  const at::Tensor grad_rows = grad_out.reshape({rows, l.out_features}).contiguous();
+  // b_o's gradient needs no recompute: it is grad_out summed over the tokens.
+  at::Tensor grad_b_o = want_b_o ? at::sum(grad_rows, {0}, false, acc_type) : at::Tensor();
+
+  if (rows > 0 && (want_inner || want_w_o)) {
+    const at::Tensor x_rows = x.reshape({rows, l.h}).contiguous();
+    // x is every weight gradient's second operand: where accumulate_mm would convert it to
+    // float32 on every call, convert it once.
+    const bool convert_x = acc_type != x.scalar_type() && !x.is_cuda();
+    const at::Tensor x_operand = convert_x ? x_rows.to(acc_type) : x_rows;
+    for (int64_t first = 0; first < l.kv_heads; first += l.kv_heads_per_group) {
+      Group g(l, first, std::min(l.kv_heads_per_group, l.kv_heads - first));
+      project(g, l, x_rows, w_q, w_k, w_v, bq, bk, bv, cos, sin);
+      const AttentionResult attention = kernels.forward(g.q, g.k, g.v, l.scale);
+      const at::Tensor w_o_group = w_o.narrow(1, g.q_start, g.q_rows);
+      if (want_w_o) {
+        accumulate_mm(grad_w_o.narrow(1, g.q_start, g.q_rows), grad_rows.t(), as_rows(attention.out, l));
+      }
+      if (!want_inner) {
+        continue;
+      }
+      const at::Tensor grad_attention =
+          at::mm(grad_rows, w_o_group).view({l.batch, l.tokens, -1, l.head_dim}).transpose(1, 2);
+      auto [dq, dk, dv] = kernels.backward(grad_attention, g.q, g.k, g.v, attention, l.scale);
+      const at::Tensor grad_q = rotary_backward(dq, l, cos, sin);
+      const at::Tensor grad_k = rotary_backward(sum_repeats(dk, l), l, cos, sin);
+      const at::Tensor grad_v = as_rows(sum_repeats(dv, l), l);
+      const struct {
+        const at::Tensor& grad;  // of the projection's output rows
+        const at::Tensor& w;
+        at::Tensor grad_w, grad_b;
+        int64_t start, count;
+      } projections[] = {{grad_q, w_q, grad_w_q, grad_b_q, g.q_start, g.q_rows},
+                         {grad_k, w_k, grad_w_k, grad_b_k, g.kv_start, g.kv_rows},
+                         {grad_v, w_v, grad_w_v, grad_b_v, g.kv_start, g.kv_rows}};
+      for (const auto& p : projections) {
+        if (want_x) {
+          accumulate_mm(grad_x, p.grad, p.w.narrow(0, p.start, p.count));
+        }
+        if (p.grad_w.defined()) {
+          accumulate_mm(p.grad_w.narrow(0, p.start, p.count), p.grad.t(), x_operand);
+        }
+        if (p.grad_b.defined()) {
+          p.grad_b.narrow(0, p.start, p.count).add_(at::sum(p.grad, {0}, false, acc_type));
+        }
+      }
+    }
+  }
+
+  const auto to_dtype = [&](const at::Tensor& t) { return t.defined() ? t.to(x.scalar_type()) : t; };
+  return {want_x ? to_dtype(grad_x).view(x.sizes()) : grad_x,
+          to_dtype(grad_w_q), to_dtype(grad_w_k), to_dtype(grad_w_v), to_dtype(grad_w_o),
+          to_dtype(grad_b_q), to_dtype(grad_b_k), to_dtype(grad_b_v), to_dtype(grad_b_o)};
+}
+
+void check_rotary_needs_no_grad(const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(!cos.requires_grad() && !sin.requires_grad(), "attention_block: ", cos.requires_grad() ? "cos" : "sin",
+              " requires grad; the op computes no gradient for the rotary tables (detach them)");
+}
+
+namespace {
+
+AttentionResult cpu_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  auto [out, logsumexp] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, /*is_causal=*/true, {}, scale);
+  return {out, logsumexp, {}};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_attention_backward(const at::Tensor& grad_out, const at::Tensor& q,
+                                                                      const at::Tensor& k, const at::Tensor& v,
+                                                                      const AttentionResult& result, double scale) {
+  return at::_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, result.out, result.logsumexp, 0.0,
+                                                                  /*is_causal=*/true, {}, scale);
+}
+
+constexpr AttentionKernels cpu_attention_kernels{cpu_attention_forward, cpu_attention_backward};
+
+}  // namespace
+
+at::Tensor attention_block_cpu(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
+                               const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
+                               const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
+                               const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
+                               const std::optional<at::Tensor>& b_o, std::optional<double> scale) {
+  return attention_block_impl(cpu_attention_kernels, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale);
+}
+
+AttentionBlockGradients attention_block_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
+    const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
+    const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
+    const std::optional<at::Tensor>& b_o, std::optional<double> scale, std::array<bool, 9> output_mask) {
+  return attention_block_backward_impl(cpu_attention_kernels, grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k,
+                                       b_v, b_o, scale, output_mask);
+}
+
+// Meta: the same checks (on symbolic shapes), then results shaped like the real ones.
+at::Tensor attention_block_meta(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
+                                const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
+                                const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
+                                const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
+                                const std::optional<at::Tensor>& b_o, std::optional<double> scale) {
+  check_arguments("attention_block", x, w_q, w_k, w_v, w_o, cos, sin, value_or_undefined(b_q),
+                  value_or_undefined(b_k), value_or_undefined(b_v), value_or_undefined(b_o), scale);
+  return at::empty_symint({x.sym_size(0), x.sym_size(1), w_o.sym_size(0)}, x.options());
+}
+
+AttentionBlockGradients attention_block_backward_meta(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
+    const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
+    const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
+    const std::optional<at::Tensor>& b_o, std::optional<double> scale, std::array<bool, 9> output_mask) {
+  const char* op = "attention_block_backward";
+  const std::array<at::Tensor, 9> inputs{x, w_q, w_k, w_v, w_o, value_or_undefined(b_q), value_or_undefined(b_k),
+                                         value_or_undefined(b_v), value_or_undefined(b_o)};
+  check_arguments(op, x, w_q, w_k, w_v, w_o, cos, sin, inputs[5], inputs[6], inputs[7], inputs[8], scale);
+  check_tensor(op, "grad_out", grad_out, x, "x", x.scalar_type(), {x.sym_size(0), x.sym_size(1), w_o.sym_size(0)},
+               "[batch, tokens, out_features]");
+  std::array<at::Tensor, 9> grads;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (output_mask[i] && inputs[i].defined()) {
+      grads[i] = at::empty_symint(inputs[i].sym_sizes(), inputs[i].options());
+    }
+  }
+  return {grads[0], grads[1], grads[2], grads[3], grads[4], grads[5], grads[6], grads[7], grads[8]};
+}
+
+}  // namespace torch_offload

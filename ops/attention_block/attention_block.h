@@ -1,0 +1,81 @@
+#pragma once
+// attention_block / attention_block_backward: a decoder layer's attention from its
+// normalized input to its output projection (q/k/v projections, rotary embedding,
+// causal attention, output projection), computed one group of heads at a time so
+// that only one group's q, k, v and attention output exist at once. Backward saves
+// only the inputs and recomputes each group. The loop (attention_block.cpp) is the
+// same on every device; each device brings its attention kernels.
+#include <optional>
+#include <tuple>
+
+#include <ATen/core/Tensor.h>
+
+#include "torch_offload/torch_offload.h"
+
+namespace torch_offload {
+
+// Causal attention of one head group on one device: q [B, H, T, D], k and v
+// [B, H, T, D] (already repeated for grouped-query attention). `aux` is whatever
+// the device's backward needs besides out and the log-sum-exp.
+struct AttentionResult {
+  at::Tensor out, logsumexp;
+  std::tuple<at::Tensor, at::Tensor> aux;
+};
+struct AttentionKernels {
+  AttentionResult (*forward)(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale);
+  // (dq, dk, dv)
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> (*backward)(const at::Tensor& grad_out, const at::Tensor& q,
+                                                             const at::Tensor& k, const at::Tensor& v,
+                                                             const AttentionResult& result, double scale);
+};
+
+at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tensor& x, const at::Tensor& w_q,
+                                const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o,
+                                const at::Tensor& cos, const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
+                                const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
+                                const std::optional<at::Tensor>& b_o, std::optional<double> scale);
+AttentionBlockGradients attention_block_backward_impl(
+    const AttentionKernels& kernels, const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q,
+    const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
+    const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
+    const std::optional<at::Tensor>& b_o, std::optional<double> scale, std::array<bool, 9> output_mask);
+
+// Errors unless cos and sin are constants for autograd: the op computes no gradient for them.
+void check_rotary_needs_no_grad(const at::Tensor& cos, const at::Tensor& sin);
+
+// The kernels registered per dispatch key.
+at::Tensor attention_block_cpu(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
+                               const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
+                               const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
+                               const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
+                               const std::optional<at::Tensor>& b_o, std::optional<double> scale);
+at::Tensor attention_block_meta(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
+                                const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
+                                const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
+                                const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
+                                const std::optional<at::Tensor>& b_o, std::optional<double> scale);
+AttentionBlockGradients attention_block_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
+    const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
+    const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
+    const std::optional<at::Tensor>& b_o, std::optional<double> scale, std::array<bool, 9> output_mask);
+AttentionBlockGradients attention_block_backward_meta(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
+    const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
+    const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
+    const std::optional<at::Tensor>& b_o, std::optional<double> scale, std::array<bool, 9> output_mask);
+
+#ifdef TORCH_OFFLOAD_WITH_CUDA
+at::Tensor attention_block_cuda(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
+                                const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
+                                const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
+                                const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
+                                const std::optional<at::Tensor>& b_o, std::optional<double> scale);
+AttentionBlockGradients attention_block_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
+    const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
+    const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
+    const std::optional<at::Tensor>& b_o, std::optional<double> scale, std::array<bool, 9> output_mask);
+#endif
+
+}  // namespace torch_offload

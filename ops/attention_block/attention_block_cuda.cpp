@@ -1,0 +1,65 @@
+// attention_block on CUDA: the device-generic head-group loop with PyTorch's
+// memory-efficient attention kernels (float32, bfloat16 and float16; no float64; head
+// dimensions a multiple of 4 in float32, of 8 in bf16/fp16).
+#include <ATen/ops/_scaled_dot_product_efficient_attention.h>
+#include <ATen/ops/_scaled_dot_product_efficient_attention_backward.h>
+#include <c10/util/Exception.h>
+
+#include "ops/attention_block/attention_block.h"
+
+namespace torch_offload {
+namespace {
+
+// What CUDA's memory-efficient attention kernels take, checked before any work (SDPA's own
+// front end checks the same; these private entry points do not).
+void check_cuda_support(const char* op, const at::Tensor& x, const at::Tensor& cos) {
+  TORCH_CHECK(x.scalar_type() != at::kDouble, op,
+              ": x is float64, which CUDA's attention kernels do not support; use float32, bfloat16 or float16");
+  if (cos.dim() == 3) {  // else check_arguments names the problem
+    const int64_t alignment = x.element_size() == 4 ? 4 : 8;
+    TORCH_CHECK(cos.size(2) % alignment == 0, op, ": the head dimension (cos's last dimension) is ", cos.size(2),
+                "; CUDA's attention kernels need a multiple of ", alignment, " for ", x.scalar_type());
+  }
+}
+
+AttentionResult cuda_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  auto [out, logsumexp, seed, offset] = at::_scaled_dot_product_efficient_attention(
+      q, k, v, std::nullopt, /*compute_log_sumexp=*/true, 0.0, /*is_causal=*/true, scale);
+  return {out, logsumexp, {seed, offset}};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_attention_backward(const at::Tensor& grad_out,
+                                                                       const at::Tensor& q, const at::Tensor& k,
+                                                                       const at::Tensor& v,
+                                                                       const AttentionResult& result, double scale) {
+  const auto& [seed, offset] = result.aux;
+  auto [dq, dk, dv, unused_bias_grad] = at::_scaled_dot_product_efficient_attention_backward(
+      grad_out, q, k, v, at::Tensor(), result.out, result.logsumexp, seed, offset, 0.0, {true, true, true, false},
+      /*is_causal=*/true, scale);
+  return {dq, dk, dv};
+}
+
+constexpr AttentionKernels cuda_attention_kernels{cuda_attention_forward, cuda_attention_backward};
+
+}  // namespace
+
+at::Tensor attention_block_cuda(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
+                                const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
+                                const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
+                                const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
+                                const std::optional<at::Tensor>& b_o, std::optional<double> scale) {
+  check_cuda_support("attention_block", x, cos);
+  return attention_block_impl(cuda_attention_kernels, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale);
+}
+
+AttentionBlockGradients attention_block_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
+    const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
+    const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
+    const std::optional<at::Tensor>& b_o, std::optional<double> scale, std::array<bool, 9> output_mask) {
+  check_cuda_support("attention_block_backward", x, cos);
+  return attention_block_backward_impl(cuda_attention_kernels, grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k,
+                                       b_v, b_o, scale, output_mask);
+}
+
+}  // namespace torch_offload
