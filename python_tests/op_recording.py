@@ -21,3 +21,16 @@ def gemm_count(fn):
     with torch.profiler.profile() as prof:
         fn()
     return sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm", "aten::addmm_"))
+
+
+class CountCalls(TorchDispatchMode):
+    """Counts the calls of each op in `ops` (as dispatched below autograd: once per call)."""
+
+    def __init__(self, *ops):
+        super().__init__()
+        self.counts = {op: 0 for op in ops}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.counts:
+            self.counts[func] += 1
+        return func(*args, **(kwargs or {}))

@@ -9,6 +9,7 @@ import transformers
 from torch import nn
 
 import torch_offload
+from op_recording import CountCalls
 
 COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
               max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -435,3 +436,55 @@ def test_backward_recomputes_what_checkpoint_names(checkpoint, tmp_path):
     assert calls == {"attention": 6, "norm": 6 if checkpoint == "layer" else 3}
     assert stats["pack_calls"] >= (6 if checkpoint == "layer" else 20)
     handle.remove()
+
+
+# Which attention modules apply() hands to the attention_block op, and why the others keep their own.
+ATTENTION = {
+    "llama": "attention_block", "mistral": "attention_block", "qwen2": "attention_block", "gemma": "attention_block",
+    "qwen3": "module: it is not made of exactly",  # per-head q_norm / k_norm
+    "phi3": "module: it is not made of exactly",  # fused qkv_proj
+    "gpt2": "module: it is not made of exactly",  # Conv1D c_attn
+    "gemma2": "module: its forward computes something else",  # eager attention with soft-capped scores
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_attention_block_is_used_only_where_the_module_computes_it(name, tmp_path):
+    model = make_model(name)
+    handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0)
+    assert len(handle.attention) == 3
+    assert all(how.startswith(ATTENTION[name]) for how in handle.attention.values()), handle.attention
+    assert handle.attention_blocks == (3 if ATTENTION[name] == "attention_block" else 0)
+    handle.remove()
+
+
+def op_calls(fn):
+    ops = torch.ops.offload.attention_block.default, torch.ops.offload.attention_block_backward.default
+    with CountCalls(*ops) as mode:
+        fn()
+    return tuple(mode.counts.values())
+
+
+@pytest.mark.parametrize("checkpoint", ["attention", "layer"])
+def test_attention_block_runs_for_plain_causal_calls_and_the_module_for_the_others(checkpoint, tmp_path):
+    model, ids = make_model("llama"), batch()
+    padded = torch.ones_like(ids)
+    padded[0, :5] = 0  # left padding: transformers passes a mask, which the op does not take
+    want = {mask: loss_and_grads(model, ids, run=lambda **kw: model(**kw, attention_mask=m))
+            for mask, m in (("none", None), ("padded", padded))}
+    handle = torch_offload.apply(model, offload="disk", checkpoint=checkpoint, spill_directory=str(tmp_path),
+                                 min_bytes=0)
+    assert handle.attention_blocks == 3
+    got = {}
+    # One op per layer in forward, and once more where a whole layer is recomputed (the last one always).
+    calls = op_calls(lambda: got.__setitem__("none", loss_and_grads(model, ids)))
+    assert calls == ((4, 3) if checkpoint == "attention" else (6, 3))
+    calls = op_calls(lambda: got.__setitem__("padded", loss_and_grads(
+        model, ids, run=lambda **kw: model(**kw, attention_mask=padded))))
+    assert calls == (0, 0)
+    for mask in want:
+        assert_close_runs(want[mask], got[mask])
+    with torch.no_grad():  # inference: the module's own forward
+        assert op_calls(lambda: model(input_ids=ids)) == (0, 0)
+    handle.remove()
+    assert not any("forward" in vars(m) for m in model.modules())

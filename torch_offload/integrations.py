@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import warnings
 import weakref
@@ -23,6 +24,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .activations import checkpoint as offloaded_checkpoint
+from .attention_block import attention_block as attention_block_op
 from .activations import offload_activations
 from .disk import disk_spill, disk_wait
 from .causal_lm_loss import fuse_causal_lm_loss
@@ -221,6 +223,8 @@ class OffloadHandle:
       (its own forward in shards) or ``"untiled: <why>"``.
     - ``checkpointing``: for each layer, by name, what backward recomputes: ``"layer"``,
       ``"attention"`` (the rest of what it saves is offloaded) or ``"none"``.
+    - ``attention``: for each layer's attention module, by name: ``"attention_block"`` (the op,
+      where a call allows it) or ``"module: <why not>"``.
     """
 
     def __init__(self, layer_path: str, layers: nn.ModuleList, offload: str | None,
@@ -231,6 +235,7 @@ class OffloadHandle:
         self.context = context
         self.mlp_tiling: dict[str, str] = {}
         self.checkpointing: dict[str, str] = {}
+        self.attention: dict[str, str] = {}
         self.loss = "off"
         self._patches: list[_Patch] = []
 
@@ -238,6 +243,11 @@ class OffloadHandle:
     def tiled_mlps(self) -> int:
         """MLPs computed by the tiled_mlp op."""
         return sum(how == "tiled_mlp" for how in self.mlp_tiling.values())
+
+    @property
+    def attention_blocks(self) -> int:
+        """Attention modules computed by the attention_block op."""
+        return sum(how == "attention_block" for how in self.attention.values())
 
     @property
     def tiled_applies(self) -> int:
@@ -309,6 +319,74 @@ def _attention_of(layer: nn.Module) -> str | None:
     return names[0] if len(names) == 1 else None
 
 
+# ---------------------------------------------------------------------------------------------
+# attention_block: an attention module is handed to the op only when it is made of exactly the
+# four nn.Linear projections, is causal, and its own forward gives the op's result on random
+# weights at apply time (which rules out soft-capped scores, per-head norms, partial rotary
+# embeddings...). At call time the op runs only where the module would compute plain causal
+# attention with SDPA: no mask (no padding, no sliding window in reach), no cache, no dropout.
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_ATTENTION_ARGUMENTS = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values")
+
+
+def _attention_block_problem(attention: nn.Module) -> str | None:
+    """None when ``attention`` computes what the attention_block op computes; else why not."""
+    children = dict(attention.named_children())
+    if set(children) != set(_PROJECTIONS) or any(type(children[n]) is not nn.Linear for n in _PROJECTIONS):
+        return "it is not made of exactly the nn.Linear q_proj, k_proj, v_proj and o_proj"
+    if any("forward" in vars(m) or m._forward_hooks or m._forward_pre_hooks for m in attention.modules()):
+        return "it or a projection has hooks or a forward of its own (the op would bypass them)"
+    parameters = inspect.signature(attention.forward).parameters
+    if any(name not in parameters for name in _ATTENTION_ARGUMENTS):
+        return f"its forward does not take {', '.join(_ATTENTION_ARGUMENTS)}"
+    head_dim, scaling = getattr(attention, "head_dim", None), getattr(attention, "scaling", None)
+    if not isinstance(head_dim, int) or not isinstance(scaling, float) or not getattr(attention, "is_causal", False):
+        return "it has no int head_dim, float scaling and is_causal=True"
+    try:
+        with _probing(attention, training=True) as (params, x):
+            angles = torch.randn(1, x.shape[1], head_dim // 2).to(x.device, x.dtype).repeat(1, 1, 2)
+            rotary = (angles.cos(), angles.sin())
+            want = functional_call(attention, params, (), {"hidden_states": x, "position_embeddings": rotary,
+                                                             "attention_mask": None})
+            got = attention_block_op(x, *(params[f"{n}.weight"] for n in _PROJECTIONS), *rotary,
+                                     **{f"b_{n[0]}": params.get(f"{n}.bias") for n in _PROJECTIONS}, scale=scaling)
+    except _PROBE_ERRORS as error:
+        return f"the op cannot compute it ({type(error).__name__}: {error})"
+    if not _close(got, want[0] if isinstance(want, tuple) else want):
+        return "its forward computes something else than the op (a probe on random weights differs)"
+    return None
+
+
+def _attention_block_forward(attention: nn.Module, fallback):
+    """``attention``'s forward through the op where the call allows, else ``fallback``."""
+    signature = inspect.signature(attention.forward)
+    projections = [getattr(attention, name) for name in _PROJECTIONS]
+    config = getattr(attention, "config", None)
+    windows = [w for w in (getattr(attention, "sliding_window", None), getattr(config, "sliding_window", None))
+               if w is not None]
+
+    def forward(*args, **kwargs):
+        call = signature.bind(*args, **kwargs).arguments
+        x, rotary = call["hidden_states"], call.get("position_embeddings")
+        plain_causal = (
+            torch.is_grad_enabled()  # inference keeps the module's own path
+            and getattr(config, "_attn_implementation", None) == "sdpa"  # no mask then means causal
+            and call.get("attention_mask") is None and call.get("past_key_values") is None
+            and not (attention.training and getattr(attention, "attention_dropout", 0.0))
+            and x.dim() == 3 and all(x.shape[1] <= w for w in windows)
+            and rotary is not None and not any(t.requires_grad for t in rotary)
+        )
+        if not plain_causal:
+            return fallback(*args, **kwargs)
+        out = attention_block_op(x, *(p.weight for p in projections), *rotary,
+                                 **{f"b_{n[0]}": p.bias for n, p in zip(_PROJECTIONS, projections)},
+                                 scale=attention.scaling)
+        return out, None
+
+    return forward
+
+
 def _checkpoint_forward(handle: OffloadHandle, module: nn.Module, offload: bool):
     original = module.forward
 
@@ -323,11 +401,29 @@ def _checkpoint_forward(handle: OffloadHandle, module: nn.Module, offload: bool)
     return forward
 
 
+def _fuse_attention(handle: OffloadHandle, name: str, layer: nn.Module, checkpointed: bool) -> None:
+    """The layer's attention through the attention_block op where it is proven to compute the same."""
+    attention = _attention_of(layer)
+    if attention is None:
+        return
+    module = getattr(layer, attention)
+    problem = _attention_block_problem(module)
+    handle.attention[f"{name}.{attention}"] = "attention_block" if problem is None else f"module: {problem}"
+    if problem is not None:
+        return
+    # The op saves only its input and recomputes itself in backward: checkpointing it again
+    # would compute its forward twice. Calls the op cannot take get the module's own path.
+    fallback = _checkpoint_forward(handle, module, offload=True) if checkpointed else module.forward
+    handle._patch(f"{name}.{attention}.forward", module, "forward", _attention_block_forward(module, fallback))
+
+
 def _wrap_layer(handle: OffloadHandle, index: int, name: str, layer: nn.Module, checkpoint: str | None,
-                offload_layer: bool) -> None:
+                offload_layer: bool, fuse_attention: bool) -> None:
     context = handle.context if offload_layer else None
     if context is None:  # checkpointed, activations kept where they are
         handle.checkpointing[name] = "layer"
+        if fuse_attention:
+            _fuse_attention(handle, name, layer, checkpointed=False)
         handle._patch(f"{name}.forward", layer, "forward", _checkpoint_forward(handle, layer, offload=False))
         return
     original = layer.forward
@@ -336,10 +432,15 @@ def _wrap_layer(handle: OffloadHandle, index: int, name: str, layer: nn.Module, 
         # Only attention is recomputed in backward; everything else the layer saves goes to
         # the offload tier. Backward then holds one attention's activations, not a layer's.
         module = getattr(layer, attention)
-        handle._patch(f"{name}.{attention}.forward", module, "forward",
-                      _checkpoint_forward(handle, module, offload=True))
+        if fuse_attention:
+            _fuse_attention(handle, name, layer, checkpointed=True)
+        if handle.attention.get(f"{name}.{attention}") != "attention_block":
+            handle._patch(f"{name}.{attention}.forward", module, "forward",
+                          _checkpoint_forward(handle, module, offload=True))
         run = original
     else:
+        if fuse_attention:
+            _fuse_attention(handle, name, layer, checkpointed=False)
         run = _checkpoint_forward(handle, layer, offload=True) if checkpoint is not None else original
     handle.checkpointing[name] = "attention" if attention is not None else "layer" if checkpoint else "none"
 
@@ -428,6 +529,7 @@ def apply(
     keep_last: int = 1,
     layers: str | None = None,
     loss: bool = True,
+    attention_block: bool = True,
     **offload_options,
 ) -> OffloadHandle:
     """Make ``model`` (a Hugging Face style causal LM or VLM) train with less memory, in place.
@@ -462,6 +564,14 @@ def apply(
       ``num_items_in_batch``, tied embeddings and the logits' soft-capping or scaling are
       honoured, and a probe at apply time checks the loss against the model's own (a model
       that does not match keeps its own, with a warning). Calls without labels are unchanged.
+    - ``attention_block``: in every layer apply checkpoints or offloads, the attention module
+      runs through the ``attention_block`` op (one group of heads at a time; backward saves
+      only the module's input and recomputes each group) where a probe at apply time shows
+      the module computes exactly that (the four ``nn.Linear`` projections with rotary
+      embeddings and causal attention, as Llama, Mistral and Qwen2), and where a call is plain
+      causal SDPA attention (no mask, cache or dropout); other calls and modules keep their
+      own forward (``handle.attention`` says which and why). In a layer checkpointed whole
+      this adds one attention forward to backward.
     - ``torch.compile(model, fullgraph=True)`` afterwards traces in one graph: each layer is
       a checkpoint in the graph and, with offloading, the compiled graphs hand the saved
       activations the offloaded layers use to the same store (``torch_offload::store_pack``
@@ -501,7 +611,7 @@ def apply(
                 _tile_mlp(handle, f"{name}.mlp", layer, num_shards, recorded)
             offload_layer = context is not None and index < len(layer_list) - keep_last
             if recompute or offload_layer:
-                _wrap_layer(handle, index, name, layer, recompute, offload_layer)
+                _wrap_layer(handle, index, name, layer, recompute, offload_layer, attention_block)
         if loss:
             handle.loss = fuse_causal_lm_loss(handle, model)
         if context is not None:
