@@ -16,14 +16,12 @@ methods take turns, round after round, so that drifting load on a shared machine
 them alike; each cell is the median over the rounds.
 """
 import argparse
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
-from measure import reset_peak_rss, status_bytes, write_section
+from measure import machine, reset_peak_rss, status_bytes, write_section
 
 HIDDEN = 1024
 SIZES = ((16384, 32000), (4096, 128256))  # (tokens, vocabulary)
@@ -83,15 +81,6 @@ def run(method, tokens, vocab, improbable=None):
         command += ["--improbable", str(improbable)]
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout.split()
     return int(out[0]), float(out[1]), float(out[2])
-
-
-def machine():
-    import torch
-
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    return (f"torch {torch.__version__}, {torch.get_num_threads()} threads "
-            f"({torch.backends.cpu.get_cpu_capability()}), {cpu}, load average {os.getloadavg()[0]:.1f} at the end")
 
 
 def filtering(args):

@@ -1,4 +1,7 @@
-"""What the benchmark scripts share: peak resident memory of a worker process, and their BENCHMARKS.md sections."""
+"""What the benchmark scripts share: peak resident memory of a worker process, the machine, and their
+BENCHMARKS.md sections."""
+import os
+import platform
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,3 +31,13 @@ def write_section(title, text):
         end = doc.find("\n## ", start + 1)
         doc = doc[:start] + doc[end if end >= 0 else len(doc):]
     path.write_text(doc.rstrip("\n") + "\n\n" + text)
+
+
+def machine():
+    """torch, threads, vector ISA, CPU model and load: what a timing depends on."""
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    return (f"torch {torch.__version__}, {torch.get_num_threads()} threads "
+            f"({torch.backends.cpu.get_cpu_capability()}), {cpu}, load average {os.getloadavg()[0]:.1f} at the end")
