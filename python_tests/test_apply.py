@@ -444,7 +444,7 @@ ATTENTION = {
     "qwen3": "module: it is not made of exactly",  # per-head q_norm / k_norm
     "phi3": "module: it is not made of exactly",  # fused qkv_proj
     "gpt2": "module: it is not made of exactly",  # Conv1D c_attn
-    "gemma2": "module: its forward computes something else",  # eager attention with soft-capped scores
+    "gemma2": "module: its attention implementation is 'eager'",  # (for its soft-capped attention scores)
 }
 
 
@@ -486,5 +486,23 @@ def test_attention_block_runs_for_plain_causal_calls_and_the_module_for_the_othe
         assert_close_runs(want[mask], got[mask])
     with torch.no_grad():  # inference: the module's own forward
         assert op_calls(lambda: model(input_ids=ids)) == (0, 0)
+    handle.remove()
+
+
+def test_attention_block_leaves_bidirectional_and_cache_filling_calls_to_the_module(tmp_path):
+    model, ids = make_model("llama"), batch()
+    bidirectional = lambda **kw: model(**kw, is_causal=False)  # noqa: E731
+    caching = lambda **kw: model(**{**kw, "use_cache": True})  # noqa: E731
+    want = [loss_and_grads(model, ids, run=run) for run in (bidirectional, caching)]
+    handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0)
+    got = []
+    assert op_calls(lambda: got.append(loss_and_grads(model, ids, run=bidirectional))) == (0, 0)
+    with pytest.warns(UserWarning, match="attention_block is not used while the model fills a key/value cache"):
+        assert op_calls(lambda: got.append(loss_and_grads(model, ids, run=caching))) == (0, 0)
+    for w, g in zip(want, got):
+        assert_close_runs(w, g)
+    model.model.layers[0].self_attn.is_causal = False  # a module made bidirectional after apply
+    # Layers 1 and 2 still use it; the last one, recomputed whole, calls it again in backward.
+    assert op_calls(lambda: loss_and_grads(model, ids)) == (3, 2)
     handle.remove()
     assert not any("forward" in vars(m) for m in model.modules())

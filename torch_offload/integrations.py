@@ -328,6 +328,11 @@ def _attention_of(layer: nn.Module) -> str | None:
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _ATTENTION_ARGUMENTS = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values")
+# Other arguments transformers passes an attention module that do not change what SDPA computes
+# without a mask (packed sequences' position_ids make transformers build one). Any other argument
+# sends the call to the module's own forward.
+_NEUTRAL_ARGUMENTS = frozenset({"position_ids", "use_cache", "cache_position", "num_items_in_batch",
+                                "output_attentions", "output_hidden_states"})
 
 
 def _attention_block_problem(attention: nn.Module) -> str | None:
@@ -343,6 +348,9 @@ def _attention_block_problem(attention: nn.Module) -> str | None:
     head_dim, scaling = getattr(attention, "head_dim", None), getattr(attention, "scaling", None)
     if not isinstance(head_dim, int) or not isinstance(scaling, float) or not getattr(attention, "is_causal", False):
         return "it has no int head_dim, float scaling and is_causal=True"
+    implementation = getattr(getattr(attention, "config", None), "_attn_implementation", None)
+    if implementation != "sdpa":  # the op is causal SDPA: eager attention without a mask is not even causal
+        return f"its attention implementation is {implementation!r}, not 'sdpa'"
     try:
         with _probing(attention, training=True) as (params, x):
             angles = torch.randn(1, x.shape[1], head_dim // 2).to(x.device, x.dtype).repeat(1, 1, 2)
@@ -361,6 +369,7 @@ def _attention_block_problem(attention: nn.Module) -> str | None:
 def _attention_block_forward(attention: nn.Module, fallback):
     """``attention``'s forward through the op where the call allows, else ``fallback``."""
     signature = inspect.signature(attention.forward)
+    var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
     projections = [getattr(attention, name) for name in _PROJECTIONS]
     config = getattr(attention, "config", None)
     windows = [w for w in (getattr(attention, "sliding_window", None), getattr(config, "sliding_window", None))
@@ -369,10 +378,22 @@ def _attention_block_forward(attention: nn.Module, fallback):
     def forward(*args, **kwargs):
         call = signature.bind(*args, **kwargs).arguments
         x, rotary = call["hidden_states"], call.get("position_embeddings")
+        others = {name: value for name, value in call.items()
+                  if name not in _ATTENTION_ARGUMENTS and name != var_keyword}
+        others.update(call.get(var_keyword) or {})
+        causal = others.pop("is_causal", None)  # transformers' SDPA: the call's, else the module's
+        causal = getattr(attention, "is_causal", True) if causal is None else causal
+        if call.get("past_key_values") is not None and torch.is_grad_enabled():
+            warnings.warn("torch_offload: attention_block is not used while the model fills a key/value cache "
+                          "(use_cache=True, transformers' default even in training): the attention modules run "
+                          "their own forward; pass use_cache=False or set model.config.use_cache = False",
+                          UserWarning, stacklevel=2)
         plain_causal = (
             torch.is_grad_enabled()  # inference keeps the module's own path
             and getattr(config, "_attn_implementation", None) == "sdpa"  # no mask then means causal
+            and causal is True
             and call.get("attention_mask") is None and call.get("past_key_values") is None
+            and all(value is None or name in _NEUTRAL_ARGUMENTS for name, value in others.items())
             and not (attention.training and getattr(attention, "attention_dropout", 0.0))
             and x.dim() == 3 and all(x.shape[1] <= w for w in windows)
             and rotary is not None and not any(t.requires_grad for t in rotary)
@@ -569,9 +590,11 @@ def apply(
       only the module's input and recomputes each group) where a probe at apply time shows
       the module computes exactly that (the four ``nn.Linear`` projections with rotary
       embeddings and causal attention, as Llama, Mistral and Qwen2), and where a call is plain
-      causal SDPA attention (no mask, cache or dropout); other calls and modules keep their
-      own forward (``handle.attention`` says which and why). In a layer checkpointed whole
-      this adds one attention forward to backward.
+      causal SDPA attention (no mask, no key/value cache: call the model with
+      ``use_cache=False``, no dropout, no argument that changes attention); other calls and
+      modules keep their own forward (``handle.attention`` says which modules and why; a call
+      with a cache warns). In a layer checkpointed whole this adds one attention forward to
+      backward.
     - ``torch.compile(model, fullgraph=True)`` afterwards traces in one graph: each layer is
       a checkpoint in the graph and, with offloading, the compiled graphs hand the saved
       activations the offloaded layers use to the same store (``torch_offload::store_pack``
