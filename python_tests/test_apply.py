@@ -505,4 +505,25 @@ def test_attention_block_leaves_bidirectional_and_cache_filling_calls_to_the_mod
     # Layers 1 and 2 still use it; the last one, recomputed whole, calls it again in backward.
     assert op_calls(lambda: loss_and_grads(model, ids)) == (3, 2)
     handle.remove()
+
+
+def test_attention_block_leaves_projections_wrapped_or_hooked_after_apply_to_the_module(tmp_path):
+    model, ids = make_model("llama"), batch()
+    handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0)
+    assert handle.attention_blocks == 3
+    # LoRA added after apply replaces q_proj and v_proj in every layer: the op would bypass the adapters.
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                           init_lora_weights=False)
+    model = peft.get_peft_model(model, lora)
+    got = {}
+    assert op_calls(lambda: got.__setitem__("lora", loss_and_grads(model, ids))) == (0, 0)
+    handle.remove()
+    assert_close_runs(loss_and_grads(model, ids), got["lora"])
+    plain = make_model("llama")
+    handle = torch_offload.apply(plain, offload="disk", spill_directory=str(tmp_path), min_bytes=0)
+    calls = []
+    plain.model.layers[1].self_attn.k_proj.register_forward_hook(lambda *_: calls.append(1))
+    assert op_calls(lambda: loss_and_grads(plain, ids)) == (3, 2)  # layer 1 runs its module: the hook fires
+    assert calls
+    handle.remove()
     assert not any("forward" in vars(m) for m in model.modules())

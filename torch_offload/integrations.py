@@ -370,7 +370,6 @@ def _attention_block_forward(attention: nn.Module, fallback):
     """``attention``'s forward through the op where the call allows, else ``fallback``."""
     signature = inspect.signature(attention.forward)
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
-    projections = [getattr(attention, name) for name in _PROJECTIONS]
     config = getattr(attention, "config", None)
     windows = [w for w in (getattr(attention, "sliding_window", None), getattr(config, "sliding_window", None))
                if w is not None]
@@ -383,13 +382,18 @@ def _attention_block_forward(attention: nn.Module, fallback):
         others.update(call.get(var_keyword) or {})
         causal = others.pop("is_causal", None)  # transformers' SDPA: the call's, else the module's
         causal = getattr(attention, "is_causal", True) if causal is None else causal
-        if call.get("past_key_values") is not None and torch.is_grad_enabled():
+        # Read at each call: a projection replaced or hooked since apply (a LoRA wrapper, FSDP2 on a
+        # Linear) would be bypassed by the op.
+        projections = [getattr(attention, name, None) for name in _PROJECTIONS]
+        if (call.get("past_key_values") is not None and torch.is_grad_enabled()
+                and not torch.compiler.is_compiling()):  # dynamo cannot trace warnings.warn
             warnings.warn("torch_offload: attention_block is not used while the model fills a key/value cache "
                           "(use_cache=True, transformers' default even in training): the attention modules run "
                           "their own forward; pass use_cache=False or set model.config.use_cache = False",
                           UserWarning, stacklevel=2)
         plain_causal = (
             torch.is_grad_enabled()  # inference keeps the module's own path
+            and all(type(p) is nn.Linear and not (p._forward_hooks or p._forward_pre_hooks) for p in projections)
             and getattr(config, "_attn_implementation", None) == "sdpa"  # no mask then means causal
             and causal is True
             and call.get("attention_mask") is None and call.get("past_key_values") is None
