@@ -129,10 +129,14 @@ at::Tensor rotary(const at::Tensor& rows, const Layout& l, const at::Tensor& cos
   return heads * cos.unsqueeze(1) + rotate_half(heads) * sin.unsqueeze(1);
 }
 
+// Heads [B, n, T, D] as rows [B * T, n * D].
+at::Tensor as_rows(const at::Tensor& heads, const Layout& l) {
+  return heads.transpose(1, 2).reshape({l.batch * l.tokens, -1});
+}
+
 // The gradient of rotary's input as rows [B * T, n * D], given the gradient of its output [B, n, T, D].
 at::Tensor rotary_backward(const at::Tensor& grad, const Layout& l, const at::Tensor& cos, const at::Tensor& sin) {
-  const at::Tensor heads = grad * cos.unsqueeze(1) + rotate_half_transposed(grad * sin.unsqueeze(1));
-  return heads.transpose(1, 2).reshape({l.batch * l.tokens, -1});
+  return as_rows(grad * cos.unsqueeze(1) + rotate_half_transposed(grad * sin.unsqueeze(1)), l);
 }
 
 // [B, n, T, D] key/value heads repeated for the `repeats` query heads that share each.
@@ -182,10 +186,6 @@ void project(Group& g, const Layout& l, const at::Tensor& x_rows, const at::Tens
   g.k = repeat_kv(rotary(linear(w_k, b_k, g.kv_start, g.kv_rows), l, cos, sin), l);
   g.v = repeat_kv(linear(w_v, b_v, g.kv_start, g.kv_rows).view({l.batch, l.tokens, -1, l.head_dim}).transpose(1, 2),
                   l);
-}
-
-at::Tensor as_rows(const at::Tensor& heads, const Layout& l) {
-  return heads.transpose(1, 2).reshape({l.batch * l.tokens, -1});
 }
 
 }  // namespace
