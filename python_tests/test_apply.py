@@ -119,13 +119,14 @@ def test_peft_lora_llama_trains_with_apply(tmp_path):
     handle.remove()
 
 
-@pytest.mark.parametrize("offload", [None, "disk"])
-def test_compiled_patched_model_matches_eager(offload, tmp_path):
+@pytest.mark.parametrize("offload,use_cache", [(None, False), ("disk", False), ("disk", True)])
+def test_compiled_patched_model_matches_eager(offload, use_cache, tmp_path):
     model, ids = make_model("llama"), batch()
     handle = torch_offload.apply(model, offload=offload, num_shards=2, min_bytes=0, spill_directory=str(tmp_path))
     want = loss_and_grads(model, ids)
     torch._dynamo.reset()
-    got = loss_and_grads(model, ids, run=torch.compile(model))
+    compiled = torch.compile(model, fullgraph=True)
+    got = loss_and_grads(model, ids, run=lambda **kw: compiled(**{**kw, "use_cache": use_cache}))
     assert_close_runs(want, got)
     handle.remove()
 
@@ -489,21 +490,60 @@ def test_attention_block_runs_for_plain_causal_calls_and_the_module_for_the_othe
     handle.remove()
 
 
-def test_attention_block_leaves_bidirectional_and_cache_filling_calls_to_the_module(tmp_path):
+def test_attention_block_leaves_bidirectional_calls_to_the_module(tmp_path):
     model, ids = make_model("llama"), batch()
     bidirectional = lambda **kw: model(**kw, is_causal=False)  # noqa: E731
-    caching = lambda **kw: model(**{**kw, "use_cache": True})  # noqa: E731
-    want = [loss_and_grads(model, ids, run=run) for run in (bidirectional, caching)]
+    want = loss_and_grads(model, ids, run=bidirectional)
     handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0)
     got = []
     assert op_calls(lambda: got.append(loss_and_grads(model, ids, run=bidirectional))) == (0, 0)
-    with pytest.warns(UserWarning, match="attention_block is not used while the model fills a key/value cache"):
-        assert op_calls(lambda: got.append(loss_and_grads(model, ids, run=caching))) == (0, 0)
-    for w, g in zip(want, got):
-        assert_close_runs(w, g)
+    assert_close_runs(want, got[0])
     model.model.layers[0].self_attn.is_causal = False  # a module made bidirectional after apply
     # Layers 1 and 2 still use it; the last one, recomputed whole, calls it again in backward.
     assert op_calls(lambda: loss_and_grads(model, ids)) == (3, 2)
+    handle.remove()
+
+
+def cache_length(output):
+    return output.past_key_values.get_seq_length()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_checkpointed_layers_train_without_a_cache_and_infer_with_it(name, tmp_path):
+    # use_cache=True is transformers' default, in training too. Backward's recomputation of a
+    # checkpointed layer would append to the cache again (twice the tokens; Gemma 2's mask then fails).
+    model, ids = make_model(name), batch()
+    caching = lambda **kw: model(**{**kw, "use_cache": True})  # noqa: E731
+    want = loss_and_grads(model, ids, run=caching)
+    with torch.no_grad():
+        inferred = model(input_ids=ids, use_cache=True)
+    handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0)
+    outputs = []
+    with pytest.warns(UserWarning, match="checkpointed layers run with use_cache=False and no key/value cache"):
+        got = loss_and_grads(model, ids, run=lambda **kw: outputs.append(caching(**kw)) or outputs[-1])
+    assert_close_runs(want, got)
+    assert cache_length(outputs[0]) == 0  # as after transformers' own gradient checkpointing: nothing cached
+    with torch.no_grad():  # inference is not checkpointed: the cache is filled as without apply
+        applied = model(input_ids=ids, use_cache=True)
+    assert cache_length(applied) == cache_length(inferred) == ids.shape[1]
+    torch.testing.assert_close(applied.logits, inferred.logits)
+    if name == "llama":  # and the attention op runs in training calls that asked for a cache
+        assert op_calls(lambda: loss_and_grads(model, ids, run=caching)) == (4, 3)
+    handle.remove()
+
+
+def test_layers_that_are_not_recomputed_fill_the_cache(tmp_path):
+    model, ids = make_model("llama"), batch()
+    plain = model(input_ids=ids, labels=ids, use_cache=True)
+    handle = torch_offload.apply(model, offload="disk", checkpoint=False, spill_directory=str(tmp_path), min_bytes=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # attention_block's: the module's forward fills the cache
+        applied = model(input_ids=ids, labels=ids, use_cache=True)
+    applied.loss.backward()  # nothing is recomputed: the cache keeps one copy of each token
+    assert cache_length(applied) == cache_length(plain) == ids.shape[1]
+    for mine, theirs in zip(applied.past_key_values.layers, plain.past_key_values.layers):
+        torch.testing.assert_close(mine.keys, theirs.keys)
+        torch.testing.assert_close(mine.values, theirs.values)
     handle.remove()
 
 

@@ -442,16 +442,58 @@ def _fuse_attention(handle: OffloadHandle, name: str, layer: nn.Module, checkpoi
     handle._patch(f"{name}.{attention}.forward", module, "forward", _attention_block_forward(module, fallback))
 
 
+# The names a decoder layer's key/value cache goes by (transformers 5, 4.x, GPT-2 before 4.5x).
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def _without_cache(layer_forward):
+    """A function that removes the key/value cache from a call of ``layer_forward`` (args, kwargs).
+
+    Backward's recomputation of a checkpointed layer would append its keys and values to the
+    cache a second time (a cache twice the sequence, or a size mismatch when the recomputed
+    attention masks with it), so calls that checkpoint run without one, as transformers' own
+    gradient checkpointing does.
+    """
+    positional = [p.name for p in inspect.signature(layer_forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    def drop(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args, kwargs, dropped = list(args), dict(kwargs), False
+        for name in _CACHE_ARGUMENTS:
+            if kwargs.get(name) is not None:
+                kwargs[name], dropped = None, True
+            elif name in positional and positional.index(name) < len(args) and args[positional.index(name)] is not None:
+                args[positional.index(name)], dropped = None, True
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"], dropped = False, True
+        if dropped and not torch.compiler.is_compiling():  # dynamo cannot trace warnings.warn
+            warnings.warn("torch_offload.apply: checkpointed layers run with use_cache=False and no key/value cache "
+                          "when gradients are on (backward's recomputation would fill the cache a second time), as "
+                          "transformers' gradient checkpointing does; the model returns an empty cache",
+                          UserWarning, stacklevel=2)
+        return tuple(args), kwargs
+
+    return drop
+
+
 def _wrap_layer(handle: OffloadHandle, index: int, name: str, layer: nn.Module, checkpoint: str | None,
                 offload_layer: bool, fuse_attention: bool) -> None:
     context = handle.context if offload_layer else None
+    original = layer.forward
+    without_cache = _without_cache(original)
     if context is None:  # checkpointed, activations kept where they are
         handle.checkpointing[name] = "layer"
         if fuse_attention:
             _fuse_attention(handle, name, layer, checkpointed=False)
-        handle._patch(f"{name}.forward", layer, "forward", _checkpoint_forward(handle, layer, offload=False))
+        checkpointed = _checkpoint_forward(handle, layer, offload=False)
+
+        def checkpointed_without_cache(*args, **kwargs):
+            if torch.is_grad_enabled():
+                args, kwargs = without_cache(args, kwargs)
+            return checkpointed(*args, **kwargs)
+
+        handle._patch(f"{name}.forward", layer, "forward", checkpointed_without_cache)
         return
-    original = layer.forward
     attention = _attention_of(layer) if checkpoint == "attention" else None
     if attention is not None:
         # Only attention is recomputed in backward; everything else the layer saves goes to
@@ -472,6 +514,8 @@ def _wrap_layer(handle: OffloadHandle, index: int, name: str, layer: nn.Module, 
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():  # inference: nothing is saved for backward
             return original(*args, **kwargs)
+        if checkpoint is not None:
+            args, kwargs = without_cache(args, kwargs)
         if torch.compiler.is_compiling():
             # dynamo cannot enter the context: apply's graph hooks offload, by the layer marked on each node.
             with torch.fx.traceback.annotate({_LAYER: index}):
@@ -594,11 +638,15 @@ def apply(
       only the module's input and recomputes each group) where a probe at apply time shows
       the module computes exactly that (the four ``nn.Linear`` projections with rotary
       embeddings and causal attention, as Llama, Mistral and Qwen2), and where a call is plain
-      causal SDPA attention (no mask, no key/value cache: call the model with
-      ``use_cache=False``, no dropout, no argument that changes attention); other calls and
+      causal SDPA attention (no mask, no key/value cache, no dropout, no argument that
+      changes attention); other calls and
       modules keep their own forward (``handle.attention`` says which modules and why; a call
       with a cache warns). In a layer checkpointed whole this adds one attention forward to
       backward.
+    - A checkpointed layer called with gradients on runs without a key/value cache
+      (``use_cache=False``, with a warning), as transformers' gradient checkpointing does:
+      backward's recomputation would fill the cache a second time. The model returns an
+      empty cache then; calls without gradients fill it as usual.
     - ``torch.compile(model, fullgraph=True)`` afterwards traces in one graph: each layer is
       a checkpoint in the graph and, with offloading, the compiled graphs hand the saved
       activations the offloaded layers use to the same store (``torch_offload::store_pack``
