@@ -240,6 +240,41 @@ def test_autocast_runs_the_gemms_in_the_autocast_dtype_and_returns_a_float32_los
         assert relative_error(g, w) < 2e-2
 
 
+def test_autocast_leaves_a_float64_loss_in_float64_as_eager():
+    hidden, weight, b, target = make_inputs((9, 16), 40, bias=True, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast does not cast float64
+        got = call(hidden, weight, b, target)
+        want = F.cross_entropy(F.linear(hidden, weight, b), target)
+    assert got.dtype == want.dtype == torch.float64
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("tile_vocab", [4, 5, 8, 12], ids=str)
+def test_vocabulary_masked_by_minus_infinity_matches_eager_at_every_tile(tile_vocab):
+    # A tile whose every logit is -inf must add nothing to the log-sum-exp (not exp(-inf - -inf) = NaN).
+    hidden, weight, b, target = make_inputs((6, 8), 12, bias=True)
+    with torch.no_grad():
+        b[8:] = float("-inf")
+        target.clamp_(max=7)
+    want = loss_and_grads(lambda: reference(hidden, weight, target, bias=b), (hidden, weight, b))
+    got = loss_and_grads(lambda: call(hidden, weight, b, target, tile_tokens=4, tile_vocab=tile_vocab),
+                         (hidden, weight, b))
+    for g, w in zip((got[0], *got[1]), (want[0], *want[1])):
+        assert torch.isfinite(w).all()
+        assert_close_f32(g, w)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_hidden_size_zero_matches_eager(reduction):
+    hidden = torch.randn(2, 3, 0, requires_grad=True)
+    weight = torch.randn(11, 0, requires_grad=True)
+    target = torch.randint(0, 11, (2, 3))
+    want = loss_and_grads(lambda: reference(hidden, weight, target, reduction=reduction), (hidden, weight))
+    got = loss_and_grads(lambda: call(hidden, weight, None, target, reduction=reduction), (hidden, weight))
+    for g, w in zip((got[0], *got[1]), (want[0], *want[1])):
+        assert_close_f32(g, w)
+
+
 def improbable_tail_inputs(dtype=torch.float32, softcap=None, **kwargs):
     """Inputs (vocabulary 77, tiles of 16 x 20 in use) whose classes from 40 on are improbable for every token
     (bias -60: softmax below 1e-17 even with a softcap of 50), so gradient filtering may skip the last two vocabulary

@@ -48,9 +48,10 @@ at::Tensor linear_cross_entropy_autocast(const at::Tensor& hidden, const at::Ten
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
   const auto cast = [&](const auto& t) { return at::autocast::cached_cast(dtype, t, kDevice); };
-  return linear_cross_entropy(cast(hidden), cast(weight), cast(bias), target, ignore_index, label_smoothing, softcap,
-                              z_loss, reduction, std::move(tile_tokens), std::move(tile_vocab), filter_eps)
-      .to(at::kFloat);
+  at::Tensor loss = linear_cross_entropy(cast(hidden), cast(weight), cast(bias), target, ignore_index, label_smoothing,
+                                        softcap, z_loss, reduction, std::move(tile_tokens), std::move(tile_vocab),
+                                        filter_eps);
+  return loss.scalar_type() == at::kDouble ? loss : loss.to(at::kFloat);  // autocast leaves float64 alone
 }
 
 }  // namespace

@@ -8,6 +8,8 @@
 // lse = log sum_j exp(z_j), eps the label smoothing; its derivative by logit_j is
 //   g ((1 + 2 z_loss lse) exp(z_j - lse) - eps / V - (1 - eps) [j = target]) dz_j/dlogit_j
 // with g the token's weight in the reduction (grad_out / tokens for "mean").
+#include <cmath>
+
 #include "ops/common/activation_math.h"
 
 namespace torch_offload {
@@ -47,9 +49,13 @@ TORCH_OFFLOAD_HOST_DEVICE inline bool gradient_is_negligible(T max_abs_gradient,
 }
 
 // Folds one tile's maximum and sum of exp(z - tile_max) into a row's running
-// (max, sum of exp(z - max)): the online log-sum-exp.
+// (max, sum of exp(z - max)): the online log-sum-exp. A tile whose every z is -inf (a
+// vocabulary block masked by a -inf bias) adds nothing; its sum, exp(-inf - -inf), is NaN.
 template <typename T>
 TORCH_OFFLOAD_HOST_DEVICE inline void lse_combine(T* max, T* sum_exp, T tile_max, T tile_sum_exp) {
+  if (tile_max == -T(INFINITY)) {
+    return;
+  }
   if (tile_max > *max) {
     *sum_exp = *sum_exp * ActMath<T>::exp(*max - tile_max) + tile_sum_exp;
     *max = tile_max;

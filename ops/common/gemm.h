@@ -5,8 +5,16 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/mm.h>
+#include <c10/util/accumulate.h>
 
 namespace torch_offload {
+
+// t [..., h] as contiguous [tokens, h]. reshape({-1, h}) cannot infer the tokens
+// when h is 0, and a layer of hidden size 0 is as well defined as a Linear(0, n).
+inline at::Tensor token_rows(const at::Tensor& t) {
+  const at::IntArrayRef sizes = t.sizes();
+  return t.reshape({c10::multiply_integers(sizes.begin(), sizes.end() - 1), sizes.back()}).contiguous();
+}
 
 // out <- in @ w^T + b (b may be undefined), in place: out is a slice of a bigger buffer.
 inline void linear_into(const at::Tensor& out, const at::Tensor& in, const at::Tensor& w, const at::Tensor& b) {

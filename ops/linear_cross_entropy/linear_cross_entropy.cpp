@@ -137,7 +137,7 @@ struct Flat {
 
 Flat flatten(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target) {
   Flat f;
-  f.hidden = hidden.reshape({-1, hidden.size(-1)}).contiguous();
+  f.hidden = token_rows(hidden);
   f.target = target.reshape({-1}).to(at::kLong).contiguous();
   f.tokens = f.target.size(0);
   f.vocab = weight.size(0);

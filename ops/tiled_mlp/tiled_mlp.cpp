@@ -14,7 +14,6 @@
 #include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/SymBool.h>
-#include <c10/util/accumulate.h>
 #include <c10/util/Exception.h>
 
 #include "ops/common/checks.h"
@@ -110,13 +109,6 @@ void check_mlp(const char* op, const at::Tensor& x, const at::Tensor& w_gate, co
   if (b_down.defined()) {
     check_like_x(op, "b_down", b_down, x, {h}, "[h]");
   }
-}
-
-// t [..., h] as contiguous [tokens, h]. reshape({-1, h}) cannot infer the tokens
-// when h is 0, and an MLP of hidden size 0 is as well defined as a Linear(0, n).
-at::Tensor token_rows(const at::Tensor& t) {
-  const at::IntArrayRef sizes = t.sizes();
-  return t.reshape({c10::multiply_integers(sizes.begin(), sizes.end() - 1), sizes.back()}).contiguous();
 }
 
 }  // namespace
