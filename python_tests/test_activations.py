@@ -8,6 +8,7 @@ import weakref
 
 import pytest
 import torch
+from torch import nn
 
 import torch_offload
 from models import TinyTransformer
@@ -64,7 +65,9 @@ def test_training_is_bitwise_equal_and_counted(with_checkpoint):
     for context in run[2]:
         stats = context.stats()
         assert stats["packed_bytes"] > 0
-        assert stats["unpacked_bytes"] == stats["packed_bytes"]
+        # The batch's inputs, which the caller still holds, are served from their own storage.
+        assert stats["unpacked_bytes"] + stats["live_bytes"] == stats["packed_bytes"]
+        assert 0 < stats["live_bytes"] < stats["packed_bytes"]
         assert stats["prefetch_hits"] > 0
         assert stats["host_bytes"] == 0 and stats["live_entries"] == 0  # freed with the graph
         if not with_checkpoint:
@@ -417,6 +420,43 @@ def test_dedup_never_returns_bytes_changed_through_an_alias(tier, tmp_path):
     value.backward()
     assert torch.equal(w.grad, b)
     assert context.stats()["dedup_hits"] == 0 and moved_bytes(context, tier) == 64 * 4
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_kept_tensor_changed_through_data_before_backward_is_read_as_eager_reads_it(tier, tmp_path):
+    a = torch.randn(1 << 16, requires_grad=True)
+
+    def loss():
+        x = a * 2
+        return x.sin().sum(), x  # sin saves x; the caller keeps x
+
+    want_loss, x = loss()
+    x.data.add_(1)  # no version counter sees this: eager's backward reads the changed bytes
+    (want,) = torch.autograd.grad(want_loss, a)
+    with offload_context(tier, tmp_path) as context:
+        value, x = loss()
+    x.data.add_(1)
+    (got,) = torch.autograd.grad(value, a)
+    assert moved_bytes(context, tier) == x.numel() * 4  # x was offloaded, yet its live storage is served
+    assert torch.equal(got, want)
+
+
+def test_checkpointed_function_gets_the_callers_lists_and_dicts():
+    layer = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def block(x, aux_losses, cache):
+        aux_losses.append(x.pow(2).mean())  # e.g. a router's load-balancing loss
+        cache["last"] = x.detach()
+        return layer(x).relu()
+
+    aux_losses, cache = [], {}
+    out = torch_offload.checkpoint(block, x, aux_losses, cache)
+    assert len(aux_losses) == 1 and cache["last"] is not None
+    (out.sum() + aux_losses[0]).backward()  # the recomputation does not append again
+    assert len(aux_losses) == 1
+    want = torch.autograd.grad(block(x, [], {}).sum() + x.pow(2).mean(), x)[0]
+    torch.testing.assert_close(x.grad, want)
 
 
 def test_prefetch_looks_at_each_entry_about_once_per_backward():

@@ -127,7 +127,8 @@ class offload_activations:
 
     def stats(self) -> dict[str, int]:
         """Counters: pack_calls (saved tensors that reached the store), packed_bytes
-        (host and disk), unpacked_bytes, dedup_hits, kept_on_device_bytes, disk_bytes,
+        (host and disk), unpacked_bytes (read back), live_bytes (served from the original
+        storage, which something else still held), dedup_hits, kept_on_device_bytes, disk_bytes,
         prefetch_hits, prefetch_scanned (entries the prefetch looked at), peak_host_bytes,
         host_bytes (held now) and live_entries."""
         return dict(self._store.stats())
@@ -199,8 +200,16 @@ def _tensors_as_arguments(fn: Callable, args: tuple, kwargs: dict) -> tuple[Call
     leaves, spec = pytree.tree_flatten((args, kwargs))
     where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     others = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]  # holds no tensor
+    # The forward gets the caller's own lists and dicts, as with torch.utils.checkpoint, so
+    # what fn appends to them (aux losses, router logits) reaches the caller; taken at that
+    # call, so that recomputation, which gets copies, does not keep them alive. (dynamo traces
+    # no closure mutation in a checkpoint: a compiled forward gets copies too.)
+    callers = [] if torch.compiler.is_compiling() else [(args, kwargs)]
 
     def call(*tensors):
+        if callers:
+            call_args, call_kwargs = callers.pop()
+            return fn(*call_args, **call_kwargs)
         filled = list(others)
         for i, tensor in zip(where, tensors):
             filled[i] = tensor

@@ -531,7 +531,8 @@ std::string SpillEngine::run_job(const Job& job, char* staging, std::unique_ptr<
     const uint32_t crc = crc32c(memory, extent.payload);
     if (crc != header->payload_crc) {
       return where + "failed its checksum (stored " + std::to_string(header->payload_crc) + ", computed " +
-             std::to_string(crc) + "): the data on disk is corrupted";
+             std::to_string(crc) + "): the data on disk is corrupted, or the tensor's memory changed while it was written "
+             "(a write through .data after disk_spill)";
     }
   }
   std::lock_guard<std::mutex> lock(mutex_);

@@ -109,7 +109,20 @@ at::Tensor ActivationEntry::restore() {
   if (restored_.defined()) {
     return restored_;
   }
-  if (kept_.defined()) {
+  if (c10::intrusive_ptr<c10::StorageImpl> live = source_.lock();
+      live && !kept_.defined() && static_cast<int64_t>(live->nbytes()) >= key_.end) {
+    // Something still holds the original storage (a tensor the caller keeps, an x.data
+    // alias): eager's backward would read it, changes made through .data included (no
+    // version counter sees those), so this does too, and reads nothing back. A prefetch
+    // of the copy is given up.
+    restored_ = tensor_over(c10::Storage(std::move(live)), at::kByte, {nbytes_}, {1}, key_.begin);
+    if (prefetched_.defined() || (disk_prefetched_ && ticket_.defined())) {
+      store_->prefetch_in_flight_bytes_ -= nbytes_;
+    }
+    prefetched_.reset();
+    ticket_.reset();
+    store_->live_bytes_ += nbytes_;
+  } else if (kept_.defined()) {
     restored_ = kept_;
   } else if (ticket_.defined()) {
     const at::AutoDispatchBelowADInplaceOrView below_autograd;  // no graph, no autograd node: plain copies
@@ -290,7 +303,8 @@ void ActivationStore::prefetch_before_locked(ActivationEntry& restoring) {
     ++prefetch_scanned_;
     const bool on_host = entry->packed_.defined() && !entry->prefetched_.defined();
     const bool on_disk = entry->ticket_.defined() && !entry->disk_prefetched_;
-    if (entry->restored_.defined() || !(on_host || on_disk)) {
+    // An entry whose storage is still held elsewhere is restored from it (see restore()).
+    if (entry->restored_.defined() || !(on_host || on_disk) || !entry->source_.expired()) {
       continue;
     }
     // The next entry goes even when it alone is over the budget: one in flight keeps
@@ -355,6 +369,7 @@ c10::Dict<std::string, int64_t> ActivationStore::stats() const {
   out.insert("pack_calls", pack_calls_);
   out.insert("packed_bytes", packed_bytes_);
   out.insert("unpacked_bytes", unpacked_bytes_);
+  out.insert("live_bytes", live_bytes_);
   out.insert("dedup_hits", dedup_hits_);
   out.insert("kept_on_device_bytes", kept_on_device_bytes_);
   out.insert("disk_bytes", disk_bytes_);

@@ -162,6 +162,7 @@ class ActivationStore : public torch::CustomClassHolder {
   int64_t prefetch_in_flight_bytes_ = 0;
   int64_t packed_bytes_ = 0;
   int64_t unpacked_bytes_ = 0;
+  int64_t live_bytes_ = 0;  // restored from the original storage, still held elsewhere
   int64_t dedup_hits_ = 0;
   int64_t kept_on_device_bytes_ = 0;
   int64_t disk_bytes_ = 0;
