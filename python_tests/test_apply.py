@@ -519,7 +519,7 @@ def test_checkpointed_layers_train_without_a_cache_and_infer_with_it(name, tmp_p
         inferred = model(input_ids=ids, use_cache=True)
     handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0)
     outputs = []
-    with pytest.warns(UserWarning, match="checkpointed layers run with use_cache=False and no key/value cache"):
+    with pytest.warns(UserWarning, match="checkpointed layers in training mode run with use_cache=False and no key/value cache"):
         got = loss_and_grads(model, ids, run=lambda **kw: outputs.append(caching(**kw)) or outputs[-1])
     assert_close_runs(want, got)
     assert cache_length(outputs[0]) == 0  # as after transformers' own gradient checkpointing: nothing cached
@@ -529,6 +529,34 @@ def test_checkpointed_layers_train_without_a_cache_and_infer_with_it(name, tmp_p
     torch.testing.assert_close(applied.logits, inferred.logits)
     if name == "llama":  # and the attention op runs in training calls that asked for a cache
         assert op_calls(lambda: loss_and_grads(model, ids, run=caching)) == (4, 3)
+    handle.remove()
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_a_call_that_continues_a_filled_cache_with_gradients_matches_the_unpatched_model(training, tmp_path):
+    # Scoring a continuation of a cached prompt with gradients on: not checkpointed (recomputation
+    # would append to the cache again), and not dropped (the continuation needs the prompt's keys).
+    model, ids = make_model("llama"), batch()
+    model.train(training)
+
+    def continuation(new_tokens):
+        with torch.no_grad():
+            cache = model(input_ids=ids[:, :-new_tokens], use_cache=True).past_key_values
+        out = model(input_ids=ids[:, -new_tokens:], past_key_values=cache, use_cache=True)
+        out.logits.sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return out.logits.detach(), cache.get_seq_length(), grads
+
+    want = [continuation(n) for n in (8, 1)]
+    handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0)
+    for n, (logits, length, grads) in zip((8, 1), want):
+        got_logits, got_length, got_grads = continuation(n)
+        torch.testing.assert_close(got_logits, logits)
+        assert got_length == length == ids.shape[1]
+        assert got_grads.keys() == grads.keys()
+        for name in grads:  # gradients of summed logits: large, with float32 sums in another order
+            torch.testing.assert_close(got_grads[name], grads[name], rtol=1e-5, atol=1e-5)
     handle.remove()
 
 

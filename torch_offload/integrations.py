@@ -414,9 +414,12 @@ def _attention_block_forward(attention: nn.Module, fallback):
 
 def _checkpoint_forward(handle: OffloadHandle, module: nn.Module, offload: bool):
     original = module.forward
+    caches = _CacheArguments(original)
 
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():  # inference: nothing is saved for backward
+            return original(*args, **kwargs)
+        if caches.found(args, kwargs):  # recomputation would fill the cache a second time
             return original(*args, **kwargs)
         if handle.context is not None and torch.compiler.is_compiling():
             # apply's graph hooks offload in compiled graphs (see _offload_in_compiled_graphs).
@@ -446,41 +449,49 @@ def _fuse_attention(handle: OffloadHandle, name: str, layer: nn.Module, checkpoi
 _CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
 
 
-def _without_cache(layer_forward):
-    """A function that removes the key/value cache from a call of ``layer_forward`` (args, kwargs).
+class _CacheArguments:
+    """The key/value cache arguments of calls to one forward, by keyword or by position.
 
-    Backward's recomputation of a checkpointed layer would append its keys and values to the
-    cache a second time (a cache twice the sequence, or a size mismatch when the recomputed
-    attention masks with it), so calls that checkpoint run without one, as transformers' own
-    gradient checkpointing does.
+    A checkpointed call must not carry a cache: backward's recomputation would append its
+    keys and values a second time (a cache of twice the sequence, or a size mismatch when
+    the recomputed attention masks with it). Such calls run un-checkpointed; a training
+    layer's call with an empty cache runs without it instead, as transformers' own gradient
+    checkpointing does (``drop_empty``).
     """
-    positional = [p.name for p in inspect.signature(layer_forward).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
-    def drop(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        args, kwargs, dropped = list(args), dict(kwargs), False
-        for name in _CACHE_ARGUMENTS:
-            if kwargs.get(name) is not None:
-                kwargs[name], dropped = None, True
-            elif name in positional and positional.index(name) < len(args) and args[positional.index(name)] is not None:
-                args[positional.index(name)], dropped = None, True
-        if kwargs.get("use_cache"):
-            kwargs["use_cache"], dropped = False, True
-        if dropped and not torch.compiler.is_compiling():  # dynamo cannot trace warnings.warn
-            warnings.warn("torch_offload.apply: checkpointed layers run with use_cache=False and no key/value cache "
-                          "when gradients are on (backward's recomputation would fill the cache a second time), as "
-                          "transformers' gradient checkpointing does; the model returns an empty cache",
-                          UserWarning, stacklevel=2)
+    def __init__(self, forward):
+        positional = [p.name for p in inspect.signature(forward).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.where = {name: positional.index(name) for name in _CACHE_ARGUMENTS if name in positional}
+
+    def _present(self, args: tuple, kwargs: dict) -> list[tuple[str | int, Any]]:
+        found = [(name, kwargs[name]) for name in _CACHE_ARGUMENTS if kwargs.get(name) is not None]
+        found += [(i, args[i]) for i in self.where.values() if i < len(args) and args[i] is not None]
+        return found
+
+    def found(self, args: tuple, kwargs: dict) -> bool:
+        return bool(self._present(args, kwargs))
+
+    def drop_empty(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        present = self._present(args, kwargs)
+        if not present or not all(callable(getattr(cache, "get_seq_length", None)) and cache.get_seq_length() == 0
+                                  for _, cache in present):
+            return args, kwargs  # a cache that holds tokens (a continuation) is kept: the call is not checkpointed
+        args, kwargs = list(args), dict(kwargs, use_cache=False) if "use_cache" in kwargs else dict(kwargs)
+        for where, _ in present:
+            (args if isinstance(where, int) else kwargs)[where] = None
+        if not torch.compiler.is_compiling():  # dynamo cannot trace warnings.warn
+            warnings.warn("torch_offload.apply: checkpointed layers in training mode run with use_cache=False and no "
+                          "key/value cache (backward's recomputation would fill it a second time), as transformers' "
+                          "gradient checkpointing does; the model returns an empty cache", UserWarning, stacklevel=2)
         return tuple(args), kwargs
-
-    return drop
 
 
 def _wrap_layer(handle: OffloadHandle, index: int, name: str, layer: nn.Module, checkpoint: str | None,
                 offload_layer: bool, fuse_attention: bool) -> None:
     context = handle.context if offload_layer else None
     original = layer.forward
-    without_cache = _without_cache(original)
+    caches = _CacheArguments(original)
     if context is None:  # checkpointed, activations kept where they are
         handle.checkpointing[name] = "layer"
         if fuse_attention:
@@ -488,8 +499,8 @@ def _wrap_layer(handle: OffloadHandle, index: int, name: str, layer: nn.Module, 
         checkpointed = _checkpoint_forward(handle, layer, offload=False)
 
         def checkpointed_without_cache(*args, **kwargs):
-            if torch.is_grad_enabled():
-                args, kwargs = without_cache(args, kwargs)
+            if torch.is_grad_enabled() and layer.training:
+                args, kwargs = caches.drop_empty(args, kwargs)
             return checkpointed(*args, **kwargs)
 
         handle._patch(f"{name}.forward", layer, "forward", checkpointed_without_cache)
@@ -514,8 +525,10 @@ def _wrap_layer(handle: OffloadHandle, index: int, name: str, layer: nn.Module, 
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():  # inference: nothing is saved for backward
             return original(*args, **kwargs)
-        if checkpoint is not None:
-            args, kwargs = without_cache(args, kwargs)
+        if checkpoint is not None and layer.training:
+            args, kwargs = caches.drop_empty(args, kwargs)
+        if checkpoint is not None and caches.found(args, kwargs):  # see _CacheArguments
+            return original(*args, **kwargs)
         if torch.compiler.is_compiling():
             # dynamo cannot enter the context: apply's graph hooks offload, by the layer marked on each node.
             with torch.fx.traceback.annotate({_LAYER: index}):
