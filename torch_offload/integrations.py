@@ -656,10 +656,11 @@ def apply(
       modules keep their own forward (``handle.attention`` says which modules and why; a call
       with a cache warns). In a layer checkpointed whole this adds one attention forward to
       backward.
-    - A checkpointed layer called with gradients on runs without a key/value cache
-      (``use_cache=False``, with a warning), as transformers' gradient checkpointing does:
-      backward's recomputation would fill the cache a second time. The model returns an
-      empty cache then; calls without gradients fill it as usual.
+    - A checkpointed call never carries a key/value cache (backward's recomputation would
+      fill it a second time): in training mode a layer handed an empty cache runs without
+      it (``use_cache=False``, with a warning), as transformers' gradient checkpointing
+      does, and the model returns an empty cache; a call whose cache holds tokens, or in
+      eval mode, runs the layer un-checkpointed. Calls without gradients fill it as usual.
     - ``torch.compile(model, fullgraph=True)`` afterwards traces in one graph: each layer is
       a checkpoint in the graph and, with offloading, the compiled graphs hand the saved
       activations the offloaded layers use to the same store (``torch_offload::store_pack``
