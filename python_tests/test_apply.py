@@ -340,6 +340,7 @@ def test_fused_loss_honours_transformers_loss_arguments(name):
     }
     want = {key: loss_and_grads(model, ids, run=lambda **kw: model(**{**kw, **call}))
             for key, call in calls.items()}
+    unpatched_tuple = model(input_ids=ids, labels=labels, use_cache=False, output_hidden_states=True, return_dict=False)
     handle = torch_offload.apply(model, offload=None)
     assert handle.loss == "linear_cross_entropy"
     for key, call in calls.items():
@@ -347,12 +348,34 @@ def test_fused_loss_honours_transformers_loss_arguments(name):
         assert_close_runs(want[key], got)
     output = model(input_ids=ids, labels=labels, use_cache=False)
     assert output.logits is None  # never materialized
-    as_tuple = model(input_ids=ids, labels=labels, use_cache=False, return_dict=False)
+    as_tuple = model(input_ids=ids, labels=labels, use_cache=False, output_hidden_states=True, return_dict=False)
     torch.testing.assert_close(as_tuple[0], output.loss)
+    assert len(as_tuple) == len(unpatched_tuple) and as_tuple[1] is None  # the logits' place is kept
+    for got, want_hidden in zip(as_tuple[2], unpatched_tuple[2]):
+        torch.testing.assert_close(got, want_hidden)
     without_labels = model(input_ids=ids, use_cache=False)  # generation, evaluation: the model's own logits
     assert without_labels.loss is None and without_labels.logits.shape == (*ids.shape, 128)
     handle.remove()
     assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_fused_loss_leaves_router_losses_and_a_replaced_head_to_the_model():
+    model, (ids, labels) = FAMILIES["mixtral"][0](), _labelled_batch()
+    model.train()
+    model.config.router_aux_loss_coef = 0.5
+    model.config.output_router_logits = False  # Mixtral's released configs: asked for per call
+    routed = lambda **kw: model(**kw, output_router_logits=True)  # noqa: E731  the model adds coef * aux_loss
+    want = loss_and_grads(model, ids, run=routed)
+    handle = torch_offload.apply(model, offload=None, tiled_mlp=False)
+    assert handle.loss == "linear_cross_entropy"
+    assert_close_runs(want, loss_and_grads(model, ids, run=routed))
+    handle.remove()
+    model, ids = make_model("llama"), batch()
+    handle = torch_offload.apply(model, offload=None)
+    model.resize_token_embeddings(136)  # a new output layer: the model's own head and loss
+    got = loss_and_grads(model, ids)
+    handle.remove()
+    assert_close_runs(loss_and_grads(model, ids), got)
 
 
 def test_fused_loss_with_frozen_head_under_lora_and_its_own_loss_when_unprovable():

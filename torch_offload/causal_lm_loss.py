@@ -13,6 +13,7 @@ it does not match keeps its own loss.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import threading
 from dataclasses import dataclass
@@ -124,8 +125,13 @@ def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath):
         arguments = bound.arguments
         extra = dict(arguments.get(extra_name, {})) if extra_name else {}
         keep = arguments.get("logits_to_keep", 0)
-        if arguments.get("labels") is None or not (isinstance(keep, int) and keep == 0):
-            return original(*args, **kwargs)  # no loss asked for, or logits asked for: the model's own path
+        if (arguments.get("labels") is None or not (isinstance(keep, int) and keep == 0)
+                or arguments.get("output_router_logits", extra.get("output_router_logits"))
+                or owner.get_output_embeddings() is not head):
+            # No loss asked for, or logits asked for; a mixture of experts' router loss, which the
+            # model adds only to a loss of its own; an output layer replaced since apply
+            # (resize_token_embeddings): the model's own path.
+            return original(*args, **kwargs)
         request = _LossRequest(arguments["labels"], extra.get("shift_labels"), extra.get("ignore_index", -100),
                                extra.get("num_items_in_batch"))
         arguments["labels"] = None
@@ -143,7 +149,10 @@ def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath):
                                "apply(..., loss=False) keeps the model's own loss")
         fields = {key: value for key, value in output.items() if key not in ("loss", "logits")}
         output = type(output)(loss=request.loss, logits=None, **fields)
-        return output.to_tuple() if as_tuple else output
+        if as_tuple:  # the logits' place kept (as None), so that out[1:] mean what they mean without apply
+            return tuple(output[f.name] if f.name != "logits" else None for f in dataclasses.fields(output)
+                         if f.name == "logits" or output.get(f.name) is not None)
+        return output
 
     return forward, head_forward
 
