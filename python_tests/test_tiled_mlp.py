@@ -440,6 +440,24 @@ def test_tiled_apply_delivers_each_gradient_once():
         assert_close_f32(p.grad, w)
 
 
+def test_tiled_apply_output_can_be_changed_in_place_as_the_module_output():
+    # Falcon: mlp_output += attention_output.
+    torch.manual_seed(0)
+    mlp = lora_mlp()
+    trainable = [p for p in mlp.parameters() if p.requires_grad]
+    x, other = torch.randn(2, 20, 16, requires_grad=True), torch.randn(2, 20, 16)
+
+    def loss(run):
+        out = run(x)
+        out += other
+        return out.square().sum()
+
+    got = torch.autograd.grad(loss(lambda x: torch_offload.tiled_apply(mlp, x, trainable, 3)), [x, *trainable])
+    want = torch.autograd.grad(loss(mlp), [x, *trainable])
+    for g, w in zip(got, want):
+        assert_close_f32(g, w)
+
+
 def test_tiled_apply_accumulates_bf16_gradients_in_float32():
     torch.manual_seed(0)
     weight = torch.randn(32, 32, dtype=torch.float64, requires_grad=True)

@@ -214,16 +214,20 @@ class _TiledApply(torch.autograd.Function):
                         "dtype": torch.get_autocast_dtype(device_type)}
         ctx.save_for_backward(x)
         shards = _shards(flat.shape[0], num_shards)
+        # The output is made in its final shape, not returned as a view: a caller may add to
+        # it in place (Falcon's mlp_output += attention_output), which autograd refuses on a
+        # view made inside a Function.
         if not shards:
             y = fn(flat)
-            return y.reshape(*x.shape[:-1], *y.shape[1:])
-        out = None
+            return y.new_empty((*x.shape[:-1], *y.shape[1:]))
+        out = rows_out = None
         for start, rows in shards:
             y = fn(flat.narrow(0, start, rows))
             if out is None:
-                out = y.new_empty((flat.shape[0], *y.shape[1:]))
-            out.narrow(0, start, rows).copy_(y)
-        return out.reshape(*x.shape[:-1], *out.shape[1:])
+                out = y.new_empty((*x.shape[:-1], *y.shape[1:]))
+                rows_out = out.view(flat.shape[0], *y.shape[1:])
+            rows_out.narrow(0, start, rows).copy_(y)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
