@@ -1,4 +1,6 @@
 """torch_offload.apply() on tiny random-init Hugging Face causal LMs (nothing downloaded)."""
+import copy
+import io
 import warnings
 
 import accelerate.hooks
@@ -232,6 +234,41 @@ def test_remove_restores_accelerate_forwards_exactly(tmp_path):
     assert_close_runs(want, loss_and_grads(model, ids))
 
 
+def module_layout(model):
+    return [(name, type(m), sorted(vars(m))) for name, m in model.named_modules()]
+
+
+@pytest.mark.parametrize("name", ["llama", "phi3"])
+def test_copies_and_pickles_of_an_applied_model_are_the_model_before_apply(name, tmp_path):
+    # A DPO reference model or an EMA copy made with copy.deepcopy, a torch.save of the whole model:
+    # patched forwards are closures over the original's modules, so the copy must not carry them.
+    model, ids = make_model(name), batch()
+    before = module_layout(model)
+    want = loss_and_grads(model, ids)
+    handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0, num_shards=2)
+    applied = module_layout(model)
+    copied, shallow = copy.deepcopy(model), copy.copy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert module_layout(model) == applied  # the model itself stays applied
+    assert "forward" not in vars(shallow) and shallow.model is model.model  # shallow: shares the (applied) layers
+    for other in (copied, loaded):
+        assert module_layout(other) == before
+        model.zero_grad(set_to_none=True)
+        assert_close_runs(want, loss_and_grads(other, ids))
+        assert all(p.grad is None for p in model.parameters())  # the copy trains its own parameters
+    disk_bytes = handle.stats()["disk_bytes"]
+    assert_close_runs(want, loss_and_grads(model, ids))
+    assert handle.stats()["disk_bytes"] > disk_bytes
+    copy_handle = torch_offload.apply(copied, offload=None)  # a copy is applied on its own
+    assert_close_runs(want, loss_and_grads(copied, ids))
+    copy_handle.remove()
+    handle.remove()
+    assert module_layout(model) == before == module_layout(copied)
+
+
 def test_apply_twice_is_refused_and_remove_is_idempotent():
     model = make_model("llama")
     handle = torch_offload.apply(model, offload=None)
@@ -369,6 +406,8 @@ def test_fused_loss_leaves_router_losses_and_a_replaced_head_to_the_model():
     handle = torch_offload.apply(model, offload=None, tiled_mlp=False)
     assert handle.loss == "linear_cross_entropy"
     assert_close_runs(want, loss_and_grads(model, ids, run=routed))
+    model.config.output_router_logits = True  # asked for by the config after apply
+    assert_close_runs(want, loss_and_grads(model, ids))
     handle.remove()
     model, ids = make_model("llama"), batch()
     handle = torch_offload.apply(model, offload=None)
@@ -596,6 +635,28 @@ def test_layers_that_are_not_recomputed_fill_the_cache(tmp_path):
         torch.testing.assert_close(mine.keys, theirs.keys)
         torch.testing.assert_close(mine.values, theirs.values)
     handle.remove()
+
+
+def test_lora_on_the_mlp_added_after_apply_is_computed_and_kept_by_remove(tmp_path):
+    # The tiled_mlp op would read the base weights and bypass the adapters (and so train none of them).
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "down_proj"], lora_dropout=0.0,
+                           init_lora_weights=False)
+    ids = batch()
+    reference = peft.get_peft_model(make_model("llama"), lora)
+    want = loss_and_grads(reference, ids)
+    model = make_model("llama")
+    handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0, num_shards=2)
+    assert handle.tiled_mlps == 3
+    model = peft.get_peft_model(model, lora)
+    model.load_state_dict(reference.state_dict())  # the same adapter weights, under the same names
+    tiled_mlp_op = torch.ops.offload.tiled_mlp.default
+    with CountCalls(tiled_mlp_op) as mode:
+        got = loss_and_grads(model, ids)
+    assert mode.counts[tiled_mlp_op] == 0  # each MLP's own forward, in shards
+    assert_close_runs(want, got)
+    assert any("lora_A" in name for name in got[1])
+    handle.remove()
+    assert_close_runs(want, loss_and_grads(model, ids))  # remove() keeps the adapters
 
 
 def test_attention_block_leaves_projections_wrapped_or_hooked_after_apply_to_the_module(tmp_path):

@@ -125,8 +125,10 @@ def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath):
         arguments = bound.arguments
         extra = dict(arguments.get(extra_name, {})) if extra_name else {}
         keep = arguments.get("logits_to_keep", 0)
-        if (arguments.get("labels") is None or not (isinstance(keep, int) and keep == 0)
-                or arguments.get("output_router_logits", extra.get("output_router_logits"))
+        router_logits = arguments.get("output_router_logits", extra.get("output_router_logits"))
+        if router_logits is None:  # as transformers' mixture-of-experts models: the call's, else the config's
+            router_logits = getattr(getattr(owner, "config", None), "output_router_logits", False)
+        if (arguments.get("labels") is None or not (isinstance(keep, int) and keep == 0) or router_logits
                 or owner.get_output_embeddings() is not head):
             # No loss asked for, or logits asked for; a mixture of experts' router loss, which the
             # model adds only to a loss of its own; an output layer replaced since apply

@@ -29,7 +29,7 @@ from .activations import offload_activations
 from .disk import disk_spill, disk_wait
 from .causal_lm_loss import fuse_causal_lm_loss
 from .compiled_offload import graph_hooks
-from .tiled_mlp import TiledMLP, tiled_apply, tiled_mlp_num_shards
+from .tiled_mlp import TiledMLP, _module_in_shards
 
 __all__ = ["apply", "OffloadHandle"]
 
@@ -160,7 +160,7 @@ def _close(got: Any, want: torch.Tensor) -> bool:
 
 def _op_computes(mlp: nn.Module, tiled: TiledMLP) -> bool:
     """Whether ``tiled`` computes what ``mlp``'s own forward does (in training mode, as apply is for training)."""
-    extra = set(dict(mlp.named_children())) - set(dict(tiled.named_children())) - {"act_fn", "activation_fn"}
+    extra = set(dict(mlp.named_children())) - set(tiled.layer_names) - {"act_fn", "activation_fn"}
     if extra or "forward" in vars(mlp) or mlp._forward_hooks or mlp._forward_pre_hooks:
         return False  # dropout, norms, hooks, accelerate's forward: all would be bypassed by the op
     try:
@@ -188,11 +188,6 @@ def _row_wise_problem(mlp: nn.Module) -> str | None:
     return None
 
 
-def _mlp_width(mlp: nn.Module) -> int:
-    # The intermediate size, for the automatic shard count of tiled_apply.
-    return max(max(p.shape) for p in mlp.parameters())
-
-
 class _Patch:
     """One attribute of one module set by apply: ``store`` is the module's ``__dict__`` or ``_modules``."""
 
@@ -209,6 +204,28 @@ class _Patch:
             del self.store[self.key]
         else:
             self.store[self.key] = self.previous
+
+
+def _state_before_apply(owner_ref: weakref.ref) -> dict:
+    """An applied module's ``__getstate__``: its state with apply's patches undone.
+
+    ``copy.deepcopy``, ``copy.copy`` and pickling (``torch.save(model)``) get the state
+    through it, so a copy is the module as it was before apply (its own forward, its own
+    MLP): patched forwards are closures over the original modules, and a copy running them
+    would compute with, and train, the original's parameters. The module itself stays applied.
+    """
+    owner = owner_ref()
+    state = type(owner).__getstate__(owner)
+    del state["__getstate__"]
+    state["_modules"] = dict(state["_modules"])
+    for patch in reversed(_PATCHED[owner]._patches):
+        where = state["_modules"] if patch.store is owner._modules else state
+        if patch.owner is owner and where.get(patch.key, _ABSENT) is patch.value:  # not replaced since
+            if patch.previous is _ABSENT:
+                del where[patch.key]
+            else:
+                where[patch.key] = patch.previous
+    return state
 
 
 class OffloadHandle:
@@ -261,6 +278,8 @@ class OffloadHandle:
     def _patch(self, name: str, owner: nn.Module, key: str, value: Any) -> None:
         store = owner._modules if key in owner._modules else vars(owner)
         self._patches.append(_Patch(name, owner, store, key, value))
+        if owner not in _PATCHED:
+            vars(owner)["__getstate__"] = functools.partial(_state_before_apply, weakref.ref(owner))
         _PATCHED[owner] = self
 
     def _undo_last_patch(self) -> None:
@@ -268,6 +287,7 @@ class OffloadHandle:
         patch.undo()
         if _PATCHED.get(patch.owner) is self and not any(p.owner is patch.owner for p in self._patches):
             del _PATCHED[patch.owner]
+            del vars(patch.owner)["__getstate__"]
 
     def remove(self) -> None:
         """Restores every attribute apply set; refuses, changing nothing, if one was replaced since."""
@@ -305,9 +325,7 @@ def _tile_mlp(handle: OffloadHandle, name: str, layer: nn.Module, num_shards: in
     original = mlp.forward
 
     def tiled_forward(x, *args, **kwargs):
-        params = [p for p in mlp.parameters() if p.requires_grad]
-        shards = num_shards or tiled_mlp_num_shards(x.numel() // x.shape[-1], _mlp_width(mlp), dtype=x.dtype)
-        return tiled_apply(lambda rows: original(rows, *args, **kwargs), x, params, shards)
+        return _module_in_shards(lambda rows: original(rows, *args, **kwargs), mlp, x, num_shards)
 
     handle._patch(f"{name}.forward", mlp, "forward", tiled_forward)
     handle.mlp_tiling[name] = "tiled_apply"

@@ -102,14 +102,30 @@ def _activation_name(act) -> str:
     return name
 
 
+def _is_plain_linear(module) -> bool:
+    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+            and not (module._forward_hooks or module._forward_pre_hooks))
+
+
 def _check_linear(module, attr: str) -> None:
     # Anything but a plain nn.Linear (LoRA layers, quantized linears, hooks) would be bypassed by the op.
-    plain = isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
-    if not plain or module._forward_hooks or module._forward_pre_hooks:
+    if not _is_plain_linear(module) or "forward" in vars(module):
         raise ValueError(
             f"TiledMLP: {attr} is {type(module).__name__}, not a plain nn.Linear without hooks "
             "(LoRA-wrapped or quantized?); use torch_offload.tiled_apply for this module instead"
         )
+
+
+def _mlp_width(mlp: nn.Module) -> int:
+    # The intermediate size, for the automatic shard count of tiled_apply.
+    return max(max(p.shape) for p in mlp.parameters())
+
+
+def _module_in_shards(fn: Callable[[torch.Tensor], torch.Tensor], module: nn.Module, x: torch.Tensor,
+                      num_shards: int) -> torch.Tensor:
+    """``fn(x)`` through ``tiled_apply`` with ``module``'s trainable parameters; 0 shards: tiled_mlp's count."""
+    shards = num_shards or tiled_mlp_num_shards(x.numel() // x.shape[-1], _mlp_width(module), dtype=x.dtype)
+    return tiled_apply(fn, x, [p for p in module.parameters() if p.requires_grad], shards)
 
 
 class TiledMLP(nn.Module):
@@ -117,9 +133,12 @@ class TiledMLP(nn.Module):
 
     ``mlp`` has ``gate_proj``/``up_proj``/``down_proj`` (LLaMA, Mistral, Qwen) or
     ``fc1``/``fc2`` (plain MLP) ``nn.Linear`` layers and its activation in ``act_fn`` or
-    ``activation_fn``. The wrapper holds the same layer objects under the same names,
-    so ``layer.mlp = TiledMLP(layer.mlp)`` keeps the state dict's keys and the
-    optimizer's parameters. Other modules: ``tiled_apply``.
+    ``activation_fn``. The wrapper holds the very children of ``mlp`` (the same
+    ``_modules``), so ``layer.mlp = TiledMLP(layer.mlp)`` keeps the state dict's keys and
+    the optimizer's parameters, and a layer replaced in one after wrapping (PEFT's
+    ``get_peft_model``) is replaced in both. While a layer is not a plain ``nn.Linear``
+    without hooks, calls run ``mlp``'s own forward in shards (``tiled_apply``), since the
+    op would bypass it. Other modules: ``tiled_apply``.
     """
 
     def __init__(self, mlp: nn.Module, num_shards: int = 0):
@@ -137,12 +156,17 @@ class TiledMLP(nn.Module):
         for attr in layout:
             if attr:
                 _check_linear(getattr(mlp, attr), attr)
-                self.add_module(attr, getattr(mlp, attr))
+        self.layer_names = tuple(attr for attr in layout if attr)
         self._layout = layout
         self.num_shards = num_shards
+        self._modules = mlp._modules  # shared: see the class docstring
+        object.__setattr__(self, "_wrapped", mlp)  # not a child: its children are already ours
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up, down = (getattr(self, attr) if attr else None for attr in self._layout)
+        gate, up, down = layers = [getattr(self, attr) if attr else None for attr in self._layout]
+        if not all(_is_plain_linear(layer) for layer in layers if layer is not None):
+            self._wrapped.training = self.training  # model.train()/eval() reach our (shared) children only
+            return _module_in_shards(self._wrapped, self, x, self.num_shards)
         return tiled_mlp(
             x,
             gate.weight,
