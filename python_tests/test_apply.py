@@ -79,7 +79,7 @@ def test_apply_matches_unpatched_and_remove_restores(name, tmp_path):
     assert stats["disk_bytes"] > 0 and stats["live_entries"] == 0
     handle.remove()
     assert [type(m) for m in model.modules()] == mlp_types
-    assert not any("forward" in vars(m) for m in model.modules())
+    assert not any("forward" in vars(m) or "__getstate__" in vars(m) for m in model.modules())
     assert_close_runs(want, loss_and_grads(model, ids))
 
 
@@ -148,7 +148,7 @@ def test_bad_inputs_are_explained(tmp_path):
     with pytest.raises(RuntimeError, match="disk_spill: directory .* cannot be used"):
         torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path / "missing"))
     # Nothing was left patched by the failed calls.
-    assert not any("forward" in vars(m) for m in model.modules())
+    assert not any("forward" in vars(m) or "__getstate__" in vars(m) for m in model.modules())
     assert all(type(layer.mlp).__name__ == "LlamaMLP" for layer in model.model.layers)
 
 
@@ -197,7 +197,7 @@ def test_apply_on_moe_vlm_and_custom_mlps_matches_unpatched(name, tmp_path):
     assert [how.split(":")[0] for how in handle.mlp_tiling.values()] == tiling
     assert any("stay untiled" in str(w.message) for w in caught) == ("untiled" in tiling)
     handle.remove()
-    assert not any("forward" in vars(m) for m in model.modules())
+    assert not any("forward" in vars(m) or "__getstate__" in vars(m) for m in model.modules())
     assert_close_runs(want, loss_and_grads(model, ids))
 
 
@@ -276,7 +276,7 @@ def test_apply_twice_is_refused_and_remove_is_idempotent():
         torch_offload.apply(model, offload=None, tiled_mlp=False)
     handle.remove()
     handle.remove()
-    assert not any("forward" in vars(m) for m in model.modules())
+    assert not any("forward" in vars(m) or "__getstate__" in vars(m) for m in model.modules())
     torch_offload.apply(model, offload=None).remove()  # after remove() it applies again
 
 
@@ -330,7 +330,7 @@ def test_layers_are_found_or_named():
         torch_offload.apply(model, layers="vision.0")
     with pytest.raises(ValueError, match="nothing to change in text with tiled_mlp=False, checkpoint=False"):
         torch_offload.apply(model, layers="text", tiled_mlp=False, checkpoint=False, offload=None)
-    assert not any("forward" in vars(m) for m in model.modules())
+    assert not any("forward" in vars(m) or "__getstate__" in vars(m) for m in model.modules())
 
 
 def test_each_mlp_is_tiled_only_as_its_forward_allows():
@@ -378,8 +378,18 @@ def test_fused_loss_honours_transformers_loss_arguments(name):
     want = {key: loss_and_grads(model, ids, run=lambda **kw: model(**{**kw, **call}))
             for key, call in calls.items()}
     unpatched_tuple = model(input_ids=ids, labels=labels, use_cache=False, output_hidden_states=True, return_dict=False)
+    model.eval()
+    with torch.no_grad():
+        evaluated = model(input_ids=ids, labels=labels, use_cache=False)
+    model.train()
     handle = torch_offload.apply(model, offload=None)
     assert handle.loss == "linear_cross_entropy"
+    model.eval()
+    with torch.no_grad():  # evaluation (Trainer's compute_metrics): the model's own loss and logits
+        got = model(input_ids=ids, labels=labels, use_cache=False)
+    model.train()
+    torch.testing.assert_close(got.loss, evaluated.loss)
+    torch.testing.assert_close(got.logits, evaluated.logits)
     for key, call in calls.items():
         got = loss_and_grads(model, ids, run=lambda **kw: model(**{**kw, **call}))
         assert_close_runs(want[key], got)
@@ -393,7 +403,7 @@ def test_fused_loss_honours_transformers_loss_arguments(name):
     without_labels = model(input_ids=ids, use_cache=False)  # generation, evaluation: the model's own logits
     assert without_labels.loss is None and without_labels.logits.shape == (*ids.shape, 128)
     handle.remove()
-    assert not any("forward" in vars(m) for m in model.modules())
+    assert not any("forward" in vars(m) or "__getstate__" in vars(m) for m in model.modules())
 
 
 def test_fused_loss_leaves_router_losses_and_a_replaced_head_to_the_model():
@@ -678,4 +688,4 @@ def test_attention_block_leaves_projections_wrapped_or_hooked_after_apply_to_the
     assert op_calls(lambda: loss_and_grads(plain, ids)) == (3, 2)  # layer 1 runs its module: the hook fires
     assert calls
     handle.remove()
-    assert not any("forward" in vars(m) for m in model.modules())
+    assert not any("forward" in vars(m) or "__getstate__" in vars(m) for m in model.modules())

@@ -104,7 +104,8 @@ def _kwargs_name(signature: inspect.Signature) -> str | None:
 
 
 def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath):
-    """The owner's forward (routes a call with labels to the op) and the head's (serves that request)."""
+    """The owner's forward (routes a call with labels and gradients to the op), that routing alone
+    (for the probe, which runs without gradients), and the head's forward (serves a routed call)."""
     original = owner.forward
     head_original = head.forward
     signature = inspect.signature(original)
@@ -118,6 +119,12 @@ def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath):
         return hidden.new_empty((*hidden.shape[:-1], 0))  # what the model's logit transforms run on
 
     def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            # Evaluation: no backward to save memory for, and Trainer's compute_metrics needs the logits.
+            return original(*args, **kwargs)
+        return fused_forward(*args, **kwargs)
+
+    def fused_forward(*args, **kwargs):
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError:
@@ -156,7 +163,7 @@ def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath):
                          if f.name == "logits" or output.get(f.name) is not None)
         return output
 
-    return forward, head_forward
+    return forward, fused_forward, head_forward
 
 
 @contextlib.contextmanager
@@ -208,11 +215,11 @@ def fuse_causal_lm_loss(handle, model: nn.Module) -> str:
     if isinstance(math, str):
         return f"unfused: {math}"
     original = owner.forward
-    forward, head_forward = _patched_forwards(owner, head, math)
+    forward, fused_forward, head_forward = _patched_forwards(owner, head, math)
     owner_name = next(name for name, module in model.named_modules() if module is owner) or "model"
     head_name = next(name for name, module in owner.named_children() if module is head)
     handle._patch(f"{owner_name}.{head_name}.forward", head, "forward", head_forward)  # serves no request unasked
-    problem = _probe_problem(owner, head, original, forward)
+    problem = _probe_problem(owner, head, original, fused_forward)
     if problem is not None:
         handle._undo_last_patch()
         return f"unfused: {problem}"

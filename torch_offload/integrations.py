@@ -658,9 +658,10 @@ def apply(
       None keeps them in place; "auto" is "cpu" for a model on an accelerator and None
       for a model in host memory (where "cpu" would move nothing). The last ``keep_last``
       layers keep theirs on the device: backward needs them first.
-    - ``loss``: a call with ``labels`` computes the loss with the ``linear_cross_entropy``
-      op from the final hidden states, never materializing the ``[tokens, vocab]`` logits
-      (the output's ``logits`` is None then); transformers' label shift, ``ignore_index``,
+    - ``loss``: a call with ``labels`` and gradients computes the loss with the
+      ``linear_cross_entropy`` op from the final hidden states, never materializing the
+      ``[tokens, vocab]`` logits (the output's ``logits`` is None then; calls without
+      gradients, as evaluation, run the model's own head and loss); transformers' label shift, ``ignore_index``,
       ``num_items_in_batch``, tied embeddings and the logits' soft-capping or scaling are
       honoured, and a probe at apply time checks the loss against the model's own (a model
       that does not match keeps its own, with a warning). Calls without labels are unchanged.
