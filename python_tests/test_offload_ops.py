@@ -240,3 +240,40 @@ def test_saved_tensor_hooks_round_trip_matches_plain_training_step():
     assert torch.equal(plain_loss, hooked_loss)
     for a, b in zip(plain_grads, hooked_grads):
         assert torch.equal(a, b)
+
+
+def _non_dense_inputs():
+    dense = torch.randn(4, 8)
+    return {  # by test id: the tensor and what the error calls it
+        "sparse_coo": (dense.to_sparse(), "sparse COO"),
+        "sparse_csr": (dense.to_sparse_csr(), "sparse compressed"),
+        "nested": (torch.nested.nested_tensor([dense, dense[:2]]), "nested"),
+        "nested_jagged": (torch.nested.nested_tensor([dense, dense[:2]], layout=torch.jagged), "nested"),
+        "mkldnn": (dense.to_mkldnn(), "mkldnn"),
+        "quantized": (torch.quantize_per_tensor(dense, 0.1, 0, torch.qint8), "quantized"),
+    }
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # sparse CSR, nested and quantized tensors warn that they are beta
+@pytest.mark.parametrize("case", list(_non_dense_inputs()))
+def test_tensors_that_are_not_dense_get_an_error_naming_the_op_and_argument(case, tmp_path):
+    bad, kind = _non_dense_inputs()[case]
+    x, w_gate, w_up, w_down = torch.randn(4, 8), torch.randn(16, 8), torch.randn(16, 8), torch.randn(8, 16)
+    weight, target = torch.randn(32, 8), torch.randint(0, 32, (4,))
+    rope = torch.randn(4, 4)
+    calls = {
+        ("offload_pack", "src"): lambda t: torch_offload.offload_pack(t),
+        ("offload_unpack", "packed"): lambda t: torch_offload.offload_unpack(t, "cpu"),
+        ("disk_spill", "src"): lambda t: torch_offload.disk_spill(t, directory=str(tmp_path)),
+        ("tiled_mlp", "x"): lambda t: torch_offload.tiled_mlp(t, w_gate, w_up, w_down),
+        ("tiled_mlp", "w_up"): lambda t: torch_offload.tiled_mlp(x, w_gate, t, w_down),
+        ("linear_cross_entropy", "hidden"): lambda t: torch_offload.linear_cross_entropy(t, weight, target),
+        ("linear_cross_entropy", "weight"): lambda t: torch_offload.linear_cross_entropy(x, t, target),
+        ("attention_block", "x"): lambda t: torch_offload.attention_block(t, w_down.t(), w_down.t(), w_down.t(),
+                                                                           w_down.t(), rope, rope),
+    }
+    for (op, arg), call in calls.items():
+        # The forward op may be the one that refuses (linear_cross_entropy_forward).
+        with pytest.raises(RuntimeError, match=rf"{op}\w*: {arg} is a {kind} tensor; expected a dense"):
+            call(bad)
+    assert list(tmp_path.iterdir()) == []  # nothing spilled
