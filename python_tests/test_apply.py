@@ -515,7 +515,7 @@ def test_backward_recomputes_what_checkpoint_names(checkpoint, tmp_path):
 ATTENTION = {
     "llama": "attention_block", "mistral": "attention_block", "qwen2": "attention_block", "gemma": "attention_block",
     "qwen3": "module: it is not made of exactly",  # per-head q_norm / k_norm
-    "phi3": "module: it is not made of exactly",  # fused qkv_proj
+    "phi3": "attention_block",  # its fused qkv_proj split into the op's q, k, v
     "gpt2": "module: it is not made of exactly",  # Conv1D c_attn
     "gemma2": "module: its attention implementation is 'eager'",  # (for its soft-capped attention scores)
 }
@@ -528,6 +528,19 @@ def test_attention_block_is_used_only_where_the_module_computes_it(name, tmp_pat
     assert len(handle.attention) == 3
     assert all(how.startswith(ATTENTION[name]) for how in handle.attention.values()), handle.attention
     assert handle.attention_blocks == (3 if ATTENTION[name] == "attention_block" else 0)
+    handle.remove()
+
+
+def test_a_partial_rotary_embedding_runs_the_module(tmp_path):
+    # The probe's rotary tables span the head, so it passes; at call time the model's cover half of it.
+    torch.manual_seed(0)
+    config = transformers.Phi3Config(**COMMON, num_key_value_heads=4, partial_rotary_factor=0.5)
+    model, ids = transformers.Phi3ForCausalLM(config).float().train(), batch()
+    want = loss_and_grads(model, ids)
+    handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0)
+    got = {}
+    assert op_calls(lambda: got.__setitem__("partial", loss_and_grads(model, ids))) == (0, 0)
+    assert_close_runs(want, got["partial"])
     handle.remove()
 
 

@@ -344,7 +344,10 @@ def _attention_of(layer: nn.Module) -> str | None:
 # embeddings...). At call time the op runs only where the module would compute plain causal
 # attention with SDPA: no mask (no padding, no sliding window in reach), no cache, no dropout.
 
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# The projections' layouts the op takes: separate q/k/v, or one fused qkv_proj whose rows
+# are q, then k, then v (Phi-3). Weights are read at each call, so the op sees the current ones.
+_SEPARATE = ("q_proj", "k_proj", "v_proj", "o_proj")
+_FUSED = ("qkv_proj", "o_proj")
 _ATTENTION_ARGUMENTS = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values")
 # Other arguments transformers passes an attention module that do not change what SDPA computes
 # without a mask (packed sequences' position_ids make transformers build one). Any other argument
@@ -353,11 +356,31 @@ _NEUTRAL_ARGUMENTS = frozenset({"position_ids", "use_cache", "cache_position", "
                                 "output_attentions", "output_hidden_states"})
 
 
+def _projection_layout(attention: nn.Module) -> tuple[str, ...] | None:
+    children = dict(attention.named_children())
+    return next((layout for layout in (_SEPARATE, _FUSED)
+                 if set(children) == set(layout) and all(type(children[n]) is nn.Linear for n in layout)), None)
+
+
+def _op_weights(attention: nn.Module, layout: tuple[str, ...], weights: dict[str, torch.Tensor | None]) -> dict:
+    """The op's w_q, w_k, w_v, w_o and biases from the projections' ``weights`` (``"q_proj.weight"``...)."""
+    if layout == _SEPARATE:
+        return {**{f"w_{n[0]}": weights[f"{n}.weight"] for n in _SEPARATE},
+                **{f"b_{n[0]}": weights.get(f"{n}.bias") for n in _SEPARATE}}
+    qkv, bias = weights["qkv_proj.weight"], weights.get("qkv_proj.bias")
+    q_rows = attention.config.num_attention_heads * attention.head_dim
+    sizes = [q_rows, (qkv.shape[0] - q_rows) // 2, (qkv.shape[0] - q_rows) // 2]
+    split = dict(zip("qkv", qkv.split(sizes)))  # views: the gradients reach qkv_proj.weight
+    split_bias = dict(zip("qkv", bias.split(sizes) if bias is not None else (None,) * 3))
+    return {**{f"w_{n}": split[n] for n in "qkv"}, **{f"b_{n}": split_bias[n] for n in "qkv"},
+            "w_o": weights["o_proj.weight"], "b_o": weights.get("o_proj.bias")}
+
+
 def _attention_block_problem(attention: nn.Module) -> str | None:
     """None when ``attention`` computes what the attention_block op computes; else why not."""
-    children = dict(attention.named_children())
-    if set(children) != set(_PROJECTIONS) or any(type(children[n]) is not nn.Linear for n in _PROJECTIONS):
-        return "it is not made of exactly the nn.Linear q_proj, k_proj, v_proj and o_proj"
+    layout = _projection_layout(attention)
+    if layout is None:
+        return "it is not made of exactly the nn.Linear q_proj, k_proj, v_proj (or qkv_proj) and o_proj"
     if any("forward" in vars(m) or m._forward_hooks or m._forward_pre_hooks for m in attention.modules()):
         return "it or a projection has hooks or a forward of its own (the op would bypass them)"
     parameters = inspect.signature(attention.forward).parameters
@@ -366,7 +389,10 @@ def _attention_block_problem(attention: nn.Module) -> str | None:
     head_dim, scaling = getattr(attention, "head_dim", None), getattr(attention, "scaling", None)
     if not isinstance(head_dim, int) or not isinstance(scaling, float) or not getattr(attention, "is_causal", False):
         return "it has no int head_dim, float scaling and is_causal=True"
-    implementation = getattr(getattr(attention, "config", None), "_attn_implementation", None)
+    config = getattr(attention, "config", None)
+    if layout == _FUSED and not isinstance(getattr(config, "num_attention_heads", None), int):
+        return "its qkv_proj cannot be split: no config.num_attention_heads"
+    implementation = getattr(config, "_attn_implementation", None)
     if implementation != "sdpa":  # the op is causal SDPA: eager attention without a mask is not even causal
         return f"its attention implementation is {implementation!r}, not 'sdpa'"
     try:
@@ -375,8 +401,8 @@ def _attention_block_problem(attention: nn.Module) -> str | None:
             rotary = (angles.cos(), angles.sin())
             want = functional_call(attention, params, (), {"hidden_states": x, "position_embeddings": rotary,
                                                              "attention_mask": None})
-            got = attention_block_op(x, *(params[f"{n}.weight"] for n in _PROJECTIONS), *rotary,
-                                     **{f"b_{n[0]}": params.get(f"{n}.bias") for n in _PROJECTIONS}, scale=scaling)
+            got = attention_block_op(x, cos=rotary[0], sin=rotary[1], **_op_weights(attention, layout, params),
+                                     scale=scaling)
     except _PROBE_ERRORS as error:
         return f"the op cannot compute it ({type(error).__name__}: {error})"
     if not _close(got, want[0] if isinstance(want, tuple) else want):
@@ -386,6 +412,7 @@ def _attention_block_problem(attention: nn.Module) -> str | None:
 
 def _attention_block_forward(attention: nn.Module, fallback):
     """``attention``'s forward through the op where the call allows, else ``fallback``."""
+    layout = _projection_layout(attention)
     signature = inspect.signature(attention.forward)
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
     config = getattr(attention, "config", None)
@@ -402,7 +429,7 @@ def _attention_block_forward(attention: nn.Module, fallback):
         causal = getattr(attention, "is_causal", True) if causal is None else causal
         # Read at each call: a projection replaced or hooked since apply (a LoRA wrapper, FSDP2 on a
         # Linear) would be bypassed by the op.
-        projections = [getattr(attention, name, None) for name in _PROJECTIONS]
+        projections = [getattr(attention, name, None) for name in layout]
         if (call.get("past_key_values") is not None and torch.is_grad_enabled()
                 and not torch.compiler.is_compiling()):  # dynamo cannot trace warnings.warn
             warnings.warn("torch_offload: attention_block is not used while the model fills a key/value cache "
@@ -419,11 +446,13 @@ def _attention_block_forward(attention: nn.Module, fallback):
             and not (attention.training and getattr(attention, "attention_dropout", 0.0))
             and x.dim() == 3 and all(x.shape[1] <= w for w in windows)
             and rotary is not None and not any(t.requires_grad for t in rotary)
+            and rotary[0].shape[-1] == attention.head_dim  # a partial rotary embedding is not the op's
         )
         if not plain_causal:
             return fallback(*args, **kwargs)
-        out = attention_block_op(x, *(p.weight for p in projections), *rotary,
-                                 **{f"b_{n[0]}": p.bias for n, p in zip(_PROJECTIONS, projections)},
+        weights = {f"{name}.{kind}": getattr(p, kind) for name, p in zip(layout, projections)
+                   for kind in ("weight", "bias")}
+        out = attention_block_op(x, cos=rotary[0], sin=rotary[1], **_op_weights(attention, layout, weights),
                                  scale=attention.scaling)
         return out, None
 
