@@ -682,6 +682,84 @@ def test_lora_on_the_mlp_added_after_apply_is_computed_and_kept_by_remove(tmp_pa
     assert_close_runs(want, loss_and_grads(model, ids))  # remove() keeps the adapters
 
 
+class HalveOutput(accelerate.hooks.ModelHook):
+    def post_forward(self, module, output):
+        return output * 0.5
+
+
+def test_accelerate_hooks_put_on_projections_after_apply_are_honoured(tmp_path):
+    # accelerate wraps a module's forward on the instance (dispatch_model, cpu_offload): the ops would bypass it.
+    def hook_projections(model):
+        for layer in model.model.layers:
+            for projection in (layer.mlp.down_proj, layer.self_attn.k_proj):
+                accelerate.hooks.add_hook_to_module(projection, HalveOutput())
+
+    ids = batch()
+    reference = make_model("llama")
+    hook_projections(reference)
+    want = loss_and_grads(reference, ids)
+    model = make_model("llama")
+    handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0, num_shards=2)
+    assert (handle.tiled_mlps, handle.attention_blocks) == (3, 3)
+    hook_projections(model)
+    tiled_mlp_op = torch.ops.offload.tiled_mlp.default
+    got = {}
+    with CountCalls(tiled_mlp_op) as mode:
+        assert op_calls(lambda: got.__setitem__("hooked", loss_and_grads(model, ids))) == (0, 0)
+    assert mode.counts[tiled_mlp_op] == 0
+    assert_close_runs(want, got["hooked"])
+    handle.remove()
+    assert_close_runs(want, loss_and_grads(model, ids))
+
+
+def test_train_and_eval_after_apply_reach_the_mlps_that_copies_and_remove_give_back():
+    model = make_model("llama")
+    handle = torch_offload.apply(model, offload=None)
+    assert handle.tiled_mlps == 3
+    model.eval()
+    copied = copy.deepcopy(model)
+    assert not any(m.training for m in copied.modules())
+    handle.remove()
+    assert not any(m.training for m in model.modules())
+    model.train()
+    assert all(m.training for m in model.modules())
+
+
+def test_two_handles_on_one_model_are_undone_together_in_copies_and_one_by_one_by_remove(tmp_path):
+    # Two decoder stacks applied one at a time: the module above both has its forward patched by each.
+    class TwoStacks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = make_model("llama"), make_model("llama")
+
+        def forward(self, input_ids, labels, use_cache):
+            return (self.a(input_ids=input_ids, labels=labels, use_cache=use_cache).loss
+                    + self.b(input_ids=input_ids, labels=labels, use_cache=use_cache).loss)
+
+    def loss_and_grads_of_two(model, ids):
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, ids, False)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model, ids = TwoStacks(), batch()
+    before = module_layout(model)
+    want = loss_and_grads_of_two(model, ids)
+    options = dict(offload="disk", spill_directory=str(tmp_path), min_bytes=0)
+    first = torch_offload.apply(model, layers="a.model.layers", **options)
+    second = torch_offload.apply(model, layers="b.model.layers", **options)
+    copied = copy.deepcopy(model)
+    assert module_layout(copied) == before
+    model.zero_grad(set_to_none=True)
+    assert_close_runs(want, loss_and_grads_of_two(copied, ids))
+    assert all(p.grad is None for p in model.parameters())  # the copy trains its own parameters
+    assert_close_runs(want, loss_and_grads_of_two(model, ids))
+    second.remove()
+    assert module_layout(copy.deepcopy(model)) == before  # the first handle's patches are still undone in copies
+    first.remove()
+    assert module_layout(model) == before
+
+
 def test_attention_block_leaves_projections_wrapped_or_hooked_after_apply_to_the_module(tmp_path):
     model, ids = make_model("llama"), batch()
     handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0)

@@ -29,16 +29,17 @@ from .activations import offload_activations
 from .disk import disk_spill, disk_wait
 from .causal_lm_loss import fuse_causal_lm_loss
 from .compiled_offload import graph_hooks
-from .tiled_mlp import TiledMLP, _module_in_shards
+from .tiled_mlp import TiledMLP, _is_plain_linear, _module_in_shards
 
 __all__ = ["apply", "OffloadHandle"]
 
 _OFFLOAD_TIERS = ("auto", "cpu", "disk", None)
 _CHECKPOINTS = ("layer", "attention")
 _ABSENT = object()
-# Modules that a live handle has patched: apply() on them again is refused, since two
-# stacked patches could not be undone in any order.
-_PATCHED: weakref.WeakKeyDictionary[nn.Module, OffloadHandle] = weakref.WeakKeyDictionary()
+# Modules that live handles have patched, with those handles in the order they did: apply()
+# on the same layers again is refused, since two stacked patches could not be undone in any
+# order; a module above two applied stacks (its forward patched by each) has two handles.
+_PATCHED: weakref.WeakKeyDictionary[nn.Module, list[OffloadHandle]] = weakref.WeakKeyDictionary()
 
 
 def _layer_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
@@ -218,7 +219,8 @@ def _state_before_apply(owner_ref: weakref.ref) -> dict:
     state = type(owner).__getstate__(owner)
     del state["__getstate__"]
     state["_modules"] = dict(state["_modules"])
-    for patch in reversed(_PATCHED[owner]._patches):
+    patches = [patch for handle in _PATCHED[owner] for patch in handle._patches]
+    for patch in reversed(patches):
         where = state["_modules"] if patch.store is owner._modules else state
         if patch.owner is owner and where.get(patch.key, _ABSENT) is patch.value:  # not replaced since
             if patch.previous is _ABSENT:
@@ -280,14 +282,18 @@ class OffloadHandle:
         self._patches.append(_Patch(name, owner, store, key, value))
         if owner not in _PATCHED:
             vars(owner)["__getstate__"] = functools.partial(_state_before_apply, weakref.ref(owner))
-        _PATCHED[owner] = self
+            _PATCHED[owner] = []
+        if self not in _PATCHED[owner]:
+            _PATCHED[owner].append(self)
 
     def _undo_last_patch(self) -> None:
         patch = self._patches.pop()
         patch.undo()
-        if _PATCHED.get(patch.owner) is self and not any(p.owner is patch.owner for p in self._patches):
-            del _PATCHED[patch.owner]
-            del vars(patch.owner)["__getstate__"]
+        if not any(p.owner is patch.owner for p in self._patches):
+            _PATCHED[patch.owner].remove(self)
+            if not _PATCHED[patch.owner]:
+                del _PATCHED[patch.owner]
+                del vars(patch.owner)["__getstate__"]
 
     def remove(self) -> None:
         """Restores every attribute apply set; refuses, changing nothing, if one was replaced since."""
@@ -438,7 +444,7 @@ def _attention_block_forward(attention: nn.Module, fallback):
                           UserWarning, stacklevel=2)
         plain_causal = (
             torch.is_grad_enabled()  # inference keeps the module's own path
-            and all(type(p) is nn.Linear and not (p._forward_hooks or p._forward_pre_hooks) for p in projections)
+            and all(_is_plain_linear(p) for p in projections)
             and getattr(config, "_attn_implementation", None) == "sdpa"  # no mask then means causal
             and causal is True
             and call.get("attention_mask") is None and call.get("past_key_values") is None

@@ -103,13 +103,14 @@ def _activation_name(act) -> str:
 
 
 def _is_plain_linear(module) -> bool:
+    # An instance-level forward is how accelerate's hooks (dispatch_model, cpu_offload) wrap a layer.
     return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
-            and not (module._forward_hooks or module._forward_pre_hooks))
+            and "forward" not in module.__dict__ and not (module._forward_hooks or module._forward_pre_hooks))
 
 
 def _check_linear(module, attr: str) -> None:
     # Anything but a plain nn.Linear (LoRA layers, quantized linears, hooks) would be bypassed by the op.
-    if not _is_plain_linear(module) or "forward" in vars(module):
+    if not _is_plain_linear(module):
         raise ValueError(
             f"TiledMLP: {attr} is {type(module).__name__}, not a plain nn.Linear without hooks "
             "(LoRA-wrapped or quantized?); use torch_offload.tiled_apply for this module instead"
@@ -165,7 +166,6 @@ class TiledMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = layers = [getattr(self, attr) if attr else None for attr in self._layout]
         if not all(_is_plain_linear(layer) for layer in layers if layer is not None):
-            self._wrapped.training = self.training  # model.train()/eval() reach our (shared) children only
             return _module_in_shards(self._wrapped, self, x, self.num_shards)
         return tiled_mlp(
             x,
@@ -178,6 +178,10 @@ class TiledMLP(nn.Module):
             b_up=up.bias if up is not None else None,
             b_down=down.bias,
         )
+
+    def train(self, mode: bool = True) -> "TiledMLP":
+        self._wrapped.training = mode  # not our child: model.train()/eval() would miss it (copies restore it)
+        return super().train(mode)
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}, num_shards={self.num_shards}"
