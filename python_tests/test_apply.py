@@ -269,6 +269,30 @@ def test_copies_and_pickles_of_an_applied_model_are_the_model_before_apply(name,
     assert module_layout(model) == before == module_layout(copied)
 
 
+@pytest.mark.parametrize("checkpoint", ["layer", "attention"])
+def test_remove_waits_for_the_backward_of_a_forward_run_before_it(checkpoint, tmp_path):
+    # The backward recomputes the checkpointed layers with the forwards apply set (TiledMLP saves
+    # other tensors than the MLP): remove() in between would make it fail, so it refuses.
+    model, ids = make_model("llama"), batch()
+    want = loss_and_grads(model, ids)
+    options = dict(offload="disk", spill_directory=str(tmp_path), min_bytes=0, checkpoint=checkpoint)
+    handle = torch_offload.apply(model, **options)
+    applied = module_layout(model)
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    with pytest.raises(RuntimeError, match=r"remove\(\): the backward of \d+ checkpointed call\(s\) has not run"):
+        handle.remove()
+    assert module_layout(model) == applied  # refused: nothing changed
+    loss.backward()
+    assert_close_runs(want, (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    handle.remove()
+    handle = torch_offload.apply(model, **options)
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    del loss  # a forward whose outputs are dropped has no backward to wait for
+    handle.remove()
+    assert_close_runs(want, loss_and_grads(model, ids))
+
+
 def test_apply_twice_is_refused_and_remove_is_idempotent():
     model = make_model("llama")
     handle = torch_offload.apply(model, offload=None)
@@ -402,6 +426,7 @@ def test_fused_loss_honours_transformers_loss_arguments(name):
         torch.testing.assert_close(got, want_hidden)
     without_labels = model(input_ids=ids, use_cache=False)  # generation, evaluation: the model's own logits
     assert without_labels.loss is None and without_labels.logits.shape == (*ids.shape, 128)
+    del output, as_tuple, got, without_labels  # forwards with gradients: remove() would wait for their backward
     handle.remove()
     assert not any("forward" in vars(m) or "__getstate__" in vars(m) for m in model.modules())
 

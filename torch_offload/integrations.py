@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import inspect
 import itertools
 import warnings
@@ -257,6 +258,7 @@ class OffloadHandle:
         self.attention: dict[str, str] = {}
         self.loss = "off"
         self._patches: list[_Patch] = []
+        self._pending_recomputes: weakref.WeakSet[_Recompute] = weakref.WeakSet()
 
     @property
     def tiled_mlps(self) -> int:
@@ -296,7 +298,14 @@ class OffloadHandle:
                 del vars(patch.owner)["__getstate__"]
 
     def remove(self) -> None:
-        """Restores every attribute apply set; refuses, changing nothing, if one was replaced since."""
+        """Restores every attribute apply set; refuses, changing nothing, if one was replaced since
+        or a checkpointed call still waits for its backward."""
+        if self._pending_recomputes:
+            gc.collect()  # a graph that only a reference cycle keeps
+        if self._pending_recomputes:
+            raise RuntimeError(f"torch_offload: handle.remove(): the backward of {len(self._pending_recomputes)} "
+                               "checkpointed call(s) has not run yet, and its recomputation needs the forwards apply "
+                               "set; run backward (or drop the outputs) first")
         replaced = [p.name for i, p in enumerate(self._patches) if not p.intact()
                     and not any(q.store is p.store and q.key == p.key and q.previous is p.value  # wrapped by apply
                                 for q in self._patches[i + 1:])]
@@ -465,6 +474,20 @@ def _attention_block_forward(attention: nn.Module, fallback):
     return forward
 
 
+class _Recompute:
+    """One checkpointed call's forward: autograd's graph holds it until backward has recomputed
+    the call, so ``handle._pending_recomputes`` (weak) tells remove() whether a backward would
+    recompute with forwards remove() is about to take away."""
+
+    __slots__ = ("forward", "__weakref__")
+
+    def __init__(self, forward):
+        self.forward = forward
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
 def _checkpoint_forward(handle: OffloadHandle, module: nn.Module, offload: bool):
     original = module.forward
     caches = _CacheArguments(original)
@@ -474,10 +497,14 @@ def _checkpoint_forward(handle: OffloadHandle, module: nn.Module, offload: bool)
             return original(*args, **kwargs)
         if caches.found(args, kwargs):  # recomputation would fill the cache a second time
             return original(*args, **kwargs)
-        if handle.context is not None and torch.compiler.is_compiling():
-            # apply's graph hooks offload in compiled graphs (see _offload_in_compiled_graphs).
-            return offloaded_checkpoint(original, *args, offload=False, context_fn=_random_ops_saved, **kwargs)
-        return offloaded_checkpoint(original, *args, offload=offload, **kwargs)
+        if torch.compiler.is_compiling():  # the compiled backward recomputes from its own graph
+            if handle.context is not None:
+                # apply's graph hooks offload in compiled graphs (see _offload_in_compiled_graphs).
+                return offloaded_checkpoint(original, *args, offload=False, context_fn=_random_ops_saved, **kwargs)
+            return offloaded_checkpoint(original, *args, offload=offload, **kwargs)
+        recompute = _Recompute(original)
+        handle._pending_recomputes.add(recompute)
+        return offloaded_checkpoint(recompute, *args, offload=offload, **kwargs)
 
     return forward
 
