@@ -13,7 +13,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch.testing._internal.optests import opcheck
 
 import torch_offload
-from op_recording import RecordBackwardMask, gemm_count
+from op_recording import CountCalls, RecordBackwardMask, gemm_count
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -406,6 +406,23 @@ def test_tiled_mlp_module_rejects_projections_with_hooks():
     mlp.up_proj.register_forward_hook(lambda *args: None)
     with pytest.raises(ValueError, match="up_proj is Linear, not a plain nn.Linear without hooks"):
         torch_offload.TiledMLP(mlp)
+
+
+def test_tiled_mlp_module_runs_the_mlp_when_its_activation_was_replaced_after_wrapping():
+    torch.manual_seed(0)
+    mlp = GatedMLP()
+    tiled = torch_offload.TiledMLP(mlp, num_shards=3)
+    mlp.act_fn = nn.Tanh()  # not one the op computes: the module's own forward, in shards
+    x = torch.randn(2, 11, 16, requires_grad=True)
+    params = [x, *mlp.parameters()]
+    op = torch.ops.offload.tiled_mlp.default
+    with CountCalls(op) as mode:
+        got, got_grads = outputs_and_grads(lambda: tiled(x), params)
+    assert mode.counts[op] == 0
+    want, want_grads = outputs_and_grads(lambda: mlp(x), params)
+    torch.testing.assert_close(got, want, **F32)
+    for g, w in zip(got_grads, want_grads):
+        assert_close_f32(g, w)
 
 
 @pytest.mark.parametrize("x_shape, num_shards", [((2, 11, 16), 3), ((7, 16), 10), ((0, 16), 2), ((1, 16), 1)])

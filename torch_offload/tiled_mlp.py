@@ -102,6 +102,10 @@ def _activation_name(act) -> str:
     return name
 
 
+def _activation_of(mlp: nn.Module):
+    return getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+
+
 def _is_plain_linear(module) -> bool:
     # An instance-level forward is how accelerate's hooks (dispatch_model, cpu_offload) wrap a layer.
     return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
@@ -138,8 +142,8 @@ class TiledMLP(nn.Module):
     ``_modules``), so ``layer.mlp = TiledMLP(layer.mlp)`` keeps the state dict's keys and
     the optimizer's parameters, and a layer replaced in one after wrapping (PEFT's
     ``get_peft_model``) is replaced in both. While a layer is not a plain ``nn.Linear``
-    without hooks, calls run ``mlp``'s own forward in shards (``tiled_apply``), since the
-    op would bypass it. Other modules: ``tiled_apply``.
+    without hooks, or the activation is not the one seen here, calls run ``mlp``'s own
+    forward in shards (``tiled_apply``), since the op would bypass it. Other modules: ``tiled_apply``.
     """
 
     def __init__(self, mlp: nn.Module, num_shards: int = 0):
@@ -150,10 +154,11 @@ class TiledMLP(nn.Module):
                 f"TiledMLP: {type(mlp).__name__} has neither gate_proj/up_proj/down_proj nor fc1/fc2; "
                 "use torch_offload.tiled_apply for this module instead"
             )
-        act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+        act = _activation_of(mlp)
         if act is None:
             raise ValueError(f"TiledMLP: {type(mlp).__name__} has no act_fn or activation_fn")
         self.activation = _activation_name(act)
+        object.__setattr__(self, "_activation_fn", act)  # not a child: it is one of mlp's already
         for attr in layout:
             if attr:
                 _check_linear(getattr(mlp, attr), attr)
@@ -165,7 +170,8 @@ class TiledMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = layers = [getattr(self, attr) if attr else None for attr in self._layout]
-        if not all(_is_plain_linear(layer) for layer in layers if layer is not None):
+        if (not all(_is_plain_linear(layer) for layer in layers if layer is not None)
+                or _activation_of(self._wrapped) is not self._activation_fn):  # replaced since: the op's is not it
             return _module_in_shards(self._wrapped, self, x, self.num_shards)
         return tiled_mlp(
             x,
