@@ -270,27 +270,21 @@ def test_copies_and_pickles_of_an_applied_model_are_the_model_before_apply(name,
 
 
 @pytest.mark.parametrize("checkpoint", ["layer", "attention"])
-def test_remove_waits_for_the_backward_of_a_forward_run_before_it(checkpoint, tmp_path):
-    # The backward recomputes the checkpointed layers with the forwards apply set (TiledMLP saves
-    # other tensors than the MLP): remove() in between would make it fail, so it refuses.
+def test_remove_between_a_forward_and_its_backward_keeps_that_backward_right(checkpoint, tmp_path):
+    # The backward recomputes checkpointed layers, which must compute what the forward did
+    # (TiledMLP and the attention op save other tensors than the modules they stand for).
     model, ids = make_model("llama"), batch()
+    before = module_layout(model)
     want = loss_and_grads(model, ids)
-    options = dict(offload="disk", spill_directory=str(tmp_path), min_bytes=0, checkpoint=checkpoint)
-    handle = torch_offload.apply(model, **options)
-    applied = module_layout(model)
+    handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0,
+                                 checkpoint=checkpoint)
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    with pytest.raises(RuntimeError, match=r"remove\(\): the backward of \d+ checkpointed call\(s\) has not run"):
-        handle.remove()
-    assert module_layout(model) == applied  # refused: nothing changed
+    handle.remove()
+    assert module_layout(model) == before
     loss.backward()
     assert_close_runs(want, (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    handle.remove()
-    handle = torch_offload.apply(model, **options)
-    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    del loss  # a forward whose outputs are dropped has no backward to wait for
-    handle.remove()
-    assert_close_runs(want, loss_and_grads(model, ids))
+    assert module_layout(model) == before  # apply's forwards were back for the recomputation only
 
 
 def test_apply_twice_is_refused_and_remove_is_idempotent():
@@ -426,7 +420,6 @@ def test_fused_loss_honours_transformers_loss_arguments(name):
         torch.testing.assert_close(got, want_hidden)
     without_labels = model(input_ids=ids, use_cache=False)  # generation, evaluation: the model's own logits
     assert without_labels.loss is None and without_labels.logits.shape == (*ids.shape, 128)
-    del output, as_tuple, got, without_labels  # forwards with gradients: remove() would wait for their backward
     handle.remove()
     assert not any("forward" in vars(m) or "__getstate__" in vars(m) for m in model.modules())
 
@@ -733,14 +726,24 @@ def test_accelerate_hooks_put_on_projections_after_apply_are_honoured(tmp_path):
         assert op_calls(lambda: got.__setitem__("hooked", loss_and_grads(model, ids))) == (0, 0)
     assert mode.counts[tiled_mlp_op] == 0
     assert_close_runs(want, got["hooked"])
+    for layer in model.model.layers:  # accelerate leaves the bound nn.Linear.forward on the instance
+        for projection in (layer.mlp.down_proj, layer.self_attn.k_proj):
+            accelerate.hooks.remove_hook_from_module(projection)
+    with CountCalls(tiled_mlp_op) as mode:
+        assert op_calls(lambda: loss_and_grads(model, ids)) == (4, 3)  # the ops again (4: the last layer recomputes)
+    assert mode.counts[tiled_mlp_op] == 4
     handle.remove()
+    hook_projections(model)
     assert_close_runs(want, loss_and_grads(model, ids))
 
 
 def test_train_and_eval_after_apply_reach_the_mlps_that_copies_and_remove_give_back():
-    model = make_model("llama")
+    model = make_model("llama").eval()
     handle = torch_offload.apply(model, offload=None)
     assert handle.tiled_mlps == 3
+    assert not any(m.training for m in model.modules())
+    model.train()
+    assert all(m.training for m in model.modules())
     model.eval()
     copied = copy.deepcopy(model)
     assert not any(m.training for m in copied.modules())

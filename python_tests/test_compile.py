@@ -1,6 +1,7 @@
 """torch.compile of a whole model after torch_offload.apply(): one graph, eager's numbers."""
 import warnings
 
+import accelerate.hooks
 import peft
 import pytest
 import torch
@@ -10,7 +11,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import torch_offload
 from torch_offload.tiled_mlp import _compiled_num_shards
-from test_apply import assert_close_runs, batch, loss_and_grads, make_model
+from test_apply import HalveOutput, assert_close_runs, batch, loss_and_grads, make_model
 
 COMPILED = ["llama", "qwen3", "gemma2", "phi3", "gpt2", "lora"]
 
@@ -54,6 +55,26 @@ def test_compiled_applied_model_matches_eager(name):
     want = loss_and_grads(model, ids)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert_close_runs(want, loss_and_grads(model, ids, run=compiled))
+    handle.remove()
+
+
+def test_a_compiled_applied_model_honours_accelerate_hooks_put_on_after_its_first_call():
+    # The compiled code must be guarded on each projection's forward: accelerate replaces it on the instance.
+    def hook_down_projections(model):
+        for layer in model.model.layers:
+            accelerate.hooks.add_hook_to_module(layer.mlp.down_proj, HalveOutput())
+
+    ids = batch()
+    reference = make_model("llama")
+    hook_down_projections(reference)
+    want = loss_and_grads(reference, ids)
+    model, handle = applied("llama", offload=None, num_shards=2)
+    assert handle.tiled_mlps == 3
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    loss_and_grads(model, ids, run=compiled)
+    hook_down_projections(model)
     assert_close_runs(want, loss_and_grads(model, ids, run=compiled))
     handle.remove()
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import inspect
 import itertools
 import warnings
@@ -258,7 +257,6 @@ class OffloadHandle:
         self.attention: dict[str, str] = {}
         self.loss = "off"
         self._patches: list[_Patch] = []
-        self._pending_recomputes: weakref.WeakSet[_Recompute] = weakref.WeakSet()
 
     @property
     def tiled_mlps(self) -> int:
@@ -298,14 +296,9 @@ class OffloadHandle:
                 del vars(patch.owner)["__getstate__"]
 
     def remove(self) -> None:
-        """Restores every attribute apply set; refuses, changing nothing, if one was replaced since
-        or a checkpointed call still waits for its backward."""
-        if self._pending_recomputes:
-            gc.collect()  # a graph that only a reference cycle keeps
-        if self._pending_recomputes:
-            raise RuntimeError(f"torch_offload: handle.remove(): the backward of {len(self._pending_recomputes)} "
-                               "checkpointed call(s) has not run yet, and its recomputation needs the forwards apply "
-                               "set; run backward (or drop the outputs) first")
+        """Restores every attribute apply set; refuses, changing nothing, if one was replaced since.
+
+        A backward still to come recomputes with apply's forwards all the same (``_Recompute``)."""
         replaced = [p.name for i, p in enumerate(self._patches) if not p.intact()
                     and not any(q.store is p.store and q.key == p.key and q.previous is p.value  # wrapped by apply
                                 for q in self._patches[i + 1:])]
@@ -475,17 +468,34 @@ def _attention_block_forward(attention: nn.Module, fallback):
 
 
 class _Recompute:
-    """One checkpointed call's forward: autograd's graph holds it until backward has recomputed
-    the call, so ``handle._pending_recomputes`` (weak) tells remove() whether a backward would
-    recompute with forwards remove() is about to take away."""
+    """One checkpointed call's forward, as apply's patches stood when it ran.
 
-    __slots__ = ("forward", "__weakref__")
+    Backward calls it again to recompute the call. If those patches were undone or replaced
+    since (``handle.remove()`` between a forward and its backward), they are put back for that
+    call alone: the recomputation must compute what the forward did (torch.utils.checkpoint
+    checks the tensors it saves), and what is there now is restored right after.
+    """
 
-    def __init__(self, forward):
+    __slots__ = ("forward", "patches")
+
+    def __init__(self, forward, patches: list[_Patch]):
         self.forward = forward
+        self.patches = list({(id(p.store), p.key): p for p in patches}.values())  # the last one per attribute
 
     def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
+        if all(patch.intact() for patch in self.patches):
+            return self.forward(*args, **kwargs)
+        now = [patch.store.get(patch.key, _ABSENT) for patch in self.patches]
+        for patch in self.patches:
+            patch.store[patch.key] = patch.value
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            for patch, value in zip(self.patches, now):
+                if value is _ABSENT:
+                    del patch.store[patch.key]
+                else:
+                    patch.store[patch.key] = value
 
 
 def _checkpoint_forward(handle: OffloadHandle, module: nn.Module, offload: bool):
@@ -502,9 +512,7 @@ def _checkpoint_forward(handle: OffloadHandle, module: nn.Module, offload: bool)
                 # apply's graph hooks offload in compiled graphs (see _offload_in_compiled_graphs).
                 return offloaded_checkpoint(original, *args, offload=False, context_fn=_random_ops_saved, **kwargs)
             return offloaded_checkpoint(original, *args, offload=offload, **kwargs)
-        recompute = _Recompute(original)
-        handle._pending_recomputes.add(recompute)
-        return offloaded_checkpoint(recompute, *args, offload=offload, **kwargs)
+        return offloaded_checkpoint(_Recompute(original, handle._patches), *args, offload=offload, **kwargs)
 
     return forward
 

@@ -107,9 +107,12 @@ def _activation_of(mlp: nn.Module):
 
 
 def _is_plain_linear(module) -> bool:
-    # An instance-level forward is how accelerate's hooks (dispatch_model, cpu_offload) wrap a layer.
-    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
-            and "forward" not in module.__dict__ and not (module._forward_hooks or module._forward_pre_hooks))
+    # module.forward, not its class's: accelerate's hooks (dispatch_model, cpu_offload) replace it on
+    # the instance, and leave the bound nn.Linear.forward there when removed. (dynamo guards on this.)
+    forward = getattr(module, "forward", None)
+    return (isinstance(module, nn.Linear) and getattr(forward, "__func__", None) is nn.Linear.forward
+            and getattr(forward, "__self__", None) is module
+            and not (module._forward_hooks or module._forward_pre_hooks))
 
 
 def _check_linear(module, attr: str) -> None:
@@ -166,6 +169,7 @@ class TiledMLP(nn.Module):
         self._layout = layout
         self.num_shards = num_shards
         self._modules = mlp._modules  # shared: see the class docstring
+        self.training = mlp.training
         object.__setattr__(self, "_wrapped", mlp)  # not a child: its children are already ours
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
