@@ -287,6 +287,24 @@ def test_remove_between_a_forward_and_its_backward_keeps_that_backward_right(che
     assert module_layout(model) == before  # apply's forwards were back for the recomputation only
 
 
+def test_a_module_replaced_after_apply_is_the_one_computed_and_recomputed(tmp_path):
+    # Recomputation puts back what its forward found, never apply's own patches over a later change.
+    ids = batch()
+    torch.manual_seed(1)
+    replacement = make_model("llama").model.layers[0].mlp
+    for parameter in replacement.parameters():
+        nn.init.normal_(parameter, std=0.05)
+    reference = make_model("llama")
+    reference.model.layers[0].mlp = copy.deepcopy(replacement)
+    want = loss_and_grads(reference, ids)
+    model = make_model("llama")
+    handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0, checkpoint="layer")
+    model.model.layers[0].mlp = copy.deepcopy(replacement)
+    assert_close_runs(want, loss_and_grads(model, ids))
+    with pytest.raises(RuntimeError, match=r"model.layers.0.mlp changed after apply\(\)"):
+        handle.remove()
+
+
 def test_apply_twice_is_refused_and_remove_is_idempotent():
     model = make_model("llama")
     handle = torch_offload.apply(model, offload=None)

@@ -468,34 +468,42 @@ def _attention_block_forward(attention: nn.Module, fallback):
 
 
 class _Recompute:
-    """One checkpointed call's forward, as apply's patches stood when it ran.
+    """One checkpointed call's forward, with the attributes apply patched as that forward found them.
 
-    Backward calls it again to recompute the call. If those patches were undone or replaced
-    since (``handle.remove()`` between a forward and its backward), they are put back for that
-    call alone: the recomputation must compute what the forward did (torch.utils.checkpoint
-    checks the tensors it saves), and what is there now is restored right after.
+    Backward calls it again to recompute the call, which must compute what the forward did
+    (torch.utils.checkpoint checks the tensors it saves). If those attributes changed in between
+    (``handle.remove()``, a module replaced), what the forward found is put back for that call
+    alone, and what is there now right after.
     """
 
-    __slots__ = ("forward", "patches")
+    __slots__ = ("forward", "attributes", "found")
 
     def __init__(self, forward, patches: list[_Patch]):
         self.forward = forward
-        self.patches = list({(id(p.store), p.key): p for p in patches}.values())  # the last one per attribute
+        self.attributes = list({(id(p.store), p.key): (p.store, p.key) for p in patches}.values())
+        self.found = None
+
+    def _current(self) -> list:
+        return [store.get(key, _ABSENT) for store, key in self.attributes]
+
+    def _set(self, values: list) -> None:
+        for (store, key), value in zip(self.attributes, values):
+            if value is _ABSENT:
+                store.pop(key, None)
+            else:
+                store[key] = value
 
     def __call__(self, *args, **kwargs):
-        if all(patch.intact() for patch in self.patches):
+        now = self._current()
+        if self.found is None:  # the forward
+            self.found = now
+        if all(a is b for a, b in zip(now, self.found)):
             return self.forward(*args, **kwargs)
-        now = [patch.store.get(patch.key, _ABSENT) for patch in self.patches]
-        for patch in self.patches:
-            patch.store[patch.key] = patch.value
+        self._set(self.found)
         try:
             return self.forward(*args, **kwargs)
         finally:
-            for patch, value in zip(self.patches, now):
-                if value is _ABSENT:
-                    del patch.store[patch.key]
-                else:
-                    patch.store[patch.key] = value
+            self._set(now)
 
 
 def _checkpoint_forward(handle: OffloadHandle, module: nn.Module, offload: bool):
