@@ -110,6 +110,45 @@ def test_long_sequences_run_in_head_groups_and_still_match():
         assert relative_error(g, w) < 1e-5, name
 
 
+BALANCED_SPLIT_SHAPES = {
+    "one_head": dict(batch=1, heads=1, kv_heads=1),
+    "three_sequences": dict(batch=3, heads=1, kv_heads=1),
+    "three_query_heads_per_kv_head": dict(batch=1, heads=3, kv_heads=1),
+    "tokens_not_a_multiple_of_the_kernels_blocks": dict(batch=1, heads=1, kv_heads=1, tokens=1028),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", BALANCED_SPLIT_SHAPES)
+def test_odd_batch_times_heads_at_long_sequences_runs_as_balanced_pieces_and_still_matches(shape, dtype):
+    # An odd batch x heads of 1024 tokens or more is computed as pieces (two flash calls per forward:
+    # the causal halves and the cross block) merged by log-sum-exp; in float64 that must agree with
+    # eager to rounding, in bfloat16 be as close to float64 as eager is.
+    kwargs = dict(tokens=1024, h=32, head_dim=16, bias=True) | BALANCED_SPLIT_SHAPES[shape]
+    inputs = make_inputs(**kwargs, dtype=dtype)
+    assert flash_attention_calls(lambda: call(*inputs)) == 2
+    inputs64 = [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None for t in inputs]
+    grad_out = torch.randn(kwargs["batch"], kwargs["tokens"], 32, generator=torch.Generator().manual_seed(3))
+    want, want_grads = output_and_grads(reference, inputs64, grad_out.double())
+    got, got_grads = output_and_grads(call, inputs, grad_out.to(dtype))
+    if dtype == torch.float64:
+        assert relative_error(got, want) < 1e-12
+        for name, g, w in zip(NAMES, got_grads, want_grads):
+            assert relative_error(g, w) < 1e-12, name
+    else:
+        eager, eager_grads = output_and_grads(reference, inputs, grad_out.to(dtype))
+        assert relative_error(got, want) <= max(2 * relative_error(eager, want), 1e-2)
+        for name, g, e, w in zip(NAMES, got_grads, eager_grads, want_grads):
+            assert relative_error(g, w) <= max(2 * relative_error(e, w), 1e-2), name
+
+
+def test_even_batch_times_heads_and_short_sequences_run_in_one_flash_call():
+    for kwargs in (dict(batch=2, heads=1, kv_heads=1, tokens=1024), dict(batch=1, heads=1, kv_heads=1, tokens=1020),
+                   dict(batch=1, heads=1, kv_heads=1, tokens=1026)):
+        inputs = make_inputs(h=32, head_dim=16, **kwargs)
+        assert flash_attention_calls(lambda: call(*inputs)) == 1, kwargs
+
+
 def test_gradcheck_float64():
     inputs = make_inputs(batch=2, tokens=5, h=6, heads=4, kv_heads=2, head_dim=4, bias=True, rotary_batch=2,
                          dtype=torch.float64)

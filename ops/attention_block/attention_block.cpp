@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include <ATen/OpMathType.h>
 #include <ATen/TensorOperators.h>
@@ -312,16 +313,87 @@ void check_rotary_needs_no_grad(const at::Tensor& cos, const at::Tensor& sin) {
 
 namespace {
 
+// PyTorch's CPU flash kernels give each thread a contiguous range of (batch x heads) in backward and of
+// (batch x heads x query blocks) in forward. A causal head's later query blocks cost more, so an odd
+// batch x heads (one head per group, at long sequences) leaves one of two threads with 3/4 of a lone
+// head's forward and its whole backward (bar the small GEMMs inside). Such a call is computed instead as
+// pieces of equal work, an even number of them: each sequence's two causal halves, and its second half's
+// queries against its first half's keys (split by key halves in backward). Forward merges the pieces by
+// their log-sum-exp; backward runs each piece with the whole call's output and log-sum-exp, which gives
+// exactly its share of the gradients. The rule depends on shapes only, not on the thread count.
+constexpr int64_t kBalancedSplitMinTokens = 1024;
+
+bool split_into_balanced_pieces(const at::Tensor& q) {
+  const int64_t tokens = q.size(2);
+  return (q.size(0) * q.size(1)) % 2 == 1 && tokens >= kBalancedSplitMinTokens && tokens % 4 == 0;
+}
+
+// [B, H, 2m, ...] as [2B, H, m, ...]: sequence b's first half at 2b, its second at 2b + 1. A view of the
+// token-major tensors the projections and kernels make; a copy otherwise.
+at::Tensor halves_as_batch(const at::Tensor& t) {
+  return t.unflatten(2, {2, t.size(2) / 2}).transpose(1, 2).flatten(0, 1);
+}
+
+// halves_as_batch's inverse.
+at::Tensor batch_as_halves(const at::Tensor& t) {
+  return t.unflatten(0, {t.size(0) / 2, 2}).transpose(1, 2).flatten(2, 3);
+}
+
+// [B, H, m, ...] as [2B, H, m, ...], each sequence twice (a view when B = 1).
+at::Tensor twice_as_batch(const at::Tensor& t) {
+  std::vector<int64_t> sizes = t.sizes().vec();
+  sizes.insert(sizes.begin() + 1, 2);
+  return t.unsqueeze(1).expand(sizes).flatten(0, 1);
+}
+
 AttentionResult cpu_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
-  auto [out, logsumexp] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, /*is_causal=*/true, {}, scale);
+  const auto flash = [&](const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, bool causal) {
+    return at::_scaled_dot_product_flash_attention_for_cpu(q_, k_, v_, 0.0, causal, {}, scale);
+  };
+  if (!split_into_balanced_pieces(q)) {
+    auto [out, logsumexp] = flash(q, k, v, /*causal=*/true);
+    return {out, logsumexp, {}};
+  }
+  const int64_t m = q.size(2) / 2;
+  const auto [halves_out, halves_lse] =
+      flash(halves_as_batch(q), halves_as_batch(k), halves_as_batch(v), /*causal=*/true);
+  const auto [cross_out, cross_lse] = flash(q.narrow(2, m, m), k.narrow(2, 0, m), v.narrow(2, 0, m), /*causal=*/false);
+  at::Tensor out = batch_as_halves(halves_out), logsumexp = batch_as_halves(halves_lse);
+  // The second half's queries: their own half's keys (causal) and the first half's, merged.
+  at::Tensor second_out = out.narrow(2, m, m), second_lse = logsumexp.narrow(2, m, m);
+  const at::Tensor merged_lse = second_lse.logaddexp(cross_lse);
+  // Merged in the log-sum-exp's precision (float32 for bf16/fp16), the sum rounded once into out.
+  second_out.copy_(second_out * (second_lse - merged_lse).exp().unsqueeze(-1) +
+                   cross_out * (cross_lse - merged_lse).exp().unsqueeze(-1));
+  second_lse.copy_(merged_lse);
   return {out, logsumexp, {}};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_attention_backward(const at::Tensor& grad_out, const at::Tensor& q,
                                                                       const at::Tensor& k, const at::Tensor& v,
                                                                       const AttentionResult& result, double scale) {
-  return at::_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, result.out, result.logsumexp, 0.0,
-                                                                  /*is_causal=*/true, {}, scale);
+  const auto flash_backward = [&](const at::Tensor& g, const at::Tensor& q_, const at::Tensor& k_,
+                                  const at::Tensor& v_, const at::Tensor& out, const at::Tensor& lse, bool causal) {
+    return at::_scaled_dot_product_flash_attention_for_cpu_backward(g, q_, k_, v_, out, lse, 0.0, causal, {}, scale);
+  };
+  if (!split_into_balanced_pieces(q)) {
+    return flash_backward(grad_out, q, k, v, result.out, result.logsumexp, /*causal=*/true);
+  }
+  const int64_t m = q.size(2) / 2;
+  const auto [halves_dq, halves_dk, halves_dv] =
+      flash_backward(halves_as_batch(grad_out), halves_as_batch(q), halves_as_batch(k), halves_as_batch(v),
+                     halves_as_batch(result.out), halves_as_batch(result.logsumexp), /*causal=*/true);
+  // The second half's queries against the first half's keys, as two pieces: one per half of those keys.
+  const auto second = [&](const at::Tensor& t) { return twice_as_batch(t.narrow(2, m, m)); };
+  const auto first = [&](const at::Tensor& t) { return halves_as_batch(t.narrow(2, 0, m)); };
+  const auto [cross_dq, cross_dk, cross_dv] =
+      flash_backward(second(grad_out), second(q), first(k), first(v), second(result.out), second(result.logsumexp),
+                     /*causal=*/false);
+  at::Tensor dq = batch_as_halves(halves_dq), dk = batch_as_halves(halves_dk), dv = batch_as_halves(halves_dv);
+  dq.narrow(2, m, m).add_(cross_dq.unflatten(0, {q.size(0), 2}).sum(1));
+  dk.narrow(2, 0, m).add_(batch_as_halves(cross_dk));
+  dv.narrow(2, 0, m).add_(batch_as_halves(cross_dv));
+  return {dq, dk, dv};
 }
 
 constexpr AttentionKernels cpu_attention_kernels{cpu_attention_forward, cpu_attention_backward};
