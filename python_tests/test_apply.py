@@ -269,6 +269,31 @@ def test_copies_and_pickles_of_an_applied_model_are_the_model_before_apply(name,
     assert module_layout(model) == before == module_layout(copied)
 
 
+def test_a_modules_own_getstate_still_makes_its_copies_and_remove_puts_it_back(tmp_path):
+    # A layer that leaves a cache out of its copies through a __getstate__ of its own.
+    model, ids = make_model("llama"), batch()
+    layer = model.model.layers[0]
+    layer.cache = torch.zeros(4)
+
+    def own_getstate():
+        return {key: value for key, value in nn.Module.__getstate__(layer).items() if key != "cache"}
+
+    layer.__getstate__ = own_getstate
+    before = module_layout(model)
+    copied_before = module_layout(copy.deepcopy(model))
+    assert copied_before != before  # the copy has no cache
+    want = loss_and_grads(model, ids)
+    handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0)
+    assert vars(layer)["__getstate__"] is not own_getstate  # apply's, while applied
+    copied = copy.deepcopy(model)
+    assert module_layout(copied) == copied_before
+    assert vars(copied.model.layers[0])["__getstate__"] is own_getstate
+    assert_close_runs(want, loss_and_grads(copied, ids))
+    handle.remove()
+    assert vars(layer)["__getstate__"] is own_getstate
+    assert module_layout(model) == before
+
+
 @pytest.mark.parametrize("checkpoint", ["layer", "attention"])
 def test_remove_between_a_forward_and_its_backward_keeps_that_backward_right(checkpoint, tmp_path):
     # The backward recomputes checkpointed layers, which must compute what the forward did

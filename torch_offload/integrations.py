@@ -207,27 +207,43 @@ class _Patch:
             self.store[self.key] = self.previous
 
 
-def _state_before_apply(owner_ref: weakref.ref) -> dict:
+class _StateBeforeApply:
     """An applied module's ``__getstate__``: its state with apply's patches undone.
 
     ``copy.deepcopy``, ``copy.copy`` and pickling (``torch.save(model)``) get the state
     through it, so a copy is the module as it was before apply (its own forward, its own
     MLP): patched forwards are closures over the original modules, and a copy running them
     would compute with, and train, the original's parameters. The module itself stays applied.
+    A ``__getstate__`` the module had as an attribute of its own (``own``) still makes the
+    state, and ``remove()`` puts it back.
     """
-    owner = owner_ref()
-    state = type(owner).__getstate__(owner)
-    del state["__getstate__"]
-    state["_modules"] = dict(state["_modules"])
-    patches = [patch for handle in _PATCHED[owner] for patch in handle._patches]
-    for patch in reversed(patches):
-        where = state["_modules"] if patch.store is owner._modules else state
-        if patch.owner is owner and where.get(patch.key, _ABSENT) is patch.value:  # not replaced since
-            if patch.previous is _ABSENT:
-                del where[patch.key]
+
+    def __init__(self, owner: nn.Module):
+        self.owner_ref = weakref.ref(owner)
+        self.own = vars(owner).get("__getstate__", _ABSENT)
+
+    def __call__(self) -> Any:
+        owner = self.owner_ref()
+        state = type(owner).__getstate__(owner) if self.own is _ABSENT else self.own()
+        if not isinstance(state, dict):  # a format of the module's own: apply cannot find its patches there
+            return state
+        state = dict(state)
+        if state.get("__getstate__", _ABSENT) is self:
+            if self.own is _ABSENT:
+                del state["__getstate__"]
             else:
-                where[patch.key] = patch.previous
-    return state
+                state["__getstate__"] = self.own
+        if "_modules" in state:
+            state["_modules"] = dict(state["_modules"])
+        patches = [patch for handle in _PATCHED[owner] for patch in handle._patches]
+        for patch in reversed(patches):
+            where = state.get("_modules", {}) if patch.store is owner._modules else state
+            if patch.owner is owner and where.get(patch.key, _ABSENT) is patch.value:  # not replaced since
+                if patch.previous is _ABSENT:
+                    del where[patch.key]
+                else:
+                    where[patch.key] = patch.previous
+        return state
 
 
 class OffloadHandle:
@@ -281,7 +297,7 @@ class OffloadHandle:
         store = owner._modules if key in owner._modules else vars(owner)
         self._patches.append(_Patch(name, owner, store, key, value))
         if owner not in _PATCHED:
-            vars(owner)["__getstate__"] = functools.partial(_state_before_apply, weakref.ref(owner))
+            vars(owner)["__getstate__"] = _StateBeforeApply(owner)
             _PATCHED[owner] = []
         if self not in _PATCHED[owner]:
             _PATCHED[owner].append(self)
@@ -293,7 +309,12 @@ class OffloadHandle:
             _PATCHED[patch.owner].remove(self)
             if not _PATCHED[patch.owner]:
                 del _PATCHED[patch.owner]
-                del vars(patch.owner)["__getstate__"]
+                ours = vars(patch.owner).get("__getstate__")
+                if isinstance(ours, _StateBeforeApply):  # not replaced since
+                    if ours.own is _ABSENT:
+                        del vars(patch.owner)["__getstate__"]
+                    else:
+                        vars(patch.owner)["__getstate__"] = ours.own
 
     def remove(self) -> None:
         """Restores every attribute apply set; refuses, changing nothing, if one was replaced since.
