@@ -114,16 +114,17 @@ BALANCED_SPLIT_SHAPES = {
     "one_head": dict(batch=1, heads=1, kv_heads=1),
     "three_sequences": dict(batch=3, heads=1, kv_heads=1),
     "three_query_heads_per_kv_head": dict(batch=1, heads=3, kv_heads=1),
+    "three_sequences_of_three_heads_per_sample_rotary": dict(batch=3, heads=3, kv_heads=1, rotary_batch=3),
     "tokens_not_a_multiple_of_the_kernels_blocks": dict(batch=1, heads=1, kv_heads=1, tokens=1028),
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", BALANCED_SPLIT_SHAPES)
 def test_odd_batch_times_heads_at_long_sequences_runs_as_balanced_pieces_and_still_matches(shape, dtype):
     # An odd batch x heads of 1024 tokens or more is computed as pieces (two flash calls per forward:
     # the causal halves and the cross block) merged by log-sum-exp; in float64 that must agree with
-    # eager to rounding, in bfloat16 be as close to float64 as eager is.
+    # eager to rounding, in float32 and bfloat16 be as close to float64 as eager is.
     kwargs = dict(tokens=1024, h=32, head_dim=16, bias=True) | BALANCED_SPLIT_SHAPES[shape]
     inputs = make_inputs(**kwargs, dtype=dtype)
     assert flash_attention_calls(lambda: call(*inputs)) == 2
