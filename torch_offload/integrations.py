@@ -189,6 +189,14 @@ def _row_wise_problem(mlp: nn.Module) -> str | None:
     return None
 
 
+def _put(store: dict, key: str, value: Any) -> None:
+    """``store[key] = value``; no ``key`` in ``store`` when ``value`` is ``_ABSENT``."""
+    if value is _ABSENT:
+        store.pop(key, None)
+    else:
+        store[key] = value
+
+
 class _Patch:
     """One attribute of one module set by apply: ``store`` is the module's ``__dict__`` or ``_modules``."""
 
@@ -201,10 +209,7 @@ class _Patch:
         return self.store.get(self.key, _ABSENT) is self.value
 
     def undo(self) -> None:
-        if self.previous is _ABSENT:
-            del self.store[self.key]
-        else:
-            self.store[self.key] = self.previous
+        _put(self.store, self.key, self.previous)
 
 
 class _StateBeforeApply:
@@ -229,20 +234,14 @@ class _StateBeforeApply:
             return state
         state = dict(state)
         if state.get("__getstate__", _ABSENT) is self:
-            if self.own is _ABSENT:
-                del state["__getstate__"]
-            else:
-                state["__getstate__"] = self.own
+            _put(state, "__getstate__", self.own)
         if "_modules" in state:
             state["_modules"] = dict(state["_modules"])
         patches = [patch for handle in _PATCHED[owner] for patch in handle._patches]
         for patch in reversed(patches):
             where = state.get("_modules", {}) if patch.store is owner._modules else state
             if patch.owner is owner and where.get(patch.key, _ABSENT) is patch.value:  # not replaced since
-                if patch.previous is _ABSENT:
-                    del where[patch.key]
-                else:
-                    where[patch.key] = patch.previous
+                _put(where, patch.key, patch.previous)
         return state
 
 
@@ -311,10 +310,7 @@ class OffloadHandle:
                 del _PATCHED[patch.owner]
                 ours = vars(patch.owner).get("__getstate__")
                 if isinstance(ours, _StateBeforeApply):  # not replaced since
-                    if ours.own is _ABSENT:
-                        del vars(patch.owner)["__getstate__"]
-                    else:
-                        vars(patch.owner)["__getstate__"] = ours.own
+                    _put(vars(patch.owner), "__getstate__", ours.own)
 
     def remove(self) -> None:
         """Restores every attribute apply set; refuses, changing nothing, if one was replaced since.
@@ -509,10 +505,7 @@ class _Recompute:
 
     def _set(self, values: list) -> None:
         for (store, key), value in zip(self.attributes, values):
-            if value is _ABSENT:
-                store.pop(key, None)
-            else:
-                store[key] = value
+            _put(store, key, value)
 
     def __call__(self, *args, **kwargs):
         now = self._current()
