@@ -5,7 +5,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
-DEV_PACKAGES := pytest numpy expecttest scikit-build-core ninja cmake transformers peft matplotlib tqdm
+# transformers and peft pinned: their releases rename what apply() reads (5.24 renamed past_key_values to cache).
+DEV_PACKAGES := pytest numpy expecttest scikit-build-core ninja cmake transformers==5.24.0 peft==0.21.2 matplotlib tqdm
 BUILD_DIR := build/python
 
 # The CUDA compile check: a CUDA build of torch in its own venv, and nvcc.

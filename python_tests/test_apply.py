@@ -578,7 +578,7 @@ ATTENTION = {
     "qwen3": "module: it is not made of exactly",  # per-head q_norm / k_norm
     "phi3": "attention_block",  # its fused qkv_proj split into the op's q, k, v
     "gpt2": "module: it is not made of exactly",  # Conv1D c_attn
-    "gemma2": "module: its attention implementation is 'eager'",  # (for its soft-capped attention scores)
+    "gemma2": "module: config.attn_logit_softcapping is 50.0",  # soft-capped attention scores
 }
 
 

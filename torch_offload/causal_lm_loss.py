@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import threading
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .linear_cross_entropy import linear_cross_entropy
+from .tiled_mlp import _first_argument
 
 __all__ = ["fuse_causal_lm_loss"]
 
@@ -111,13 +113,16 @@ def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath):
     signature = inspect.signature(original)
     extra_name = _kwargs_name(signature)
 
-    def head_forward(hidden):
+    @functools.wraps(head_original)
+    def head_forward(*args, **kwargs):
         request = getattr(_requests, "request", None)
         if request is None or request.loss is not None:
-            return head_original(hidden)
+            return head_original(*args, **kwargs)
+        hidden, _, _ = _first_argument("input", args, kwargs)  # nn.Linear.forward's one argument
         request.loss = _fused_loss(request, hidden, head, math)
         return hidden.new_empty((*hidden.shape[:-1], 0))  # what the model's logit transforms run on
 
+    @functools.wraps(original)
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             # Evaluation: no backward to save memory for, and Trainer's compute_metrics needs the logits.
@@ -178,24 +183,46 @@ def _eval_without_grad(model: nn.Module):
             module.training = mode
 
 
-def _probe_problem(owner: nn.Module, head: nn.Linear, original, fused) -> str | None:
-    """None when the fused loss equals the model's own on a short random batch; else why not."""
-    if head.weight.is_meta:
-        return "its output layer's weight is on the meta device, so apply cannot probe it"
-    vocab = head.weight.shape[0]
+def _probe_batches(forward, vocab: int, device: torch.device) -> list[dict[str, Any]]:
+    """The calls the loss probe compares the fused loss on, with the model's own.
+
+    Random ids with some labels ignored; where the forward takes them, the same with a left- and
+    a right-padded row whose labels are not ignored at the pads (a model whose own loss drops
+    the masked positions, as Qwen2-Audio's, must keep it), and with ``num_items_in_batch``.
+    """
+    parameters = inspect.signature(forward).parameters
+    takes_any = _kwargs_name(inspect.signature(forward)) is not None
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (2, 8), generator=generator).to(head.weight.device)
+    ids = torch.randint(0, vocab, (2, 8), generator=generator).to(device)
     labels = ids.clone()
     labels[0, :3] = -100
-    try:
-        with _eval_without_grad(owner):
-            want = original(input_ids=ids, labels=labels, use_cache=False).loss
-            got = fused(input_ids=ids, labels=labels, use_cache=False).loss
-    except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as error:
-        return f"its forward cannot be probed ({type(error).__name__}: {error})"
+    calls = [dict(input_ids=ids, labels=labels, use_cache=False)]
+    if "attention_mask" in parameters:
+        mask = torch.ones_like(ids)
+        mask[0, :2] = 0  # left padding
+        mask[1, -3:] = 0  # right padding
+        calls.append(dict(input_ids=ids, labels=ids.clone(), attention_mask=mask, use_cache=False))
+    if "num_items_in_batch" in parameters or takes_any:
+        calls.append(dict(calls[0], num_items_in_batch=torch.tensor(5, device=device)))
+    return calls
+
+
+def _probe_problem(owner: nn.Module, head: nn.Linear, original, fused) -> str | None:
+    """None when the fused loss equals the model's own on each of the probe's batches; else why not."""
+    if head.weight.is_meta:
+        return "its output layer's weight is on the meta device, so apply cannot probe it"
     rtol = _PROBE_RTOL.get(head.weight.dtype, 1e-5)
-    if not torch.allclose(got.float(), want.float(), rtol=rtol, atol=rtol):
-        return f"the fused loss ({got.item():.6g}) differs from the model's own ({want.item():.6g})"
+    for call in _probe_batches(original, head.weight.shape[0], head.weight.device):
+        try:
+            with _eval_without_grad(owner):
+                want = original(**call).loss
+                got = fused(**call).loss
+        except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as error:
+            return f"its forward cannot be probed ({type(error).__name__}: {error})"
+        if not torch.allclose(got.float(), want.float(), rtol=rtol, atol=rtol):
+            given = ", ".join(sorted(set(call) - {"input_ids", "labels", "use_cache"})) or "no mask"
+            return (f"the fused loss ({got.item():.6g}) differs from the model's own ({want.item():.6g}) on a batch "
+                    f"with {given}")
     return None
 
 

@@ -29,7 +29,7 @@ from .activations import offload_activations
 from .disk import disk_spill, disk_wait
 from .causal_lm_loss import fuse_causal_lm_loss
 from .compiled_offload import graph_hooks
-from .tiled_mlp import TiledMLP, _is_plain_linear, _module_in_shards
+from .tiled_mlp import TiledMLP, _first_argument, _is_plain_linear, _module_in_shards
 
 __all__ = ["apply", "OffloadHandle"]
 
@@ -106,11 +106,20 @@ def _on_accelerator(model: nn.Module) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Probes: an MLP is handed to the tiled_mlp op, or to tiled_apply, only when its own forward,
-# run at apply time on random weights (so that zero-initialized or trained weights cannot hide
-# a difference), gives what the tiled computation gives.
+# What apply proves before it replaces a forward (README: "What apply() checks"):
+# - Structure decides what it can: the exact module types the op reads (plain nn.Linear
+#   projections, a known activation), no hooks or instance forwards, and every config option
+#   known to change the arithmetic (clip_qkv, attention soft-capping...) that the op lacks.
+# - A probe decides the rest: the module's own forward, run at apply time on random weights
+#   (so that zero-initialized or trained weights cannot hide a difference), must give what
+#   the op gives, at each of several input scales on its own, so that a clamp, a cap or a
+#   threshold that only large activations reach shows. A scale at which the module's own
+#   output is not finite (float16 overflow) proves nothing and is skipped.
 
 _PROBE_RTOL = {torch.float16: 1e-2, torch.bfloat16: 2e-2}  # relative L2 error; 1e-4 in float32/float64
+# Inputs of O(1), O(16) and O(256) per element: weights are scaled so that each projection keeps its input's
+# scale, so a clamp or a cap below ~100x the typical activation is reached.
+_PROBE_SCALES = (1.0, 16.0, 256.0)
 _PROBE_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, AttributeError)  # a forward that cannot run on it
 
 
@@ -135,21 +144,26 @@ def _unprobeable(mlp: nn.Module) -> str | None:
 
 @contextlib.contextmanager
 def _probing(mlp: nn.Module, training: bool):
-    """Random weights and a random [2, 3, h] input for ``mlp``; its modes and the random state are put back."""
+    """Random weights and random [2, 3, h] inputs for ``mlp``, one per probe scale; its modes and the
+    random state are put back."""
     like = next(p for p in mlp.parameters() if p.is_floating_point())
     width = _input_width(mlp)
     modes = [(m, m.training) for m in mlp.modules()]
     with torch.random.fork_rng(devices=[like.device] if like.device.type == "cuda" else []), torch.no_grad():
         torch.manual_seed(0)
-        params = {name: torch.randn_like(p) / (p.shape[-1] if p.dim() else 1) ** 0.5  # activations stay O(1)
+        params = {name: torch.randn_like(p) / (p.shape[-1] if p.dim() else 1) ** 0.5  # a layer keeps x's scale
                   for name, p in mlp.named_parameters() if p.is_floating_point()}
-        x = torch.randn(2, 3, width).to(like.device, like.dtype)
+        x = torch.randn(2, 3, width)
         mlp.train(training)
         try:
-            yield params, x
+            yield params, {scale: (x * scale).to(like.device, like.dtype) for scale in _PROBE_SCALES}
         finally:
             for module, mode in modes:
                 module.training = mode
+
+
+def _finite(output: Any) -> bool:
+    return isinstance(output, torch.Tensor) and bool(output.isfinite().all())
 
 
 def _close(got: Any, want: torch.Tensor) -> bool:
@@ -165,9 +179,13 @@ def _op_computes(mlp: nn.Module, tiled: TiledMLP) -> bool:
     if extra or "forward" in vars(mlp) or mlp._forward_hooks or mlp._forward_pre_hooks:
         return False  # dropout, norms, hooks, accelerate's forward: all would be bypassed by the op
     try:
-        with _probing(mlp, training=True) as (params, x):
+        with _probing(mlp, training=True) as (params, inputs):
             mine = {name: params[name] for name, _ in tiled.named_parameters()}
-            return _close(functional_call(tiled, mine, (x,)), functional_call(mlp, params, (x,)))
+            for x in inputs.values():
+                want = functional_call(mlp, params, (x,))
+                if _finite(want) and not _close(functional_call(tiled, mine, (x,)), want):
+                    return False
+            return True
     except _PROBE_ERRORS:
         return False
 
@@ -175,15 +193,19 @@ def _op_computes(mlp: nn.Module, tiled: TiledMLP) -> bool:
 def _row_wise_problem(mlp: nn.Module) -> str | None:
     """None when ``mlp`` maps [rows, h] to [rows, h_out] row by row (what tiled_apply needs); else why not."""
     try:
-        with _probing(mlp, training=False) as (params, x):  # eval: dropout would make every run differ
-            whole = functional_call(mlp, params, (x,))
-            if not isinstance(whole, torch.Tensor) or whole.shape[:2] != x.shape[:2]:
-                return "its output for a [batch, tokens, h] input is not one [batch, tokens, h_out] tensor"
-            rows = x.reshape(6, -1)
-            want = whole.reshape(6, *whole.shape[2:])
-            halves = torch.cat([functional_call(mlp, params, (rows[:3],)), functional_call(mlp, params, (rows[3:],))])
-            if not (_close(functional_call(mlp, params, (rows,)), want) and _close(halves, want)):
-                return "its output for a token depends on the other tokens"
+        with _probing(mlp, training=False) as (params, inputs):  # eval: dropout would make every run differ
+            for x in inputs.values():
+                whole = functional_call(mlp, params, (x,))
+                if not isinstance(whole, torch.Tensor) or whole.shape[:2] != x.shape[:2]:
+                    return "its output for a [batch, tokens, h] input is not one [batch, tokens, h_out] tensor"
+                if not _finite(whole):
+                    continue
+                rows = x.reshape(6, -1)
+                want = whole.reshape(6, *whole.shape[2:])
+                halves = torch.cat([functional_call(mlp, params, (rows[:3],)),
+                                    functional_call(mlp, params, (rows[3:],))])
+                if not (_close(functional_call(mlp, params, (rows,)), want) and _close(halves, want)):
+                    return "its output for a token depends on the other tokens"
     except _PROBE_ERRORS as error:
         return f"its forward does not take [tokens, h] rows ({type(error).__name__}: {error})"
     return None
@@ -348,8 +370,11 @@ def _tile_mlp(handle: OffloadHandle, name: str, layer: nn.Module, num_shards: in
         handle.mlp_tiling[name] = f"untiled: {problem}"
         return
     original = mlp.forward
+    input_name = next(iter(inspect.signature(original).parameters))
 
-    def tiled_forward(x, *args, **kwargs):
+    @functools.wraps(original)
+    def tiled_forward(*args, **kwargs):
+        x, args, kwargs = _first_argument(input_name, args, kwargs)
         return _module_in_shards(lambda rows: original(rows, *args, **kwargs), mlp, x, num_shards)
 
     handle._patch(f"{name}.forward", mlp, "forward", tiled_forward)
@@ -373,12 +398,23 @@ def _attention_of(layer: nn.Module) -> str | None:
 # are q, then k, then v (Phi-3). Weights are read at each call, so the op sees the current ones.
 _SEPARATE = ("q_proj", "k_proj", "v_proj", "o_proj")
 _FUSED = ("qkv_proj", "o_proj")
-_ATTENTION_ARGUMENTS = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values")
+_ATTENTION_ARGUMENTS = ("hidden_states", "position_embeddings", "attention_mask")  # and a cache (_CACHE_ARGUMENTS)
 # Other arguments transformers passes an attention module that do not change what SDPA computes
 # without a mask (packed sequences' position_ids make transformers build one). Any other argument
 # sends the call to the module's own forward.
 _NEUTRAL_ARGUMENTS = frozenset({"position_ids", "use_cache", "cache_position", "num_items_in_batch",
                                 "output_attentions", "output_hidden_states"})
+
+
+# Config options known to change attention's arithmetic in a way the op does not compute: OLMo's
+# clip_qkv clamps q, k and v; Gemma 2's attn_logit_softcapping caps the scores. Read at apply time and
+# at each call (a config changed after apply).
+_CONFIG_CHANGES_ATTENTION = ("clip_qkv", "attn_logit_softcapping")
+
+
+def _config_change(config: Any) -> str | None:
+    name = next((n for n in _CONFIG_CHANGES_ATTENTION if getattr(config, n, None) is not None), None)
+    return None if name is None else f"config.{name} is {getattr(config, name)!r}, which the op does not compute"
 
 
 def _projection_layout(attention: nn.Module) -> tuple[str, ...] | None:
@@ -409,29 +445,37 @@ def _attention_block_problem(attention: nn.Module) -> str | None:
     if any("forward" in vars(m) or m._forward_hooks or m._forward_pre_hooks for m in attention.modules()):
         return "it or a projection has hooks or a forward of its own (the op would bypass them)"
     parameters = inspect.signature(attention.forward).parameters
-    if any(name not in parameters for name in _ATTENTION_ARGUMENTS):
-        return f"its forward does not take {', '.join(_ATTENTION_ARGUMENTS)}"
+    if any(name not in parameters for name in _ATTENTION_ARGUMENTS) or not any(
+            name in parameters for name in _CACHE_ARGUMENTS):
+        return f"its forward does not take {', '.join(_ATTENTION_ARGUMENTS)} and a key/value cache"
     head_dim, scaling = getattr(attention, "head_dim", None), getattr(attention, "scaling", None)
     if not isinstance(head_dim, int) or not isinstance(scaling, float) or not getattr(attention, "is_causal", False):
         return "it has no int head_dim, float scaling and is_causal=True"
     config = getattr(attention, "config", None)
+    if _config_change(config) is not None:
+        return _config_change(config)
     if layout == _FUSED and not isinstance(getattr(config, "num_attention_heads", None), int):
         return "its qkv_proj cannot be split: no config.num_attention_heads"
     implementation = getattr(config, "_attn_implementation", None)
     if implementation != "sdpa":  # the op is causal SDPA: eager attention without a mask is not even causal
         return f"its attention implementation is {implementation!r}, not 'sdpa'"
     try:
-        with _probing(attention, training=True) as (params, x):
-            angles = torch.randn(1, x.shape[1], head_dim // 2).to(x.device, x.dtype).repeat(1, 1, 2)
-            rotary = (angles.cos(), angles.sin())
-            want = functional_call(attention, params, (), {"hidden_states": x, "position_embeddings": rotary,
-                                                             "attention_mask": None})
-            got = attention_block_op(x, cos=rotary[0], sin=rotary[1], **_op_weights(attention, layout, params),
-                                     scale=scaling)
+        with _probing(attention, training=True) as (params, inputs):
+            for scale, x in inputs.items():
+                angles = torch.randn(1, x.shape[1], head_dim // 2).to(x.device, x.dtype).repeat(1, 1, 2)
+                rotary = (angles.cos(), angles.sin())
+                want = functional_call(attention, params, (), {"hidden_states": x, "position_embeddings": rotary,
+                                                                 "attention_mask": None})
+                want = want[0] if isinstance(want, tuple) else want
+                if not _finite(want):
+                    continue
+                got = attention_block_op(x, cos=rotary[0], sin=rotary[1], **_op_weights(attention, layout, params),
+                                         scale=scaling)
+                if not _close(got, want):
+                    return ("its forward computes something else than the op (a probe on random weights at input "
+                            f"scale {scale:g} differs)")
     except _PROBE_ERRORS as error:
         return f"the op cannot compute it ({type(error).__name__}: {error})"
-    if not _close(got, want[0] if isinstance(want, tuple) else want):
-        return "its forward computes something else than the op (a probe on random weights differs)"
     return None
 
 
@@ -444,18 +488,21 @@ def _attention_block_forward(attention: nn.Module, fallback):
     windows = [w for w in (getattr(attention, "sliding_window", None), getattr(config, "sliding_window", None))
                if w is not None]
 
+    @functools.wraps(attention.forward)
     def forward(*args, **kwargs):
         call = signature.bind(*args, **kwargs).arguments
         x, rotary = call["hidden_states"], call.get("position_embeddings")
         others = {name: value for name, value in call.items()
                   if name not in _ATTENTION_ARGUMENTS and name != var_keyword}
         others.update(call.get(var_keyword) or {})
+        caches = [others.pop(name, None) for name in _CACHE_ARGUMENTS]
+        cache = next((c for c in caches if c is not None), None)
         causal = others.pop("is_causal", None)  # transformers' SDPA: the call's, else the module's
         causal = getattr(attention, "is_causal", True) if causal is None else causal
         # Read at each call: a projection replaced or hooked since apply (a LoRA wrapper, FSDP2 on a
         # Linear) would be bypassed by the op.
         projections = [getattr(attention, name, None) for name in layout]
-        if (call.get("past_key_values") is not None and torch.is_grad_enabled()
+        if (cache is not None and torch.is_grad_enabled()
                 and not torch.compiler.is_compiling()):  # dynamo cannot trace warnings.warn
             warnings.warn("torch_offload: attention_block is not used while the model fills a key/value cache "
                           "(use_cache=True, transformers' default even in training): the attention modules run "
@@ -466,18 +513,23 @@ def _attention_block_forward(attention: nn.Module, fallback):
             and all(_is_plain_linear(p) for p in projections)
             and getattr(config, "_attn_implementation", None) == "sdpa"  # no mask then means causal
             and causal is True
-            and call.get("attention_mask") is None and call.get("past_key_values") is None
+            and call.get("attention_mask") is None and cache is None
             and all(value is None or name in _NEUTRAL_ARGUMENTS for name, value in others.items())
             and not (attention.training and getattr(attention, "attention_dropout", 0.0))
             and x.dim() == 3 and all(x.shape[1] <= w for w in windows)
             and rotary is not None and not any(t.requires_grad for t in rotary)
             and rotary[0].shape[-1] == attention.head_dim  # a partial rotary embedding is not the op's
+            # The op rotates in x's dtype; tables of a wider dtype (OLMo's float32 ones for a bfloat16
+            # model) make the module rotate in theirs. Narrower ones are promoted exactly, as the module does.
+            and all(torch.promote_types(t.dtype, x.dtype) == x.dtype for t in rotary)
+            and _config_change(config) is None
         )
         if not plain_causal:
             return fallback(*args, **kwargs)
         weights = {f"{name}.{kind}": getattr(p, kind) for name, p in zip(layout, projections)
                    for kind in ("weight", "bias")}
-        out = attention_block_op(x, cos=rotary[0], sin=rotary[1], **_op_weights(attention, layout, weights),
+        out = attention_block_op(x, cos=rotary[0].to(x.dtype), sin=rotary[1].to(x.dtype),
+                                 **_op_weights(attention, layout, weights),
                                  scale=attention.scaling)
         return out, None
 
@@ -524,6 +576,7 @@ def _checkpoint_forward(handle: OffloadHandle, module: nn.Module, offload: bool)
     original = module.forward
     caches = _CacheArguments(original)
 
+    @functools.wraps(original)
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():  # inference: nothing is saved for backward
             return original(*args, **kwargs)
@@ -555,8 +608,9 @@ def _fuse_attention(handle: OffloadHandle, name: str, layer: nn.Module, checkpoi
     handle._patch(f"{name}.{attention}.forward", module, "forward", _attention_block_forward(module, fallback))
 
 
-# The names a decoder layer's key/value cache goes by (transformers 5, 4.x, GPT-2 before 4.5x).
-_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+# The names a decoder layer's or attention module's key/value cache goes by (transformers from 5.24,
+# 5.0-5.23 and 4.x, older 4.x, GPT-2 before 4.5x).
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 class _CacheArguments:
@@ -608,6 +662,7 @@ def _wrap_layer(handle: OffloadHandle, index: int, name: str, layer: nn.Module, 
             _fuse_attention(handle, name, layer, checkpointed=False)
         checkpointed = _checkpoint_forward(handle, layer, offload=False)
 
+        @functools.wraps(original)
         def checkpointed_without_cache(*args, **kwargs):
             if torch.is_grad_enabled() and layer.training:
                 args, kwargs = caches.drop_empty(args, kwargs)
@@ -632,6 +687,7 @@ def _wrap_layer(handle: OffloadHandle, index: int, name: str, layer: nn.Module, 
         run = _checkpoint_forward(handle, layer, offload=True) if checkpoint is not None else original
     handle.checkpointing[name] = "attention" if attention is not None else "layer" if checkpoint else "none"
 
+    @functools.wraps(original)
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():  # inference: nothing is saved for backward
             return original(*args, **kwargs)
@@ -680,6 +736,7 @@ def _offload_in_compiled_graphs(handle: OffloadHandle, model: nn.Module, offload
     original = model.forward
 
     @torch._dynamo.disable(recursive=False)
+    @functools.wraps(original)
     def forward(*args, **kwargs):
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             return original(*args, **kwargs)
@@ -755,13 +812,15 @@ def apply(
       ``[tokens, vocab]`` logits (the output's ``logits`` is None then; calls without
       gradients, as evaluation, run the model's own head and loss); transformers' label shift, ``ignore_index``,
       ``num_items_in_batch``, tied embeddings and the logits' soft-capping or scaling are
-      honoured, and a probe at apply time checks the loss against the model's own (a model
-      that does not match keeps its own, with a warning). Calls without labels are unchanged.
+      honoured, and a probe at apply time checks the loss against the model's own, on padded
+      rows and with ``num_items_in_batch`` too (a model that does not match keeps its own, with
+      a warning). Calls without labels are unchanged.
     - ``attention_block``: in every layer apply checkpoints or offloads, the attention module
       runs through the ``attention_block`` op (one group of heads at a time; backward saves
       only the module's input and recomputes each group) where a probe at apply time shows
       the module computes exactly that (the four ``nn.Linear`` projections with rotary
-      embeddings and causal attention, as Llama, Mistral and Qwen2), and where a call is plain
+      embeddings and causal attention, as Llama, Mistral and Qwen2; no config option the op
+      lacks, as ``clip_qkv``; probes at input scales 1, 16 and 256), and where a call is plain
       causal SDPA attention (no mask, no key/value cache, no dropout, no argument that
       changes attention); other calls and
       modules keep their own forward (``handle.attention`` says which modules and why; a call
@@ -778,6 +837,9 @@ def apply(
       and ``store_unpack`` nodes). Compile the model itself, not a function that calls it.
     - ``offload_options`` go to ``offload_activations`` (``min_bytes``,
       ``max_host_bytes``, ``prefetch_bytes``, ``spill_directory``...).
+
+    Every forward apply installs presents the original's signature (``functools.wraps``), which
+    ``generate()`` and Trainer read.
 
     Returns a handle (see ``OffloadHandle``): ``handle.remove()`` restores the model,
     ``handle.stats()`` counts. Applying twice to the same layers is refused.

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Callable, Iterable
 
@@ -124,6 +125,16 @@ def _check_linear(module, attr: str) -> None:
         )
 
 
+def _first_argument(name: str, args: tuple, kwargs: dict) -> tuple[torch.Tensor, tuple, dict]:
+    """A call's first argument, passed by position or as ``name``, and the rest of the call."""
+    if args:
+        return args[0], args[1:], kwargs
+    if name not in kwargs:
+        raise TypeError(f"forward() missing its first argument {name!r}")
+    kwargs = dict(kwargs)
+    return kwargs.pop(name), args, kwargs
+
+
 def _mlp_width(mlp: nn.Module) -> int:
     # The intermediate size, for the automatic shard count of tiled_apply.
     return max(max(p.shape) for p in mlp.parameters())
@@ -165,6 +176,11 @@ class TiledMLP(nn.Module):
         for attr in layout:
             if attr:
                 _check_linear(getattr(mlp, attr), attr)
+        parameters = list(inspect.signature(mlp.forward).parameters.values())
+        if len(parameters) != 1 or parameters[0].kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            raise ValueError(f"TiledMLP: {type(mlp).__name__}.forward takes {inspect.signature(mlp.forward)}, not "
+                             "one input; use torch_offload.tiled_apply for this module instead")
+        self.input_name = parameters[0].name  # callers may pass it by that name
         self.layer_names = tuple(attr for attr in layout if attr)
         self._layout = layout
         self.num_shards = num_shards
@@ -172,7 +188,12 @@ class TiledMLP(nn.Module):
         self.training = mlp.training
         object.__setattr__(self, "_wrapped", mlp)  # not a child: its children are already ours
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        """The wrapped MLP's one input, by position or by the name its own forward gives it."""
+        x, args, kwargs = _first_argument(self.input_name, args, kwargs)
+        if args or kwargs:
+            raise TypeError(f"TiledMLP.forward() takes one argument, {self.input_name!r}; got "
+                            f"{1 + len(args) + len(kwargs)}")
         gate, up, down = layers = [getattr(self, attr) if attr else None for attr in self._layout]
         if (not all(_is_plain_linear(layer) for layer in layers if layer is not None)
                 or _activation_of(self._wrapped) is not self._activation_fn):  # replaced since: the op's is not it
