@@ -62,7 +62,9 @@ $(CUDA_VENV)/.ready:
 	touch $@
 
 # Compiles every .cu file with nvcc (sm_80, sm_90) and links the CUDA-enabled
-# library and its C++ tests against a CUDA build of torch, then runs those tests:
+# library (shared CUDA runtime only, checked with readelf and nm; a torch of another
+# CUDA major version is refused at configure time) and its C++ tests against a CUDA
+# build of torch, then runs those tests:
 # on a machine without a GPU that checks the CPU paths of the CUDA build and
 # skips the GPU tests. torch's CMake config wants libnvrtc, which a toolkit
 # without the math libraries lacks: take the one torch's wheels ship.
@@ -77,6 +79,8 @@ cuda-check: $(VENV)/.ready $(CUDA_VENV)/.ready gtest
 	  -DCUDA_TOOLKIT_ROOT_DIR=$(CUDA_HOME) -DCUDA_nvrtc_LIBRARY=$$nvrtc
 	PATH=$$PWD/$(VENV)/bin:$$PATH cmake --build $(CUDA_BUILD_DIR) --verbose
 	$(VENV)/bin/ctest --test-dir $(CUDA_BUILD_DIR) --output-on-failure
+	cmake/check_cuda_runtime.sh $(CUDA_BUILD_DIR)/libtorch_offload.so
+	PATH=$$PWD/$(VENV)/bin:$$PATH cmake/check_cuda_runtime.sh --mismatch $$PWD/$(CUDA_VENV)/bin/python $(CUDA_HOME)/bin/nvcc
 
 clean:
 	rm -rf build

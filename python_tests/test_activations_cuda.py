@@ -56,11 +56,12 @@ def test_side_stream_forward_and_backward():
     side = torch.cuda.Stream()
     x = torch.randn(2048, 2048, device="cuda", requires_grad=True)
     want = torch.autograd.grad(x.sin().cos().sum(), x)[0]
+    side.wait_stream(torch.cuda.current_stream())  # x and want are made on the default stream
     with torch.cuda.stream(side):
         with offload():
             y = x.sin().cos()
         grad = torch.autograd.grad(y.sum(), x)[0]
-    side.synchronize()
+    torch.cuda.current_stream().wait_stream(side)
     torch.testing.assert_close(grad, want)
 
 

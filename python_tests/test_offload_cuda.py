@@ -32,6 +32,31 @@ def test_pack_waits_for_the_producer_on_the_current_stream():
     assert torch.equal(packed, expected.cpu())
 
 
+def test_restore_never_writes_a_block_the_current_stream_still_reads():
+    # A block freed on the current stream is reusable there at once, while kernels queued before
+    # the free may still read it: a restore allocated there, and written by the copy stream
+    # without waiting, would overwrite the twos before the queued clone reads them.
+    packed = torch_offload.offload_pack(torch.ones(1 << 22, device="cuda"))
+    slow_producer()
+    twos = torch.full((1 << 22,), 2.0, device="cuda")
+    clone = twos.clone()  # queued behind the producer
+    del twos
+    restored = torch_offload.offload_unpack(packed, "cuda")
+    assert torch.equal(clone, torch.full_like(clone, 2.0))
+    assert torch.equal(restored, torch.ones_like(restored))
+
+
+def test_offload_inside_a_cuda_graph_capture_is_refused():
+    src = torch.randn(1024, device="cuda")
+    packed = torch_offload.offload_pack(src)
+    with pytest.raises(RuntimeError, match="offload_pack: cannot run while a CUDA graph is being captured"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            torch_offload.offload_pack(src)
+    with pytest.raises(RuntimeError, match="offload_unpack: cannot run while a CUDA graph is being captured"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            torch_offload.offload_unpack(packed, "cuda")
+
+
 def test_source_overwritten_in_place_after_blocking_pack():
     src = torch.randn(1 << 20, device="cuda")
     expected = src.cpu()

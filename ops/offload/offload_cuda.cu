@@ -9,6 +9,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -35,20 +36,29 @@ c10::cuda::CUDAStream copy_stream(c10::DeviceIndex device, Direction direction) 
 }
 
 // An event recorded on a stream. Raw CUDA events (no timing) keep this file free
-// of ATen's CUDA context headers, which pull in cuBLAS and friends.
+// of ATen's CUDA context headers, which pull in cuBLAS and friends. It is queried,
+// waited for and destroyed on any thread (the spill workers, whoever frees a packed
+// tensor): each call sets the event's device first, since a CUDA call on a thread that
+// never set one makes a context on device 0 (hundreds of MB there for every DDP rank).
 class StreamEvent final : public Fence {
  public:
-  explicit StreamEvent(const c10::cuda::CUDAStream& stream) {
+  explicit StreamEvent(const c10::cuda::CUDAStream& stream) : device_(stream.device_index()) {
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
     C10_CUDA_CHECK(cudaEventRecord(event_, stream.stream()));
   }
   ~StreamEvent() override {
-    cudaEventDestroy(event_);
+    try {
+      const c10::cuda::CUDAGuard guard(device_);
+      cudaEventDestroy(event_);
+    } catch (const c10::Error&) {  // the runtime is shutting down: no context left to make
+      cudaEventDestroy(event_);
+    }
   }
   StreamEvent(const StreamEvent&) = delete;
   StreamEvent& operator=(const StreamEvent&) = delete;
 
   bool done() const override {
+    const c10::cuda::CUDAGuard guard(device_);
     const cudaError_t status = cudaEventQuery(event_);
     if (status == cudaErrorNotReady) {
       (void)cudaGetLastError();  // not-ready is an answer, not an error
@@ -58,6 +68,7 @@ class StreamEvent final : public Fence {
     return true;
   }
   void wait() const override {
+    const c10::cuda::CUDAGuard guard(device_);
     C10_CUDA_CHECK(cudaEventSynchronize(event_));
   }
   // Work queued on `stream` after this call starts only once the event completed.
@@ -66,8 +77,17 @@ class StreamEvent final : public Fence {
   }
 
  private:
+  const c10::DeviceIndex device_;
   cudaEvent_t event_ = nullptr;
 };
+
+// Copies that wait on events and reuse pinned slices cannot be captured into a CUDA graph
+// (event queries are illegal while capturing, and replays would reuse the slices).
+void check_not_capturing(const char* op) {
+  TORCH_CHECK(c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None, op,
+              ": cannot run while a CUDA graph is being captured (torch.cuda.graph, torch.compile's "
+              "mode='reduce-overhead'); offload outside the captured region");
+}
 
 void make_stream_wait(const Fence& fence, const c10::cuda::CUDAStream& stream) {
   // Every fence in the arena is made in this file, so the cast cannot fail.
@@ -79,6 +99,7 @@ void make_stream_wait(const Fence& fence, const c10::cuda::CUDAStream& stream) {
 at::Tensor offload_pack_cuda(const at::Tensor& src, bool non_blocking) {
   check_defined(src, "offload_pack", "src");
   const c10::cuda::CUDAGuard device_guard(src.device());
+  check_not_capturing("offload_pack");
   const c10::DeviceIndex device = src.device().index();
   const auto current = c10::cuda::getCurrentCUDAStream(device);
   const auto d2h = copy_stream(device, Direction::kDeviceToHost);
@@ -119,6 +140,7 @@ at::Tensor offload_pack_cuda(const at::Tensor& src, bool non_blocking) {
 at::Tensor unpack_host_to_cuda(const at::Tensor& packed, c10::Device device) {
   const c10::DeviceIndex index = device.has_index() ? device.index() : c10::cuda::current_device();
   const c10::cuda::CUDAGuard device_guard(index);
+  check_not_capturing("offload_unpack");
   const auto current = c10::cuda::getCurrentCUDAStream(index);
   const auto h2d = copy_stream(index, Direction::kHostToDevice);
   PinnedArena& arena = host_arena();
@@ -134,16 +156,19 @@ at::Tensor unpack_host_to_cuda(const at::Tensor& packed, c10::Device device) {
     host = packed.contiguous();
   }
 
-  // Allocated on the current stream, which is where the result will be used.
-  at::Tensor out = at::empty(packed.sizes(), packed.options().device(at::Device(at::kCUDA, index)));
-  if (out.numel() == 0) {
-    return out;
-  }
+  // Allocated under the copy stream, which writes it: a block from the current stream's pool
+  // may still be read or written by kernels queued there, which the copy does not wait for.
+  // The consumer's stream is recorded below, so the block is not reused while it reads.
+  at::Tensor out;
   {
     const c10::cuda::CUDAStreamGuard stream_guard(h2d);
+    out = at::empty(packed.sizes(), packed.options().device(at::Device(at::kCUDA, index)));
+    if (out.numel() == 0) {
+      return out;
+    }
     out.copy_(host, /*non_blocking=*/true);
   }
-  c10::cuda::CUDACachingAllocator::recordStream(out.storage().data_ptr(), h2d);
+  c10::cuda::CUDACachingAllocator::recordStream(out.storage().data_ptr(), current);
   auto fence = std::make_shared<StreamEvent>(h2d);
   fence->make_wait(current);  // the consumer waits for this copy, nothing else
   arena.add_fence(host.data_ptr(), fence);  // the slice is not reused before it is read
