@@ -46,8 +46,11 @@ def worker(method, tokens, offload, device):
     model = transformers.LlamaForCausalLM(config).to(device).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     spill = tempfile.TemporaryDirectory()
-    torch_offload.apply(model, offload=None if offload == "none" else offload, spill_directory=spill.name,
-                        min_bytes=1 << 16)
+    tier = None if offload == "none" else offload
+    options = {} if tier is None else dict(min_bytes=1 << 16)  # apply refuses options a configuration ignores
+    if tier == "disk":
+        options["spill_directory"] = spill.name
+    torch_offload.apply(model, offload=tier, **options)
     run = torch.compile(model, fullgraph=True) if method == "compiled" else model
     ids = token_batch(tokens).to(device)
 

@@ -102,7 +102,8 @@ def run_one(args):
     if args.run == "checkpointing":
         torch_offload.apply(model, tiled_mlp=False, checkpoint=True, offload=None, loss=False)
     elif args.run == "torch_offload":
-        torch_offload.apply(model, offload="cpu" if gpu else "disk", spill_directory=spill.name, min_bytes=1 << 16)
+        tier = dict(offload="cpu") if gpu else dict(offload="disk", spill_directory=spill.name)
+        torch_offload.apply(model, min_bytes=1 << 16, **tier)
     def step(ids, update):
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()

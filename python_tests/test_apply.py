@@ -31,6 +31,13 @@ MODELS = {
 EXPECTED_PATH = {"phi3": "tiled_applies", "gpt2": "tiled_applies"}
 
 
+def tier_options(offload, directory, **options):
+    """apply()'s options for the tier `offload`: it refuses those the tier would ignore."""
+    if offload is None:
+        return {}
+    return dict(options, spill_directory=str(directory)) if offload == "disk" else options
+
+
 def make_model(name):
     config_cls, model_cls, extra = MODELS[name]
     kwargs = dict(COMMON, **extra)
@@ -124,7 +131,7 @@ def test_peft_lora_llama_trains_with_apply(tmp_path):
 @pytest.mark.parametrize("offload,use_cache", [(None, False), ("disk", False), ("disk", True)])
 def test_compiled_patched_model_matches_eager(offload, use_cache, tmp_path):
     model, ids = make_model("llama"), batch()
-    handle = torch_offload.apply(model, offload=offload, num_shards=2, min_bytes=0, spill_directory=str(tmp_path))
+    handle = torch_offload.apply(model, offload=offload, num_shards=2, **tier_options(offload, tmp_path, min_bytes=0))
     want = loss_and_grads(model, ids)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
@@ -147,6 +154,22 @@ def test_bad_inputs_are_explained(tmp_path):
         torch_offload.apply(model, checkpoint="attention", offload=None)
     with pytest.raises(RuntimeError, match="disk_spill: directory .* cannot be used"):
         torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path / "missing"))
+    # A typo or an option the configuration would ignore never changes what runs without a word.
+    with pytest.raises(TypeError, match=r"unknown option 'bogus_option'; apply's own options"):
+        torch_offload.apply(model, offload="disk", bogus_option=1)
+    with pytest.raises(TypeError, match=r"unknown options 'max_host_byte' \(did you mean 'max_host_bytes'\?\), 'x'"):
+        torch_offload.apply(model, offload="disk", max_host_byte=1, x=2)
+    with pytest.raises(TypeError, match="unknown option 'max_host_byte'"):  # checked before the tier's options
+        torch_offload.apply(model, max_host_byte=1)
+    with pytest.raises(ValueError, match=r"'min_bytes' would be ignored with offload='auto', which is None for a model"):
+        torch_offload.apply(model, min_bytes=0)
+    with pytest.raises(ValueError, match=r"'prefetch_bytes' would be ignored with offload=None"):
+        torch_offload.apply(model, offload=None, prefetch_bytes=0)
+    with pytest.raises(ValueError, match=r"'spill_directory' would be ignored with offload='cpu'"), \
+            pytest.warns(UserWarning, match="offload='cpu' moves nothing"):
+        torch_offload.apply(model, offload="cpu", spill_directory=str(tmp_path))
+    with pytest.raises(ValueError, match="spill_directory and allow_tmpfs would be ignored with tier='cpu'"):
+        torch_offload.offload_activations(tier="cpu", spill_directory=str(tmp_path))
     # Nothing was left patched by the failed calls.
     assert not any("forward" in vars(m) or "__getstate__" in vars(m) for m in model.modules())
     assert all(type(layer.mlp).__name__ == "LlamaMLP" for layer in model.model.layers)

@@ -14,7 +14,8 @@ import transformers
 from torch import nn
 
 import torch_offload
-from test_apply import FAMILIES, MODELS, TINY, assert_close_runs, batch, loss_and_grads, make_model, op_calls
+from test_apply import (FAMILIES, MODELS, TINY, assert_close_runs, batch, loss_and_grads, make_model, op_calls,
+                        tier_options)
 
 
 def build(name):
@@ -34,7 +35,7 @@ def test_every_forward_apply_installs_presents_the_originals_signature(name, off
     model = build(name)
     before = forward_signatures(model)
     docs = {name: module.forward.__doc__ for name, module in model.named_modules()}
-    handle = torch_offload.apply(model, offload=offload, spill_directory=str(tmp_path))
+    handle = torch_offload.apply(model, offload=offload, **tier_options(offload, tmp_path))
     installed = [patch for patch in handle._patches if patch.key == "forward"]
     assert installed
     for name_, module in model.named_modules():

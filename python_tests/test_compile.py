@@ -11,7 +11,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import torch_offload
 from torch_offload.tiled_mlp import _compiled_num_shards
-from test_apply import HalveOutput, assert_close_runs, batch, loss_and_grads, make_model
+from test_apply import HalveOutput, assert_close_runs, batch, loss_and_grads, make_model, tier_options
 
 COMPILED = ["llama", "qwen3", "gemma2", "phi3", "gpt2", "lora"]
 
@@ -98,7 +98,7 @@ def test_inductor_compiled_applied_model_matches_eager():
 @pytest.mark.parametrize("name, offload", [("llama", None), ("phi3", None), ("llama", "disk"),
                                            pytest.param("gpt2", None, marks=pytest.mark.xfail(strict=True))])
 def test_dynamic_compile_serves_two_lengths_without_recompiling(name, offload, tmp_path):
-    model, handle = applied(name, offload=offload, spill_directory=str(tmp_path), min_bytes=4096)
+    model, handle = applied(name, offload=offload, **tier_options(offload, tmp_path, min_bytes=4096))
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=counter)
@@ -125,7 +125,7 @@ def test_compiled_shard_count_is_the_ops():
 
 @pytest.mark.parametrize("name, offload", [(name, "disk") for name in COMPILED] + [("llama", "cpu")])
 def test_offloading_applied_model_traces_without_graph_break(name, offload, tmp_path):
-    model, handle = applied(name, offload=offload, spill_directory=str(tmp_path), min_bytes=0)
+    model, handle = applied(name, offload=offload, **tier_options(offload, tmp_path, min_bytes=0))
     assert graph_breaks(model, batch()) == (0, [])
     handle.remove()
 
@@ -150,7 +150,7 @@ def test_compiled_graph_offloads_saved_activations_through_the_store(name, offlo
     # checkpoint=True: the layers' inputs and their attention's outputs (saved: random ops are not recomputed);
     # whole layers with "cpu", attention only with "disk".
     model, handle = applied(name, offload=offload, checkpoint=checkpoint, keep_last=1, min_bytes=0,
-                            num_shards=2, spill_directory=str(tmp_path), offload_cpu_tensors=True)
+                            num_shards=2, **tier_options(offload, tmp_path, offload_cpu_tensors=True))
     recomputed = {False: "none", True: "layer" if offload == "cpu" else "attention"}[checkpoint]
     assert set(list(handle.checkpointing.values())[:-1]) == {recomputed}  # the last layer is kept (keep_last=1)
     ids = batch()

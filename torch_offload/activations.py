@@ -79,6 +79,9 @@ class offload_activations:
     ):
         if tier not in _TIERS:
             raise ValueError(f"offload_activations: tier must be one of {_TIERS}, got {tier!r}")
+        if tier == "cpu" and (spill_directory is not None or allow_tmpfs):
+            raise ValueError("offload_activations: spill_directory and allow_tmpfs would be ignored with tier='cpu' "
+                             "(only tier='disk' writes to disk)")
         if max_host_bytes is not None and max_host_bytes < 0:
             raise ValueError(f"offload_activations: max_host_bytes must be >= 0 or None, got {max_host_bytes}")
         if max_host_bytes is None:

@@ -11,6 +11,7 @@ handle restores the model.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import inspect
 import itertools
@@ -754,6 +755,29 @@ def _resolve_offload(model: nn.Module, offload: str | None) -> str | None:
     return offload
 
 
+# What apply passes to offload_activations itself; every other keyword of it is an option of apply's.
+_SET_BY_APPLY = frozenset({"tier", "module"})
+
+
+def _check_offload_options(options: dict[str, Any], offload: str | None, requested: str | None) -> None:
+    """A misspelt option, or one the chosen configuration would ignore, is an error: never silently dropped."""
+    known = [name for name in inspect.signature(offload_activations).parameters if name not in _SET_BY_APPLY]
+    unknown = [name for name in options if name not in known]
+    if unknown:
+        hints = [f"{name!r}" + "".join(f" (did you mean {m!r}?)" for m in difflib.get_close_matches(name, known, 1))
+                 for name in unknown]
+        raise TypeError(f"torch_offload.apply: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; "
+                        f"apply's own options and those of offload_activations: {', '.join(sorted(known))}")
+    if offload is None and options:
+        why = "offload=None" if requested is None else "offload='auto', which is None for a model in host memory"
+        raise ValueError(f"torch_offload.apply: {', '.join(map(repr, options))} would be ignored with {why}: "
+                         "without a tier nothing is offloaded (offload='disk' or 'cpu' uses them)")
+    disk_only = [name for name in ("spill_directory", "allow_tmpfs") if name in options]
+    if offload == "cpu" and disk_only:
+        raise ValueError(f"torch_offload.apply: {', '.join(map(repr, disk_only))} would be ignored with "
+                         "offload='cpu': only offload='disk' writes to disk")
+
+
 def _resolve_checkpoint(checkpoint: bool | str, offload: str | None) -> str | None:
     if checkpoint is True:
         return "attention" if offload == "disk" else "layer"
@@ -836,7 +860,9 @@ def apply(
       activations the offloaded layers use to the same store (``torch_offload::store_pack``
       and ``store_unpack`` nodes). Compile the model itself, not a function that calls it.
     - ``offload_options`` go to ``offload_activations`` (``min_bytes``,
-      ``max_host_bytes``, ``prefetch_bytes``, ``spill_directory``...).
+      ``max_host_bytes``, ``prefetch_bytes``, ``spill_directory``...). An unknown one is a
+      TypeError naming it; one the configuration would ignore (any of them without a tier,
+      ``spill_directory`` or ``allow_tmpfs`` with ``offload="cpu"``) is a ValueError.
 
     Every forward apply installs presents the original's signature (``functools.wraps``), which
     ``generate()`` and Trainer read.
@@ -856,7 +882,8 @@ def apply(
         if layer in _PATCHED or getattr(layer, "mlp", None) in _PATCHED:
             raise ValueError(f"torch_offload.apply: {name} is already changed by an earlier apply(); "
                              "call that handle's remove() first")
-    offload = _resolve_offload(model, offload)
+    requested, offload = offload, _resolve_offload(model, offload)
+    _check_offload_options(offload_options, offload, requested)
     recompute = _resolve_checkpoint(checkpoint, offload)
     context = None
     if offload is not None:
