@@ -423,6 +423,46 @@ def test_dedup_never_returns_bytes_changed_through_an_alias(tier, tmp_path):
 
 
 @pytest.mark.parametrize("tier", TIERS)
+def test_a_storage_saved_again_through_data_refreshes_the_first_copy(tier, tmp_path):
+    # x is dropped before backward, so only the copies are left: the first, made before
+    # x.data.mul_(2), must hold what eager's saved x holds at backward, the doubled bytes.
+    a = torch.randn(1000, requires_grad=True)
+    w = torch.randn(1000, requires_grad=True)
+
+    def loss():
+        x = a * 3
+        y = x.cos()  # saves x
+        x.data.mul_(2)  # through another version counter: x's version stays 0
+        z = x.data * w  # saves x.data: the same storage, packed again
+        return y.sum() + z.sum()
+
+    want = torch.autograd.grad(loss(), (a, w))
+    with offload_context(tier, tmp_path) as context:
+        value = loss()
+    got = torch.autograd.grad(value, (a, w))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert context.stats()["refreshed_bytes"] == 1000 * 4
+    assert moved_bytes(context, tier) == 2 * 1000 * 4
+
+
+def test_views_of_one_unchanged_storage_are_not_copied_again():
+    # A fused projection's output saved as several views (GQA's k, v, then q): k's and v's
+    # packs take their own quarters, q's the whole storage, over them. Same counter and
+    # version, so q's pack copies neither quarter again.
+    a = torch.randn(256, 64, requires_grad=True)
+    w = torch.randn(64, 128)
+    with offload_context("cpu", None) as context:
+        qkv = a @ w  # saves w
+        q, k, v = qkv[:128], qkv[128:192], qkv[192:]
+        loss = k.cos().sum() + v.sin().sum() + q.sin().sum()  # each saves its view
+    loss.backward()
+    stats = context.stats()
+    assert stats["refreshed_bytes"] == 0
+    quarter = 64 * 128 * 4
+    assert stats["packed_bytes"] == quarter + 2 * quarter + 4 * quarter  # w, the quarters, the whole
+
+
+@pytest.mark.parametrize("tier", TIERS)
 def test_a_kept_tensor_changed_through_data_before_backward_is_read_as_eager_reads_it(tier, tmp_path):
     a = torch.randn(1 << 16, requires_grad=True)
 

@@ -131,7 +131,9 @@ class offload_activations:
     def stats(self) -> dict[str, int]:
         """Counters: pack_calls (saved tensors that reached the store), packed_bytes
         (host and disk), unpacked_bytes (read back), live_bytes (served from the original
-        storage, which something else still held), dedup_hits, kept_on_device_bytes, disk_bytes,
+        storage, which something else still held), dedup_hits, refreshed_bytes (older copies made
+        again when their storage was saved through another version counter or version),
+        kept_on_device_bytes, disk_bytes,
         prefetch_hits, prefetch_scanned (entries the prefetch looked at), peak_host_bytes,
         host_bytes (held now) and live_entries."""
         return dict(self._store.stats())

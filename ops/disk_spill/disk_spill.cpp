@@ -59,10 +59,28 @@ at::Tensor spill_host_tensor(const at::Tensor& host, std::optional<c10::string_v
   return make_ticket(SpillEngine::instance().spill(host, std::move(file), std::move(source_ready), bounce_source));
 }
 
+#ifdef TORCH_OFFLOAD_WITH_CUDA
+// CUDA pinned memory (offload_pack's results, pin_memory()): O_DIRECT may refuse it, so the
+// worker copies it to its own buffer first, and only once a non-blocking offload_pack's
+// device-to-host copy into it has landed.
+at::Tensor spill_pinned_tensor(const at::Tensor& host, std::optional<c10::string_view> directory, bool allow_tmpfs) {
+  return spill_host_tensor(host, directory, allow_tmpfs, [host] { wait_for_pending_pack(host); },
+                           /*bounce_source=*/true);
+}
+#endif
+
 }  // namespace
 
 at::Tensor disk_spill_cpu(const at::Tensor& src, std::optional<c10::string_view> directory, bool allow_tmpfs) {
   check_defined(src, "disk_spill", "src");
+#ifdef TORCH_OFFLOAD_WITH_CUDA
+  if (is_pinned_host_memory(src)) {
+    if (!src.is_contiguous()) {
+      wait_for_pending_pack(src);  // the host reads it now, to make it contiguous
+    }
+    return spill_pinned_tensor(src.contiguous(), directory, allow_tmpfs);
+  }
+#endif
   // Written asynchronously from src's own memory (no copy when contiguous):
   // do not change src in place before disk_wait (the checksum, taken first,
   // would then fail on restore).
@@ -77,9 +95,7 @@ at::Tensor disk_spill_meta(const at::Tensor& src, std::optional<c10::string_view
 #ifdef TORCH_OFFLOAD_WITH_CUDA
 at::Tensor disk_spill_cuda(const at::Tensor& src, std::optional<c10::string_view> directory, bool allow_tmpfs) {
   check_defined(src, "disk_spill", "src");
-  const at::Tensor host = offload_pack(src, /*non_blocking=*/true);
-  return spill_host_tensor(host, directory, allow_tmpfs, [host] { wait_for_pending_pack(host); },
-                           /*bounce_source=*/true);
+  return spill_pinned_tensor(offload_pack(src, /*non_blocking=*/true), directory, allow_tmpfs);
 }
 #endif
 

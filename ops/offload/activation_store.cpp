@@ -99,7 +99,7 @@ void ActivationEntry::release_resources() {
   packed_.reset();
   ticket_.reset();  // frees its disk space
   kept_.reset();
-  prefetched_.reset();
+  prefetched_ = {};
   restored_.reset();
   store_.reset();
 }
@@ -116,10 +116,10 @@ at::Tensor ActivationEntry::restore() {
     // version counter sees those), so this does too, and reads nothing back. A prefetch
     // of the copy is given up.
     restored_ = tensor_over(c10::Storage(std::move(live)), at::kByte, {nbytes_}, {1}, key_.begin);
-    if (prefetched_.defined() || (disk_prefetched_ && ticket_.defined())) {
+    if (prefetched_.tensor.defined() || (disk_prefetched_ && ticket_.defined())) {
       store_->prefetch_in_flight_bytes_ -= nbytes_;
     }
-    prefetched_.reset();
+    prefetched_ = {};
     ticket_.reset();
     store_->live_bytes_ += nbytes_;
   } else if (kept_.defined()) {
@@ -134,9 +134,9 @@ at::Tensor ActivationEntry::restore() {
     }
     store_->unpacked_bytes_ += nbytes_;
   } else {
-    if (prefetched_.defined()) {
-      restored_ = std::move(prefetched_);
-      prefetched_.reset();
+    if (prefetched_.tensor.defined()) {
+      restored_ = finish_unpack(prefetched_);
+      prefetched_ = {};
       store_->prefetch_in_flight_bytes_ -= nbytes_;
       ++store_->prefetch_hits_;
     } else {
@@ -260,6 +260,7 @@ c10::intrusive_ptr<ActivationEntry> ActivationStore::entry_for_locked(const at::
   at::Tensor ticket;
   at::Tensor kept;
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  refresh_changed_copies_locked(key, t);
   if (max_host_bytes_ < 0 || host_bytes_ + nbytes <= max_host_bytes_) {
     packed = offload_pack(bytes, /*non_blocking=*/true);
     host_bytes_ += nbytes;
@@ -280,6 +281,7 @@ c10::intrusive_ptr<ActivationEntry> ActivationStore::entry_for_locked(const at::
   // found it dead). Every live entry keeps its record: that weak reference is
   // what makes its last strong one call release_resources().
   by_key_.insert_or_assign(key, c10::weak_intrusive_ptr<ActivationEntry>(entry));
+  by_storage_.emplace(storage, entry.get());
   entry->older_ = newest_;
   if (newest_ != nullptr) {
     newest_->newer_ = entry.get();
@@ -287,6 +289,32 @@ c10::intrusive_ptr<ActivationEntry> ActivationStore::entry_for_locked(const at::
   newest_ = entry.get();
   ++live_entries_;
   return entry;
+}
+
+void ActivationStore::refresh_changed_copies_locked(const DedupKey& key, const at::Tensor& source) {
+  const auto [first, last] = by_storage_.equal_range(key.storage);
+  for (auto it = first; it != last; ++it) {
+    ActivationEntry& entry = *it->second;
+    const DedupKey& old = entry.key_;
+    const bool same_bytes = old.version_counter == key.version_counter && old.version == key.version;
+    // A restored entry is read already (from this storage, when it was still held); a kept one is the storage.
+    if (same_bytes || old.end <= key.begin || key.end <= old.begin || entry.restored_.defined() ||
+        entry.kept_.defined() || static_cast<int64_t>(key.storage->nbytes()) < old.end) {
+      continue;
+    }
+    const at::Tensor bytes = tensor_over(source.storage(), at::kByte, {entry.nbytes_}, {1}, old.begin);
+    if (entry.prefetched_.tensor.defined() || (entry.disk_prefetched_ && entry.ticket_.defined())) {
+      prefetch_in_flight_bytes_ -= entry.nbytes_;
+    }
+    entry.prefetched_ = {};
+    entry.disk_prefetched_ = false;
+    if (entry.packed_.defined()) {
+      entry.packed_ = offload_pack(bytes, /*non_blocking=*/true);
+    } else {
+      entry.ticket_ = disk_spill(bytes, spill_directory_, allow_tmpfs_);  // the old ticket frees its space
+    }
+    refreshed_bytes_ += entry.nbytes_;
+  }
 }
 
 void ActivationStore::prefetch_before_locked(ActivationEntry& restoring) {
@@ -301,7 +329,7 @@ void ActivationStore::prefetch_before_locked(ActivationEntry& restoring) {
   // still linked and intact: the release unlinks them first, then frees.
   for (; entry != nullptr && prefetch_in_flight_bytes_ < prefetch_bytes_; entry = entry->older_) {
     ++prefetch_scanned_;
-    const bool on_host = entry->packed_.defined() && !entry->prefetched_.defined();
+    const bool on_host = entry->packed_.defined() && !entry->prefetched_.tensor.defined();
     const bool on_disk = entry->ticket_.defined() && !entry->disk_prefetched_;
     // An entry whose storage is still held elsewhere is restored from it (see restore()).
     if (entry->restored_.defined() || !(on_host || on_disk) || !entry->source_.expired()) {
@@ -313,7 +341,7 @@ void ActivationStore::prefetch_before_locked(ActivationEntry& restoring) {
       break;
     }
     if (on_host) {
-      entry->prefetched_ = offload_unpack(entry->packed_, entry->device_);
+      entry->prefetched_ = start_unpack(entry->packed_, entry->device_);
     } else {
       disk_prefetch(entry->ticket_);  // the I/O threads read it while backward computes
       entry->disk_prefetched_ = true;
@@ -329,8 +357,15 @@ void ActivationStore::on_entry_released(ActivationEntry& entry) {
   if (entry.packed_.defined()) {
     host_bytes_ -= entry.nbytes_;
   }
-  if (entry.prefetched_.defined() || (entry.disk_prefetched_ && entry.ticket_.defined())) {
+  if (entry.prefetched_.tensor.defined() || (entry.disk_prefetched_ && entry.ticket_.defined())) {
     prefetch_in_flight_bytes_ -= entry.nbytes_;
+  }
+  const auto [first, last] = by_storage_.equal_range(entry.key_.storage);
+  for (auto it = first; it != last; ++it) {
+    if (it->second == &entry) {
+      by_storage_.erase(it);
+      break;
+    }
   }
   // Erase only our own record: a newer entry may already own the key.
   if (auto found = by_key_.find(entry.key_); found != by_key_.end() && found->second._unsafe_get_target() == &entry) {
@@ -371,6 +406,7 @@ c10::Dict<std::string, int64_t> ActivationStore::stats() const {
   out.insert("unpacked_bytes", unpacked_bytes_);
   out.insert("live_bytes", live_bytes_);
   out.insert("dedup_hits", dedup_hits_);
+  out.insert("refreshed_bytes", refreshed_bytes_);
   out.insert("kept_on_device_bytes", kept_on_device_bytes_);
   out.insert("disk_bytes", disk_bytes_);
   out.insert("prefetch_hits", prefetch_hits_);

@@ -8,7 +8,9 @@
 // the bytes a view spans when that is much smaller. Every saved tensor that lies
 // in the same unchanged range (same storage, version counter and version) shares
 // one Entry, and is rebuilt on unpack as the same view (sizes, strides, offset,
-// conjugate and negative bits) of the restored bytes.
+// conjugate and negative bits) of the restored bytes. A range packed again through
+// another counter or version (x.data, an in-place write) is copied again into the
+// older entries it overlaps: eager's backward reads the storage as it is last.
 #include <cstdint>
 #include <mutex>
 #include <optional>
@@ -21,6 +23,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/SmallVector.h>
 #include <torch/custom_class.h>
+
+#include "ops/offload/offload.h"
 
 namespace torch_offload {
 
@@ -72,7 +76,9 @@ class ActivationEntry : public torch::CustomClassHolder {
   at::Tensor packed_;     // host bytes when offloaded
   at::Tensor ticket_;     // disk_spill ticket when spilled
   at::Tensor kept_;       // device bytes when no tier took it
-  at::Tensor prefetched_;  // restored ahead of need during backward (host tier)
+  // Restored ahead of need during backward (host tier); the stream that restores the
+  // entry waits for its copy then, not the stream that was current when it started.
+  PendingUnpack prefetched_;
   bool disk_prefetched_ = false;  // disk_prefetch issued (disk tier)
   at::Tensor restored_;   // restored bytes, shared by every view of this range
   // Live entries in pack order (a list under the store's mutex): each pack,
@@ -130,6 +136,9 @@ class ActivationStore : public torch::CustomClassHolder {
   c10::intrusive_ptr<ActivationEntry> entry_for_locked(const at::Tensor& t);
   // A live entry for exactly this key, or null.
   c10::intrusive_ptr<ActivationEntry> find_locked(const DedupKey& key);
+  // Copies again, from the storage as it is now, every live entry of key's storage whose
+  // bytes overlap key's but were packed through another version counter or version.
+  void refresh_changed_copies_locked(const DedupKey& key, const at::Tensor& source);
   // Called by an entry on its first restore: restores the entries packed just
   // before it (needed next by backward), up to prefetch_bytes_ in flight (at least one). It
   // resumes where the previous scan stopped when backward goes on downwards, so
@@ -148,6 +157,7 @@ class ActivationStore : public torch::CustomClassHolder {
   mutable std::mutex mutex_;
   int64_t next_sequence_ = 0;
   std::unordered_map<DedupKey, c10::weak_intrusive_ptr<ActivationEntry>, DedupKeyHash> by_key_;
+  std::unordered_multimap<const c10::StorageImpl*, ActivationEntry*> by_storage_;  // the live entries
   ActivationEntry* newest_ = nullptr;  // the live entries' list
   int64_t live_entries_ = 0;
   // The last prefetch scan: the restore that started it, and the next (older)
@@ -164,6 +174,7 @@ class ActivationStore : public torch::CustomClassHolder {
   int64_t unpacked_bytes_ = 0;
   int64_t live_bytes_ = 0;  // restored from the original storage, still held elsewhere
   int64_t dedup_hits_ = 0;
+  int64_t refreshed_bytes_ = 0;
   int64_t kept_on_device_bytes_ = 0;
   int64_t disk_bytes_ = 0;
   int64_t prefetch_hits_ = 0;

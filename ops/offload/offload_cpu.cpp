@@ -18,14 +18,30 @@ at::Tensor offload_pack_meta(const at::Tensor& src, bool /*non_blocking*/) {
 at::Tensor offload_unpack_cpu(const at::Tensor& packed, c10::Device device) {
   check_defined(packed, "offload_unpack", "packed");
   check_device_available(device, "offload_unpack", "device");
+  return finish_unpack(start_unpack(packed, device));
+}
+
+PendingUnpack start_unpack(const at::Tensor& packed, c10::Device device) {
 #ifdef TORCH_OFFLOAD_WITH_CUDA
-  if (device.is_cuda()) {
-    return unpack_host_to_cuda(packed, device);
+  if (device.is_cuda() && packed.is_cpu()) {
+    return start_host_to_cuda(packed, device);
   }
-  wait_for_pending_pack(packed);
+  if (packed.is_cpu()) {
+    wait_for_pending_pack(packed);
+  }
 #endif
-  return packed.to(packed.options().device(device), /*non_blocking=*/false, /*copy=*/true,
-                   at::MemoryFormat::Contiguous);
+  return {packed.to(packed.options().device(device), /*non_blocking=*/false, /*copy=*/true,
+                    at::MemoryFormat::Contiguous),
+          nullptr};
+}
+
+at::Tensor finish_unpack(const PendingUnpack& pending) {
+#ifdef TORCH_OFFLOAD_WITH_CUDA
+  if (pending.ready) {
+    use_on_current_stream(pending);
+  }
+#endif
+  return pending.tensor;
 }
 
 // Meta in, meta out: a meta kernel never allocates on `device`. FakeTensor needs the

@@ -9,11 +9,13 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "ops/common/checks.h"
+#include "ops/common/device_event.h"
 #include "ops/common/pinned_arena.h"
 
 namespace torch_offload {
@@ -35,52 +37,6 @@ c10::cuda::CUDAStream copy_stream(c10::DeviceIndex device, Direction direction) 
   return c10::cuda::getStreamFromExternal(stream, device);
 }
 
-// An event recorded on a stream. Raw CUDA events (no timing) keep this file free
-// of ATen's CUDA context headers, which pull in cuBLAS and friends. It is queried,
-// waited for and destroyed on any thread (the spill workers, whoever frees a packed
-// tensor): each call sets the event's device first, since a CUDA call on a thread that
-// never set one makes a context on device 0 (hundreds of MB there for every DDP rank).
-class StreamEvent final : public Fence {
- public:
-  explicit StreamEvent(const c10::cuda::CUDAStream& stream) : device_(stream.device_index()) {
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
-    C10_CUDA_CHECK(cudaEventRecord(event_, stream.stream()));
-  }
-  ~StreamEvent() override {
-    try {
-      const c10::cuda::CUDAGuard guard(device_);
-      cudaEventDestroy(event_);
-    } catch (const c10::Error&) {  // the runtime is shutting down: no context left to make
-      cudaEventDestroy(event_);
-    }
-  }
-  StreamEvent(const StreamEvent&) = delete;
-  StreamEvent& operator=(const StreamEvent&) = delete;
-
-  bool done() const override {
-    const c10::cuda::CUDAGuard guard(device_);
-    const cudaError_t status = cudaEventQuery(event_);
-    if (status == cudaErrorNotReady) {
-      (void)cudaGetLastError();  // not-ready is an answer, not an error
-      return false;
-    }
-    C10_CUDA_CHECK(status);
-    return true;
-  }
-  void wait() const override {
-    const c10::cuda::CUDAGuard guard(device_);
-    C10_CUDA_CHECK(cudaEventSynchronize(event_));
-  }
-  // Work queued on `stream` after this call starts only once the event completed.
-  void make_wait(const c10::cuda::CUDAStream& stream) const {
-    C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), event_, 0));
-  }
-
- private:
-  const c10::DeviceIndex device_;
-  cudaEvent_t event_ = nullptr;
-};
-
 // Copies that wait on events and reuse pinned slices cannot be captured into a CUDA graph
 // (event queries are illegal while capturing, and replays would reuse the slices).
 void check_not_capturing(const char* op) {
@@ -91,7 +47,7 @@ void check_not_capturing(const char* op) {
 
 void make_stream_wait(const Fence& fence, const c10::cuda::CUDAStream& stream) {
   // Every fence in the arena is made in this file, so the cast cannot fail.
-  static_cast<const StreamEvent&>(fence).make_wait(stream);
+  static_cast<const DeviceEvent&>(fence).make_wait(stream);
 }
 
 }  // namespace
@@ -106,7 +62,7 @@ at::Tensor offload_pack_cuda(const at::Tensor& src, bool non_blocking) {
 
   // The copy starts only after everything already queued on the caller's stream,
   // including whatever produced src.
-  StreamEvent(current).make_wait(d2h);
+  DeviceEvent(current).make_wait(d2h);
 
   const auto host_options = src.options().device(at::kCPU);
   const size_t nbytes = static_cast<size_t>(src.numel()) * src.element_size();
@@ -128,7 +84,7 @@ at::Tensor offload_pack_cuda(const at::Tensor& src, bool non_blocking) {
   // even if the caller frees src right now.
   c10::cuda::CUDACachingAllocator::recordStream(src.storage().data_ptr(), d2h);
   if (slice != nullptr) {
-    auto fence = std::make_shared<StreamEvent>(d2h);
+    auto fence = std::make_shared<DeviceEvent>(d2h);
     arena.add_fence(slice, fence);
     if (!non_blocking) {
       fence->wait();  // this copy only, not the device
@@ -137,11 +93,10 @@ at::Tensor offload_pack_cuda(const at::Tensor& src, bool non_blocking) {
   return packed;
 }
 
-at::Tensor unpack_host_to_cuda(const at::Tensor& packed, c10::Device device) {
+PendingUnpack start_host_to_cuda(const at::Tensor& packed, c10::Device device) {
   const c10::DeviceIndex index = device.has_index() ? device.index() : c10::cuda::current_device();
   const c10::cuda::CUDAGuard device_guard(index);
   check_not_capturing("offload_unpack");
-  const auto current = c10::cuda::getCurrentCUDAStream(index);
   const auto h2d = copy_stream(index, Direction::kHostToDevice);
   PinnedArena& arena = host_arena();
 
@@ -156,23 +111,30 @@ at::Tensor unpack_host_to_cuda(const at::Tensor& packed, c10::Device device) {
     host = packed.contiguous();
   }
 
-  // Allocated under the copy stream, which writes it: a block from the current stream's pool
+  // Allocated under the copy stream, which writes it: a block from the consumer's pool
   // may still be read or written by kernels queued there, which the copy does not wait for.
-  // The consumer's stream is recorded below, so the block is not reused while it reads.
-  at::Tensor out;
+  // The consumer's stream is recorded when it takes the tensor (finish_unpack), so the
+  // block is not reused while it reads.
+  PendingUnpack pending;
   {
     const c10::cuda::CUDAStreamGuard stream_guard(h2d);
-    out = at::empty(packed.sizes(), packed.options().device(at::Device(at::kCUDA, index)));
-    if (out.numel() == 0) {
-      return out;
+    pending.tensor = at::empty(packed.sizes(), packed.options().device(at::Device(at::kCUDA, index)));
+    if (pending.tensor.numel() == 0) {
+      return pending;
     }
-    out.copy_(host, /*non_blocking=*/true);
+    pending.tensor.copy_(host, /*non_blocking=*/true);
   }
-  c10::cuda::CUDACachingAllocator::recordStream(out.storage().data_ptr(), current);
-  auto fence = std::make_shared<StreamEvent>(h2d);
-  fence->make_wait(current);  // the consumer waits for this copy, nothing else
-  arena.add_fence(host.data_ptr(), fence);  // the slice is not reused before it is read
-  return out;
+  pending.ready = std::make_shared<DeviceEvent>(h2d);
+  arena.add_fence(host.data_ptr(), pending.ready);  // the slice is not reused before it is read
+  return pending;
+}
+
+void use_on_current_stream(const PendingUnpack& pending) {
+  const c10::Device device = pending.tensor.device();
+  const c10::cuda::CUDAGuard device_guard(device);
+  const auto current = c10::cuda::getCurrentCUDAStream(device.index());
+  pending.ready->make_wait(current);  // the consumer waits for this copy, nothing else
+  c10::cuda::CUDACachingAllocator::recordStream(pending.tensor.storage().data_ptr(), current);
 }
 
 at::Tensor offload_unpack_cuda(const at::Tensor& packed, c10::Device device) {
@@ -189,6 +151,12 @@ void wait_for_pending_pack(const at::Tensor& packed) {
   for (const auto& fence : host_arena().pending_fences(packed.data_ptr())) {
     fence->wait();
   }
+}
+
+bool is_pinned_host_memory(const at::Tensor& t) {
+  // Pinned memory exists only once some device has a context: asking CUDA before that
+  // would make one on device 0.
+  return t.is_cpu() && c10::cuda::getDeviceIndexWithPrimaryContext().has_value() && t.is_pinned();
 }
 
 }  // namespace torch_offload
