@@ -155,8 +155,9 @@ void wait_for_pending_pack(const at::Tensor& packed) {
 
 bool is_pinned_host_memory(const at::Tensor& t) {
   // Pinned memory exists only once some device has a context: asking CUDA before that
-  // would make one on device 0.
-  return t.is_cpu() && c10::cuda::getDeviceIndexWithPrimaryContext().has_value() && t.is_pinned();
+  // would make one on device 0. No device (or no driver) is a CPU-only process.
+  return t.is_cpu() && c10::cuda::device_count() > 0 && c10::cuda::getDeviceIndexWithPrimaryContext().has_value() &&
+         t.is_pinned();
 }
 
 }  // namespace torch_offload
