@@ -15,7 +15,7 @@ CUDA_TORCH_VERSION ?= 2.14.1
 CUDA_HOME ?= /usr/local/cuda
 CUDA_BUILD_DIR := build/cuda
 
-.PHONY: demo test build gtest example-cpp cuda-check clean
+.PHONY: demo test build gtest example-cpp cuda-check gpu-check clean
 
 demo: build
 	$(PY) examples/demo.py
@@ -81,6 +81,12 @@ cuda-check: $(VENV)/.ready $(CUDA_VENV)/.ready gtest
 	$(VENV)/bin/ctest --test-dir $(CUDA_BUILD_DIR) --output-on-failure
 	cmake/check_cuda_runtime.sh $(CUDA_BUILD_DIR)/libtorch_offload.so
 	PATH=$$PWD/$(VENV)/bin:$$PATH cmake/check_cuda_runtime.sh --mismatch $$PWD/$(CUDA_VENV)/bin/python $(CUDA_HOME)/bin/nvcc
+
+# On a machine with a GPU: build against that machine's own CUDA torch (GPU_PYTHON's), run every
+# CUDA test and the GPU bench, print one table (.ci/gpu_check.py). No venv, no package index needed.
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) .ci/gpu_check.py
 
 clean:
 	rm -rf build

@@ -84,3 +84,52 @@ def test_activations_leave_the_device():
     plain = peak(contextlib.nullcontext())
     offloaded = peak(offload(min_bytes=1 << 16))
     assert offloaded < 0.6 * plain, (offloaded, plain)
+
+
+def test_layers_alternating_between_two_streams_with_prefetch_give_the_gradients_without_offload():
+    # ~200 MB of saved activations. Each layer runs on the other stream than its neighbours, and
+    # autograd runs its backward there too: a prefetch started while restoring one layer is read
+    # by the next on the other stream, which must wait for the copy and hold its memory.
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(2048, 2048).cuda() for _ in range(6)]
+    x = torch.randn(4096, 2048, device="cuda", requires_grad=True)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+
+    def loss():
+        h = x
+        for i, layer in enumerate(layers):
+            stream = streams[i % 2]
+            stream.wait_stream(torch.cuda.current_stream())
+            h.record_stream(stream)  # made on another stream, read on this one
+            with torch.cuda.stream(stream):
+                h = torch.nn.functional.gelu(layer(h))
+            torch.cuda.current_stream().wait_stream(stream)
+        return h.square().mean()
+
+    params = [x, *(p for layer in layers for p in layer.parameters())]
+    want = torch.autograd.grad(loss(), params)
+    with offload(prefetch_bytes=64 << 20) as context:
+        value = loss()
+    got = torch.autograd.grad(value, params)
+    torch.cuda.synchronize()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    stats = context.stats()
+    assert stats["prefetch_hits"] > 0 and stats["packed_bytes"] > 100 << 20
+
+
+def test_disk_tier_with_cuda_activations(tmp_path):
+    torch.manual_seed(0)
+    model = TinyTransformer(layers=4, width=64).cuda()
+    x, target = torch.randn(8, 128, 64, device="cuda"), torch.randn(8, 128, 1, device="cuda")
+    torch.nn.functional.mse_loss(model(x), target).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with offload(tier="disk", spill_directory=str(tmp_path)) as context:
+        loss = torch.nn.functional.mse_loss(model(x), target)
+    loss.backward()
+    for p, w in zip(model.parameters(), want):
+        torch.testing.assert_close(p.grad, w)
+    stats = context.stats()
+    assert stats["disk_bytes"] > 0 and stats["live_entries"] == 0
+    assert list(tmp_path.iterdir()) == []  # the spill file has no name

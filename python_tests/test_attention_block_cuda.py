@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.testing._internal.optests import opcheck
 
+from cuda_allocations import allocation_sizes
 from test_attention_block import NAMES, call, make_inputs, output_and_grads, reference, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -74,3 +75,44 @@ def test_cuda_float64_and_unaligned_head_dimensions_are_refused_by_name():
     with pytest.raises(RuntimeError, match="attention_block: the head dimension .cos's last dimension. is 4; CUDA's "
                                            "attention kernels need a multiple of 8 for BFloat16"):
         call(*inputs)
+
+
+def test_cuda_bf16_backward_holds_no_float32_product_as_large_as_x():
+    # 8192 tokens of h 4096 in bf16, 32 heads of 128 over 8 key/value heads, weights frozen:
+    # x's float32 gradient accumulator is 128 MiB. Adding each projection's product into it
+    # through a whole [tokens, h] float32 GEMM result would allocate one more as large per
+    # projection and head group; the op's scratch is 16 MiB.
+    tokens, h, heads, kv_heads, head_dim = 8192, 4096, 32, 8, 128
+    generator = torch.Generator("cuda").manual_seed(0)
+
+    def rand(*size, scale=1.0):
+        return (torch.randn(*size, device="cuda", generator=generator) * scale).bfloat16()
+
+    x = rand(1, tokens, h).requires_grad_()
+    w_q, w_o = rand(heads * head_dim, h, scale=h ** -0.5), rand(h, heads * head_dim, scale=h ** -0.5)
+    w_k, w_v = (rand(kv_heads * head_dim, h, scale=h ** -0.5) for _ in range(2))
+    angles = torch.arange(tokens, device="cuda")[:, None] * 10000 ** (-torch.arange(head_dim // 2, device="cuda") /
+                                                                         (head_dim // 2))
+    angles = torch.cat([angles, angles], dim=-1)[None]
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    out = call(x, w_q, w_k, w_v, w_o, cos, sin)
+    grad_out = torch.randn_like(out)
+    sizes = allocation_sizes(lambda: out.backward(grad_out))
+    accumulator = tokens * h * 4
+    assert sum(size >= accumulator for size in sizes) == 1  # x's accumulator, nothing else as large
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cuda_autocast_is_as_close_to_float32_as_the_module_under_autocast(dtype):
+    inputs = to_cuda(make_inputs(tokens=128, h=64, heads=8, kv_heads=2, head_dim=16, bias=True))
+    grad_out = torch.randn(2, 128, 64, device="cuda")
+    want, want_grads = output_and_grads(reference, inputs, grad_out)
+    with torch.autocast("cuda", dtype=dtype):
+        got, got_grads = output_and_grads(call, inputs, grad_out)
+        eager, eager_grads = output_and_grads(reference, inputs, grad_out)  # as transformers runs the module
+    assert got.dtype == eager.dtype == dtype
+    assert relative_error(got, want) <= max(2 * relative_error(eager, want), 1e-2)
+    for name, g, e, w in zip(NAMES, got_grads, eager_grads, want_grads):
+        assert g.dtype == torch.float32, name  # the leaves' own dtype
+        assert relative_error(g, w) <= max(2 * relative_error(e, w), 2e-2), name

@@ -118,3 +118,33 @@ def test_cuda_opcheck():
                                                              4, 8))
     opcheck(torch.ops.offload.linear_cross_entropy.default, (hidden, weight, b, target, -100, 0.0, 2.0, 1e-3, "sum",
                                                              4, 8, 1e-3))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cuda_vocabulary_tiles_much_wider_than_a_thread_block_match_eager(reduction):
+    # Each forward block (256 threads, one row of the tile) strides 16 times over a 4096-wide
+    # tile row and reduces across all its warps; tiles of 256 or less take one stride.
+    hidden, weight, b, target = to_cuda(make_inputs((2, 300, 64), 10000, bias=True, ignored_every=7))
+    leaves = [hidden, weight, b]
+    got, got_grads = loss_and_grads(
+        lambda: call(hidden, weight, b, target, reduction=reduction, tile_tokens=128, tile_vocab=4096), leaves)
+    want, want_grads = loss_and_grads(lambda: reference(hidden, weight, target, b, reduction=reduction), leaves)
+    assert_close_f32(got, want)
+    for g, w in zip(got_grads, want_grads):
+        assert_close_f32(g, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cuda_autocast_runs_the_gemms_in_the_autocast_dtype_and_returns_a_float32_loss(dtype):
+    hidden, weight, b, target = to_cuda(make_inputs((2, 300, 64), 1000, bias=True))
+    with torch.autocast("cuda", dtype=dtype):
+        got = call(hidden, weight, b, target, tile_tokens=64, tile_vocab=512)
+        want = torch.nn.functional.cross_entropy(torch.nn.functional.linear(hidden, weight, b).view(-1, 1000),
+                                                 target.view(-1))
+    assert got.dtype == want.dtype == torch.float32
+    assert relative_error(got, want) < 1e-2
+    got_grads = torch.autograd.grad(got, (hidden, weight, b))
+    want_grads = torch.autograd.grad(want, (hidden, weight, b))
+    for g, w in zip(got_grads, want_grads):
+        assert g.dtype == w.dtype == torch.float32
+        assert relative_error(g, w) < 2e-2

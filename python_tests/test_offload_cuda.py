@@ -156,3 +156,17 @@ def test_compile_on_cuda_matches_eager():
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, dynamic=True)
     torch.testing.assert_close(compiled(x), step(x))
+
+
+def test_disk_spill_of_pinned_memory_and_of_a_pack_still_in_flight(tmp_path):
+    # Pinned memory goes through the spill worker's own buffer (O_DIRECT may refuse it), and a
+    # non-blocking pack's copy is waited for first: else the worker reads, checksums and writes
+    # the host bytes before the slow producer's result lands in them.
+    pinned = torch.randn(1 << 20).pin_memory()
+    ticket = torch_offload.disk_spill(pinned, directory=str(tmp_path))
+    assert torch.equal(torch_offload.disk_restore(ticket, pinned.shape, pinned.dtype, "cpu"), pinned)
+    src = slow_producer()
+    expected = src.clone()
+    packed = torch_offload.offload_pack(src, non_blocking=True)
+    ticket = torch_offload.disk_spill(packed, directory=str(tmp_path))  # the copy is still queued
+    assert torch.equal(torch_offload.disk_restore(ticket, packed.shape, packed.dtype, "cuda"), expected)

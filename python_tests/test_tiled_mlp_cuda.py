@@ -3,8 +3,10 @@ import pytest
 import torch
 from torch.testing._internal.optests import opcheck
 
-from test_tiled_mlp import ACTIVATIONS, assert_close_f32, call_tiled, mlp_inputs, outputs_and_grads, reference_mlp
-from test_tiled_mlp import relative_error
+import torch_offload
+from cuda_allocations import allocation_sizes
+from test_tiled_mlp import ACTIVATIONS, GatedMLP, assert_close_f32, call_tiled, mlp_inputs, outputs_and_grads
+from test_tiled_mlp import reference_mlp, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -76,3 +78,44 @@ def test_device_mismatch_is_rejected_by_name():
     x, w_gate, w_up, w_down, *_ = mlp_inputs((3, 16))
     with pytest.raises(RuntimeError, match="tiled_mlp: w_gate is on cpu but x is on cuda"):
         torch.ops.offload.tiled_mlp(x.detach().cuda(), w_gate, w_up.detach().cuda(), w_down.detach().cuda())
+
+
+def test_cuda_bf16_backward_holds_no_float32_product_as_large_as_a_weight():
+    # Llama-7B's MLP (h 4096, I 11008) in bf16: each weight's float32 gradient accumulator is
+    # 172 MiB. Adding each shard's product into it through a whole [I, h] float32 GEMM result
+    # would allocate one more as large per shard and weight; the op's scratch is 16 MiB.
+    h, inter, tokens, shards = 4096, 11008, 2048, 4
+    generator = torch.Generator("cuda").manual_seed(0)
+
+    def weight(*size):
+        return (torch.randn(*size, device="cuda", generator=generator) * 0.02).bfloat16().requires_grad_()
+
+    x = torch.randn(tokens, h, device="cuda", generator=generator).bfloat16()
+    w_gate, w_up, w_down = weight(inter, h), weight(inter, h), weight(h, inter)
+    out = torch.ops.offload.tiled_mlp(x, w_gate, w_up, w_down, None, None, None, "silu", shards)
+    grad_out = torch.randn_like(out)
+    sizes = allocation_sizes(lambda: out.backward(grad_out))
+    accumulator = inter * h * 4
+    assert sum(size >= accumulator for size in sizes) == 3  # the three accumulators, nothing else as large
+    assert max(size for size in sizes if size < accumulator) <= inter * h * 2  # the bf16 gradients
+    want = torch.nn.functional.linear(
+        torch.nn.functional.silu(x.float() @ w_gate.float().t()) * (x.float() @ w_up.float().t()), w_down.float())
+    assert relative_error(out, want) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cuda_autocast_runs_the_op_in_the_autocast_dtype_like_the_linear_layers(dtype):
+    torch.manual_seed(0)
+    mlp = GatedMLP(hidden=64, intermediate=160, bias=True).cuda()
+    tiled = torch_offload.TiledMLP(mlp, num_shards=3)
+    x = torch.randn(2, 300, 64, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=dtype):
+        got, want = tiled(x), mlp(x)
+    assert got.dtype == want.dtype == dtype
+    params = [x, *mlp.parameters()]
+    got_grads = torch.autograd.grad(got.float().square().sum(), params)
+    want_grads = torch.autograd.grad(want.float().square().sum(), params)
+    assert relative_error(got, want) < 1e-2
+    for g, w in zip(got_grads, want_grads):
+        assert g.dtype == w.dtype == torch.float32  # the parameters' own dtype
+        assert relative_error(g, w) < 2e-2

@@ -1,0 +1,134 @@
+"""The GPU check (`make gpu-check`): on a machine with a GPU, build the library against that machine's
+own CUDA build of torch, run every CUDA test (pytest's test_*_cuda.py, the C++ suite's *Cuda tests
+where GoogleTest is installed) and the GPU variant of the benches, and print one summary table.
+
+    make gpu-check                         # GPU_PYTHON=python3: the interpreter that holds CUDA torch
+    python3 .ci/gpu_check.py --allow-no-gpu  # the same steps where no GPU is (every GPU test skips)
+
+It needs no package index: packages the machine lacks (expecttest, for opcheck) can be put as
+wheels in .whl/, which is installed into build/gpu-check/site first. Exits non-zero if a step fails.
+"""
+import argparse
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUILD = os.path.join(ROOT, "build", "gpu-check")
+
+
+def run(step, command, env=None, results=None):
+    """Runs command from the repository root, echoing its output; records (step, rc, seconds)."""
+    print(f"\n=== {step}: {' '.join(command)}", flush=True)
+    start = time.monotonic()
+    rc = subprocess.run(command, cwd=ROOT, env=env).returncode
+    results.append({"step": step, "rc": rc, "seconds": time.monotonic() - start})
+    return rc
+
+
+def cuda_toolkit():
+    """$CUDA_HOME, else the toolkit of the nvcc on PATH, else /usr/local/cuda: the first holding nvcc and headers."""
+    nvcc = shutil.which("nvcc")
+    candidates = [os.environ.get("CUDA_HOME"), nvcc and os.path.dirname(os.path.dirname(os.path.realpath(nvcc))),
+                  "/usr/local/cuda"]
+    for home in filter(None, candidates):
+        if os.path.exists(os.path.join(home, "bin", "nvcc")) and os.path.exists(
+                os.path.join(home, "include", "cuda_runtime.h")):
+            return home
+    sys.exit(f"gpu-check: no CUDA toolkit (nvcc and its headers) in {[c for c in candidates if c]}; set CUDA_HOME")
+
+
+def nvrtc_library(python, cuda_home):
+    """torch's CMake config wants libnvrtc: the toolkit's, else the one torch's wheels ship."""
+    found = sorted(glob.glob(os.path.join(cuda_home, "lib64", "libnvrtc.so*")))
+    if not found:
+        site = subprocess.check_output([python, "-c", "import site; print(site.getsitepackages()[0])"], text=True)
+        found = sorted(glob.glob(os.path.join(site.strip(), "nvidia", "*", "lib", "libnvrtc.so.*")))
+    return found[0] if found else None
+
+
+def pytest_counts(report):
+    """{test file: [passed, failed, skipped]} from pytest's JUnit XML report."""
+    counts = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        # "python_tests.test_x" (a collection error names the module only, in `name`)
+        module = (case.get("classname") or case.get("name", "")).split(".")
+        name = next((part for part in module if part.startswith("test_")), ".".join(module)) + ".py"
+        row = counts.setdefault(name, [0, 0, 0])
+        if case.find("failure") is not None or case.find("error") is not None:
+            row[1] += 1
+        elif case.find("skipped") is not None:
+            row[2] += 1
+        else:
+            row[0] += 1
+    return counts
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--allow-no-gpu", action="store_true", help="run the steps where no GPU is (they skip)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count())
+    args = parser.parse_args()
+    python = sys.executable
+    import torch
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    if gpu is None and not args.allow_no_gpu:
+        sys.exit("gpu-check: torch sees no GPU here (torch.cuda.is_available() is False); nothing to check")
+    if torch.version.cuda is None:
+        sys.exit(f"gpu-check: {python} holds torch {torch.__version__}, a CPU-only build; set GPU_PYTHON")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    site = os.path.join(BUILD, "site")
+    wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", "*.whl")))
+    results = []
+    if wheels:
+        run("carried wheels", [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--upgrade",
+                               "--target", site, *wheels], env, results)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, site, env.get("PYTHONPATH", "")])
+
+    with_gtest = os.path.exists("/usr/include/gtest/gtest.h")
+    configure = ["cmake", "-S", ".", "-B", BUILD, "-G", "Ninja", f"-DPython3_EXECUTABLE={python}",
+                 "-DCMAKE_BUILD_TYPE=Release", "-DTORCH_OFFLOAD_CUDA=ON",
+                 f"-DTORCH_OFFLOAD_BUILD_TESTS={'ON' if with_gtest else 'OFF'}"]
+    cuda_home = cuda_toolkit()
+    configure += [f"-DCMAKE_CUDA_COMPILER={cuda_home}/bin/nvcc", f"-DCUDA_TOOLKIT_ROOT_DIR={cuda_home}"]
+    nvrtc = nvrtc_library(python, cuda_home)
+    if nvrtc:
+        configure.append(f"-DCUDA_nvrtc_LIBRARY={nvrtc}")
+    built = (run("configure", configure, env, results) == 0 and
+             run("build", ["cmake", "--build", BUILD, "--parallel", str(args.jobs)], env, results) == 0)
+    if built:
+        env["TORCH_OFFLOAD_LIBRARY"] = os.path.join(BUILD, "libtorch_offload.so")
+        if with_gtest:
+            run("C++ *Cuda tests", ["ctest", "--test-dir", BUILD, "-R", "Cuda", "--output-on-failure"], env, results)
+        report = os.path.join(BUILD, "pytest.xml")
+        tests = sorted(glob.glob(os.path.join("python_tests", "test_*_cuda.py")))
+        run("pytest", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *tests], env,
+            results)
+        bench = [python, "bench/compile.py", "--device", "cuda", "--tokens", "2048", "--rounds", "1",
+                 "--offload", "none,cpu"]
+        if gpu is not None:
+            run("bench/compile.py (GPU)", bench, env, results)
+
+    print(f"\n## gpu-check: {gpu or 'no GPU'}, torch {torch.__version__} (CUDA {torch.version.cuda})\n")
+    print("| step | result | seconds |\n| --- | --- | ---: |")
+    for r in results:
+        outcome = "ok" if r["rc"] == 0 else f"FAILED (exit {r['rc']})"
+        print(f"| {r['step']} | {outcome} | {r['seconds']:.0f} |")
+    if built and os.path.exists(report):
+        print("\n| test file | passed | failed | skipped |\n| --- | ---: | ---: | ---: |")
+        for name, (passed, failed, skipped) in sorted(pytest_counts(report).items()):
+            print(f"| {name} | {passed} | {failed} | {skipped} |")
+    if not with_gtest:
+        print("\nThe C++ suite was not built: GoogleTest (/usr/include/gtest) is not installed here.")
+    if gpu is None:
+        print("\nNo GPU: every GPU test skipped and the GPU bench did not run; this proves nothing about the GPU.")
+    sys.exit(0 if built and all(r["rc"] == 0 for r in results) else 1)
+
+
+if __name__ == "__main__":
+    main()
