@@ -48,15 +48,18 @@ at::Tensor rotate_half(const at::Tensor& t) {
   return at::cat({-t.narrow(-1, 2, 2), t.narrow(-1, 0, 2)}, -1);
 }
 
-// The same attention in plain ATen: every head at once, the causal mask and softmax written out.
-at::Tensor reference(const Attention& a) {
+// The same attention in plain ATen: every head at once, the mask and softmax written out.
+// `blocked` [batch or 1, 9, 9] says which keys each query may not see (default: the future).
+at::Tensor reference(const Attention& a, at::Tensor blocked = {}) {
   const auto heads = [](const at::Tensor& rows) { return rows.view({2, 9, -1, 4}).transpose(1, 2); };
   const auto rope = [&](const at::Tensor& t) { return t * a.cos.unsqueeze(1) + rotate_half(t) * a.sin.unsqueeze(1); };
   const at::Tensor q = rope(heads(at::linear(a.x, a.w_q, a.b_q)));
   const at::Tensor k = rope(heads(at::linear(a.x, a.w_k, a.b_k))).repeat_interleave(2, 1);
   const at::Tensor v = heads(at::linear(a.x, a.w_v, a.b_v)).repeat_interleave(2, 1);
-  const at::Tensor future = at::ones({9, 9}, at::TensorOptions().dtype(at::kBool).device(a.x.device())).triu(1);
-  const at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).div(2.0).masked_fill(future, -INFINITY);
+  if (!blocked.defined()) {
+    blocked = at::ones({1, 9, 9}, at::TensorOptions().dtype(at::kBool).device(a.x.device())).triu(1);
+  }
+  const at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).div(2.0).masked_fill(blocked.unsqueeze(1), -INFINITY);
   const at::Tensor out = at::matmul(at::softmax(scores, -1), v).transpose(1, 2).reshape({2, 9, 16});
   return at::linear(out, a.w_o, a.b_o);
 }
@@ -81,11 +84,28 @@ TEST(AttentionBlock, ValuesAndGradientsMatchAtenWithAutogradFromCpp) {
   }
 }
 
+TEST(AttentionBlock, SegmentsMatchAtenWithTheirMaskWrittenOut) {
+  const Attention a = make_attention();
+  // Row 0: two packed documents; row 1: real tokens, then two of padding.
+  const at::Tensor segment_ids = at::tensor({0, 0, 0, 0, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 4, 4}).view({2, 9});
+  const at::Tensor out = torch_offload::attention_block(a.x, a.w_q, a.w_k, a.w_v, a.w_o, a.cos, a.sin, a.b_q, a.b_k,
+                                                        a.b_v, a.b_o, std::nullopt, segment_ids);
+  const at::Tensor same = segment_ids.unsqueeze(2).eq(segment_ids.unsqueeze(1));
+  const at::Tensor want = reference(a, same.logical_not().logical_or(at::ones({9, 9}, at::kBool).triu(1)));
+  expect_close(out, want);
+  const at::Tensor grad_out = at::randn_like(want);
+  const auto got_grads = torch::autograd::grad({out}, a.leaves(), {grad_out});
+  const auto want_grads = torch::autograd::grad({want}, a.leaves(), {grad_out});
+  for (size_t i = 0; i < got_grads.size(); ++i) {
+    expect_close(got_grads[i], want_grads[i]);
+  }
+}
+
 TEST(AttentionBlock, GradientsNotAskedForAreUndefined) {
   const Attention a = make_attention();
   const auto [dx, dw_q, dw_k, dw_v, dw_o, db_q, db_k, db_v, db_o] = torch_offload::attention_block_backward(
       at::ones({2, 9, 12}, at::kDouble), a.x.detach(), a.w_q, a.w_k, a.w_v, a.w_o, a.cos, a.sin, a.b_q, a.b_k,
-      a.b_v, a.b_o, std::nullopt, {false, false, false, false, true, false, false, false, true});
+      a.b_v, a.b_o, std::nullopt, std::nullopt, {false, false, false, false, true, false, false, false, true});
   for (const at::Tensor& g : {dx, dw_q, dw_k, dw_v, db_q, db_k, db_v}) {
     EXPECT_FALSE(g.defined());
   }

@@ -43,9 +43,9 @@ def make_inputs(batch=2, tokens=7, h=16, heads=4, kv_heads=2, head_dim=4, bias=F
     return [x, *weights, w_o, angles.cos(), angles.sin(), *biases]
 
 
-def call(x, w_q, w_k, w_v, w_o, cos, sin, b_q=None, b_k=None, b_v=None, b_o=None, scale=None):
+def call(x, w_q, w_k, w_v, w_o, cos, sin, b_q=None, b_k=None, b_v=None, b_o=None, scale=None, segment_ids=None):
     return torch_offload.attention_block(x, w_q, w_k, w_v, w_o, cos, sin, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
-                                         scale=scale)
+                                         scale=scale, segment_ids=segment_ids)
 
 
 def leaves_of(inputs):
@@ -221,9 +221,9 @@ def test_opcheck(case):
     opcheck(torch.ops.offload.attention_block.default, (*inputs, scale))
     grad_out = torch.randn(inputs[0].shape[0], inputs[0].shape[1], inputs[4].shape[0])
     detached = [t.detach() if t is not None else None for t in inputs]
-    opcheck(torch.ops.offload.attention_block_backward.default, (grad_out, *detached, scale, [True] * 9))
+    opcheck(torch.ops.offload.attention_block_backward.default, (grad_out, *detached, scale, None, [True] * 9))
     opcheck(torch.ops.offload.attention_block_backward.default,
-            (grad_out, *detached, scale, [False, True] + [False] * 7))
+            (grad_out, *detached, scale, None, [False, True] + [False] * 7))
 
 
 class Attention(torch.nn.Module):
@@ -264,7 +264,7 @@ def test_compile_fullgraph_dynamic_matches_eager_over_changing_tokens():
 def test_meta_tensors_give_shapes_only():
     inputs = [t.detach().to("meta") if t is not None else None for t in make_inputs(out_features=24, bias=True)]
     assert call(*inputs).shape == (2, 7, 24)
-    grads = torch.ops.offload.attention_block_backward(torch.empty(2, 7, 24, device="meta"), *inputs, None,
+    grads = torch.ops.offload.attention_block_backward(torch.empty(2, 7, 24, device="meta"), *inputs, None, None,
                                                        [True, False, True, False, True, True, False, True, False])
     want = [t.shape if m else None for t, m in zip(inputs[:5] + inputs[7:],
                                                    [True, False, True, False, True, True, False, True, False])]
@@ -291,6 +291,11 @@ def bad_input_cases():
         ("b_q_shape", dict(good, b_q=torch.zeros(3)), r"b_q has shape \[3\]; expected \[heads \* head_dim\]"),
         ("b_o_dtype", dict(good, b_o=torch.zeros(16, dtype=torch.half)), "b_o has dtype Half; expected Float"),
         ("scale", dict(good, scale=-1.0), "scale is -1; expected a finite value > 0"),
+        ("segment_ids_dtype", dict(good, segment_ids=torch.zeros(2, 7)), "segment_ids has dtype Float; expected int64"),
+        ("segment_ids_shape", dict(good, segment_ids=torch.zeros(2, 6, dtype=torch.long)),
+         r"segment_ids has shape \[2, 6\]; expected \[batch, tokens\] = \[2, 7\]"),
+        ("segment_ids_dim", dict(good, segment_ids=torch.zeros(14, dtype=torch.long)),
+         r"segment_ids has shape \[14\]; expected \[batch, tokens\]"),
         ("w_o_missing", dict(good, w_o=None), "w_o"),
     ]
 
@@ -303,7 +308,7 @@ def test_bad_inputs_raise_errors_naming_the_argument(name, kwargs, message):
         return
     # The backward op checks the same.
     args = [kwargs[n] for n in ("x", "w_q", "w_k", "w_v", "w_o", "cos", "sin")]
-    args += [kwargs.get(n) for n in ("b_q", "b_k", "b_v", "b_o")] + [kwargs.get("scale"), [True] * 9]
+    args += [kwargs.get(n) for n in ("b_q", "b_k", "b_v", "b_o", "scale", "segment_ids")] + [[True] * 9]
     with pytest.raises(RuntimeError, match=f"attention_block_backward: {message}"):
         torch.ops.offload.attention_block_backward(torch.zeros(2, 7, 16), *args)
 
@@ -316,4 +321,116 @@ def test_rotary_tables_that_require_grad_and_bad_grad_out_are_refused():
     inputs[5].requires_grad_(False)
     detached = [t.detach() if t is not None else None for t in inputs]
     with pytest.raises(RuntimeError, match=r"attention_block_backward: grad_out has shape \[2, 7, 15\]"):
-        torch.ops.offload.attention_block_backward(torch.zeros(2, 7, 15), *detached, None, [True] * 9)
+        torch.ops.offload.attention_block_backward(torch.zeros(2, 7, 15), *detached, None, None, [True] * 9)
+
+
+def segment_reference(x, w_q, w_k, w_v, w_o, cos, sin, b_q=None, b_k=None, b_v=None, b_o=None, scale=None,
+                      segment_ids=None):
+    """reference() with transformers' dense form of the segments: a [batch, 1, T, T] boolean mask
+    allowing key s for query t when s <= t and both lie in the same run of equal ids."""
+    batch, tokens, _ = x.shape
+    head_dim = cos.shape[-1]
+    q, k, v = (F.linear(x, w, b).view(batch, tokens, -1, head_dim).transpose(1, 2)
+               for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    run = torch.cat([torch.zeros_like(segment_ids[:, :1]), (segment_ids[:, 1:] != segment_ids[:, :-1]).long()],
+                    1).cumsum(1)
+    mask = (run[:, :, None] == run[:, None, :]) & torch.ones(tokens, tokens, dtype=torch.bool).tril()
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
+    return F.linear(out.transpose(1, 2).reshape(batch, tokens, -1), w_o, b_o)
+
+
+# Row 0: three packed documents; row 1: real tokens then right padding; row 2: left padding,
+# then two documents with an id repeated after another (each run is its own segment).
+SEGMENTS = torch.tensor([[0] * 5 + [1] * 4 + [2] * 4,
+                         [0] * 10 + [1] * 3,
+                         [0] * 3 + [1] * 6 + [0] * 4])
+
+
+@pytest.mark.parametrize("shape", ["gqa", "biases", "per_sample_rotary"])
+def test_segments_match_a_dense_masked_attention(shape):
+    kwargs = dict(SHAPES[shape], rotary_batch=3) if shape == "per_sample_rotary" else SHAPES[shape]
+    inputs = make_inputs(batch=3, tokens=13, dtype=torch.float64, **kwargs)
+    got, got_grads = output_and_grads(lambda *a: call(*a, segment_ids=SEGMENTS), inputs)
+    want, want_grads = output_and_grads(lambda *a: segment_reference(*a, segment_ids=SEGMENTS), inputs)
+    torch.testing.assert_close(got, want)
+    for name, g, w in zip(NAMES, got_grads, want_grads):
+        torch.testing.assert_close(g, w, msg=lambda m: f"{name}: {m}")
+    # One segment per row is the unsegmented op, and int32 ids are the same ids.
+    one_each = torch.zeros(3, 13, dtype=torch.int32)
+    torch.testing.assert_close(call(*inputs, segment_ids=one_each), call(*inputs))
+    torch.testing.assert_close(call(*inputs, segment_ids=SEGMENTS.int()), got)
+
+
+def test_segments_gradcheck_float64():
+    inputs = make_inputs(batch=2, tokens=6, h=6, heads=4, kv_heads=2, head_dim=4, bias=True, dtype=torch.float64)
+    leaves = leaves_of(inputs)
+    cos, sin = inputs[5:7]
+    segments = torch.tensor([[0, 0, 1, 1, 1, 2], [5, 5, 5, 5, 7, 7]])
+
+    def fn(x, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o):
+        return call(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale=0.4, segment_ids=segments)
+
+    assert torch.autograd.gradcheck(fn, leaves)
+
+
+def test_segments_opcheck():
+    inputs = make_inputs(batch=3, tokens=13, bias=True)
+    opcheck(torch.ops.offload.attention_block.default, (*inputs, None, SEGMENTS))
+    grad_out = torch.randn(3, 13, 16)
+    detached = [t.detach() if t is not None else None for t in inputs]
+    opcheck(torch.ops.offload.attention_block_backward.default, (grad_out, *detached, None, SEGMENTS, [True] * 9))
+
+
+def test_long_segments_run_as_balanced_pieces_and_still_match():
+    # One head, two documents of 1024 tokens: each segment's call is an odd batch x heads at a
+    # length the balanced split takes.
+    inputs = make_inputs(batch=1, tokens=2048, h=16, heads=1, kv_heads=1, head_dim=16)
+    segments = torch.arange(2048).div(1024, rounding_mode="floor")[None]
+    got, got_grads = output_and_grads(lambda *a: call(*a, segment_ids=segments), inputs)
+    want, want_grads = output_and_grads(lambda *a: segment_reference(*a, segment_ids=segments), inputs)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for name, g, w in zip(NAMES, got_grads, want_grads):
+        assert relative_error(g, w) < 1e-5, name
+
+
+class SegmentedAttention(Attention):
+    def forward(self, x, segment_ids):
+        cos, sin = self.rotary(x.shape[1])
+        return torch_offload.attention_block(x, self.q.weight, self.k.weight, self.v.weight, self.o.weight, cos, sin,
+                                             b_q=self.q.bias, b_k=self.k.bias, b_v=self.v.bias, b_o=self.o.bias,
+                                             segment_ids=segment_ids)
+
+
+def test_segments_compile_fullgraph_dynamic_over_changing_tokens_and_document_counts():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    module = SegmentedAttention()
+    compiled = torch.compile(module, fullgraph=True, dynamic=True)
+    for tokens, documents in ((12, 2), (29, 5), (40, 1)):
+        x = torch.randn(2, tokens, 16, requires_grad=True)
+        position_ids = torch.arange(tokens).remainder(-(-tokens // documents))[None]
+        segments = torch_offload.attention_block_segment_ids(position_ids=position_ids, batch=2)
+        leaves = [x, *module.parameters()]
+        want = module(x, segments)
+        got = compiled(x, segments)
+        torch.testing.assert_close(got, want)
+        for g, w in zip(torch.autograd.grad(got.sum(), leaves), torch.autograd.grad(want.sum(), leaves)):
+            torch.testing.assert_close(g, w)
+    explanation = torch._dynamo.explain(module)(torch.randn(2, 12, 16), torch.zeros(2, 12, dtype=torch.long))
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+
+def test_segment_ids_follow_transformers_packing_and_padding():
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]])
+    segments = torch_offload.attention_block_segment_ids(position_ids=position_ids)
+    assert torch.equal(segments, find_packed_sequence_indices(position_ids))
+    one_row = torch_offload.attention_block_segment_ids(position_ids=position_ids[:1], batch=3)
+    assert one_row.shape == (3, 10) and torch.equal(one_row[2], segments[0])
+    # A mask wins over position_ids, as in transformers: real tokens are one run, padding another.
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    padded = torch_offload.attention_block_segment_ids(position_ids=position_ids[:, :6], attention_mask=mask)
+    assert padded.tolist() == [[0, 0, 0, 0, 1, 1], [0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]]
+    assert torch_offload.attention_block_segment_ids() is None

@@ -64,7 +64,7 @@ def test_cuda_opcheck():
     opcheck(torch.ops.offload.attention_block.default, (*inputs, None))
     detached = [t.detach() if t is not None else None for t in inputs]
     opcheck(torch.ops.offload.attention_block_backward.default,
-            (torch.randn(2, 7, 16, device="cuda"), *detached, 0.5, [True] * 9))
+            (torch.randn(2, 7, 16, device="cuda"), *detached, 0.5, None, [True] * 9))
 
 
 def test_cuda_float64_and_unaligned_head_dimensions_are_refused_by_name():

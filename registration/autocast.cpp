@@ -75,12 +75,13 @@ at::Tensor attention_block_autocast(const at::Tensor& x, const at::Tensor& w_q, 
                                     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
                                     const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                                     const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
-                                    const std::optional<at::Tensor>& b_o, std::optional<double> scale) {
+                                    const std::optional<at::Tensor>& b_o, std::optional<double> scale,
+                                    const std::optional<at::Tensor>& segment_ids) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
   const auto cast = [&](const auto& t) { return at::autocast::cached_cast(dtype, t, kDevice); };
   return attention_block(cast(x), cast(w_q), cast(w_k), cast(w_v), cast(w_o), cast(cos), cast(sin), cast(b_q),
-                         cast(b_k), cast(b_v), cast(b_o), scale);
+                         cast(b_k), cast(b_v), cast(b_o), scale, segment_ids);
 }
 
 }  // namespace

@@ -88,9 +88,10 @@ TORCH_LIBRARY(offload, m) {
   // (x, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o), undefined where not asked or absent.
   m.def(
       "attention_block(Tensor x, Tensor w_q, Tensor w_k, Tensor w_v, Tensor w_o, Tensor cos, Tensor sin, "
-      "Tensor? b_q=None, Tensor? b_k=None, Tensor? b_v=None, Tensor? b_o=None, float? scale=None) -> Tensor");
+      "Tensor? b_q=None, Tensor? b_k=None, Tensor? b_v=None, Tensor? b_o=None, float? scale=None, "
+      "Tensor? segment_ids=None) -> Tensor");
   m.def(
       "attention_block_backward(Tensor grad_out, Tensor x, Tensor w_q, Tensor w_k, Tensor w_v, Tensor w_o, "
       "Tensor cos, Tensor sin, Tensor? b_q, Tensor? b_k, Tensor? b_v, Tensor? b_o, float? scale, "
-      "bool[9] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor? segment_ids, bool[9] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }

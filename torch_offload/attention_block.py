@@ -6,7 +6,7 @@ import torch
 
 from . import _require_tensor
 
-__all__ = ["attention_block"]
+__all__ = ["attention_block", "attention_block_segment_ids"]
 
 
 def attention_block(
@@ -23,6 +23,7 @@ def attention_block(
     b_v: torch.Tensor | None = None,
     b_o: torch.Tensor | None = None,
     scale: float | None = None,
+    segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal self-attention with rotary embeddings and its projections, as Llama's (differentiable).
 
@@ -39,7 +40,39 @@ def attention_block(
     so one group's q, k, v and attention output exist at once; backward saves only the
     inputs and recomputes each group. ``cos`` and ``sin`` get no gradient (an error if
     they require one).
+
+    ``segment_ids`` ``[batch, tokens]`` (int64 or int32) cuts the rows into causal segments:
+    each maximal run of equal ids in a row is one sequence (a packed document, a row's real
+    tokens, its padding), and a token attends to the earlier tokens of its own run only, as
+    transformers' packed-sequence and padding masks have it for every real token. No
+    ``[tokens, tokens]`` mask is made: each segment is its own attention call.
+    ``attention_block_segment_ids(position_ids=..., attention_mask=...)`` makes them.
     """
     for value, arg in ((x, "x"), (w_q, "w_q"), (w_k, "w_k"), (w_v, "w_v"), (w_o, "w_o"), (cos, "cos"), (sin, "sin")):
         _require_tensor(value, "attention_block", arg)
-    return torch.ops.offload.attention_block(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale)
+    return torch.ops.offload.attention_block(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids)
+
+
+def attention_block_segment_ids(*, position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                batch: int | None = None) -> torch.Tensor | None:
+    """``attention_block``'s ``segment_ids`` ``[batch, tokens]`` for a batch as transformers sees it.
+
+    With a 2-D ``attention_mask`` (1 for real tokens, 0 for padding): a new segment wherever the
+    mask changes, so a row's real tokens are one causal sequence and each run of padding another
+    (transformers ignores ``position_ids`` for packing when a mask is given, and so does this).
+    Otherwise with ``position_ids`` (``[1 or batch, tokens]``): a new segment wherever a position
+    is not the previous one plus 1 (packed documents restarting at 0), as transformers'
+    ``find_packed_sequence_indices``. ``None`` when neither is given. Tensor ops only (no data-
+    dependent shapes), so it traces under ``torch.compile``.
+    """
+    if attention_mask is not None:
+        boundaries = attention_mask.bool()
+        starts = boundaries[:, 1:] != boundaries[:, :-1]
+    elif position_ids is not None:
+        if batch is not None:
+            position_ids = position_ids.expand(batch, -1)
+        starts = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    else:
+        return None
+    first = torch.zeros_like(starts[:, :1])
+    return torch.cat([first, starts], dim=1).cumsum(dim=1)

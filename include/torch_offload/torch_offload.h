@@ -214,20 +214,24 @@ inline std::vector<int64_t> linear_cross_entropy_tile(int64_t tokens, int64_t vo
 // head_dim]; scale defaults to 1/sqrt(head_dim). It runs one group of heads at a time,
 // so one group's q, k, v and attention output exist at once, and its backward saves
 // only the inputs and recomputes each group. cos and sin get no gradient.
+// segment_ids [batch, tokens] (int64 or int32) cuts the rows into causal segments: each
+// maximal run of equal ids in a row is one sequence (a packed document, a row's real
+// tokens, its padding), and a token attends to the earlier tokens of its own run only.
 inline at::Tensor attention_block(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
                                   const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
                                   const at::Tensor& sin, const std::optional<at::Tensor>& b_q = std::nullopt,
                                   const std::optional<at::Tensor>& b_k = std::nullopt,
                                   const std::optional<at::Tensor>& b_v = std::nullopt,
                                   const std::optional<at::Tensor>& b_o = std::nullopt,
-                                  std::optional<double> scale = std::nullopt) {
+                                  std::optional<double> scale = std::nullopt,
+                                  const std::optional<at::Tensor>& segment_ids = std::nullopt) {
   TORCH_CHECK(x.defined(), "attention_block: x is an undefined tensor; expected a defined tensor");
   static const auto handle = detail::op<at::Tensor(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
       const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::optional<double>)>(
-      "offload::attention_block");
-  return handle.call(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale);
+      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::optional<double>,
+      const std::optional<at::Tensor>&)>("offload::attention_block");
+  return handle.call(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids);
 }
 
 // The gradients of attention_block with respect to (x, w_q, w_k, w_v, w_o, b_q, b_k,
@@ -240,7 +244,8 @@ inline AttentionBlockGradients attention_block_backward(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
-    const std::optional<at::Tensor>& b_o, std::optional<double> scale, std::array<bool, 9> output_mask) {
+    const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
+    std::array<bool, 9> output_mask) {
   TORCH_CHECK(grad_out.defined(),
               "attention_block_backward: grad_out is an undefined tensor; expected a defined tensor");
   TORCH_CHECK(x.defined(), "attention_block_backward: x is an undefined tensor; expected a defined tensor");
@@ -248,8 +253,9 @@ inline AttentionBlockGradients attention_block_backward(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-      std::optional<double>, std::array<bool, 9>)>("offload::attention_block_backward");
-  return handle.call(grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, output_mask);
+      std::optional<double>, const std::optional<at::Tensor>&, std::array<bool, 9>)>(
+      "offload::attention_block_backward");
+  return handle.call(grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids, output_mask);
 }
 
 }  // namespace torch_offload

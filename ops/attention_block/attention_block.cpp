@@ -4,6 +4,7 @@
 #include "ops/attention_block/attention_block.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <vector>
 
@@ -13,6 +14,7 @@
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
@@ -86,6 +88,94 @@ void check_arguments(const char* op, const at::Tensor& x, const at::Tensor& w_q,
   }
   TORCH_CHECK(!scale.has_value() || (std::isfinite(*scale) && *scale > 0), op, ": scale is ", *scale,
               "; expected a finite value > 0 (or None for 1/sqrt(head_dim))");
+}
+
+// segment_ids, when given: integers [batch, tokens] on x's device.
+void check_segment_ids(const char* op, const at::Tensor& segment_ids, const at::Tensor& x) {
+  if (!segment_ids.defined()) {
+    return;
+  }
+  TORCH_CHECK(segment_ids.scalar_type() == at::kLong || segment_ids.scalar_type() == at::kInt, op,
+              ": segment_ids has dtype ", segment_ids.scalar_type(), "; expected int64 or int32");
+  TORCH_CHECK(segment_ids.device() == x.device(), op, ": segment_ids is on ", segment_ids.device(), " but x is on ",
+              x.device());
+  TORCH_CHECK(segment_ids.dim() == 2, op, ": segment_ids has shape ", segment_ids.sym_sizes(),
+              "; expected [batch, tokens] = [", x.sym_size(0), ", ", x.sym_size(1), "]");
+  TORCH_SYM_CHECK(segment_ids.sym_size(0).sym_eq(x.sym_size(0)).sym_and(segment_ids.sym_size(1).sym_eq(x.sym_size(1))),
+                  op, ": segment_ids has shape ", segment_ids.sym_sizes(), "; expected [batch, tokens] = [",
+                  x.sym_size(0), ", ", x.sym_size(1), "]");
+}
+
+// The causal segments of a call: (row, first token, length) of each maximal run of equal
+// segment ids, in order. Empty when every row is one segment (no segment_ids, or one run
+// each): the kernels then take the whole batch in one call. Read on the host (a
+// device-to-host copy of the ids on a GPU).
+using SegmentRuns = std::vector<std::array<int64_t, 3>>;
+
+SegmentRuns segment_runs(const at::Tensor& segment_ids) {
+  if (!segment_ids.defined() || segment_ids.numel() == 0) {
+    return {};
+  }
+  const at::Tensor ids = segment_ids.to(at::kCPU, at::kLong).contiguous();
+  const int64_t rows = ids.size(0), tokens = ids.size(1);
+  const int64_t* data = ids.const_data_ptr<int64_t>();
+  SegmentRuns runs;
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t* id = data + row * tokens;
+    int64_t start = 0;
+    for (int64_t t = 1; t <= tokens; ++t) {
+      if (t == tokens || id[t] != id[t - 1]) {
+        runs.push_back({row, start, t - start});
+        start = t;
+      }
+    }
+  }
+  return static_cast<int64_t>(runs.size()) == rows ? SegmentRuns{} : runs;
+}
+
+// t [B, H, T, ...] restricted to one run: [1, H, length, ...].
+at::Tensor run_of(const at::Tensor& t, const std::array<int64_t, 3>& run) {
+  return t.narrow(0, run[0], 1).narrow(2, run[1], run[2]);
+}
+
+// Causal attention of a head group within each segment: one kernel call per run. The
+// pieces keep each run's log-sum-exp and auxiliaries (not its output, a view of out).
+AttentionResult attend(const AttentionKernels& kernels, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       double scale, const SegmentRuns& runs) {
+  if (runs.empty()) {
+    return kernels.forward(q, k, v, scale);
+  }
+  AttentionResult whole{at::empty_like(q), at::Tensor(), {}, {}};
+  whole.pieces.reserve(runs.size());
+  for (const auto& run : runs) {
+    AttentionResult piece = kernels.forward(run_of(q, run), run_of(k, run), run_of(v, run), scale);
+    run_of(whole.out, run).copy_(piece.out);
+    piece.out = at::Tensor();
+    whole.pieces.push_back(std::move(piece));
+  }
+  return whole;
+}
+
+// attend's gradients (dq, dk, dv): each run's backward with its own log-sum-exp.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attend_backward(const AttentionKernels& kernels,
+                                                               const at::Tensor& grad_out, const at::Tensor& q,
+                                                               const at::Tensor& k, const at::Tensor& v,
+                                                               const AttentionResult& result, double scale,
+                                                               const SegmentRuns& runs) {
+  if (runs.empty()) {
+    return kernels.backward(grad_out, q, k, v, result, scale);
+  }
+  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  for (size_t i = 0; i < runs.size(); ++i) {
+    AttentionResult piece = result.pieces[i];
+    piece.out = run_of(result.out, runs[i]);
+    const auto [piece_dq, piece_dk, piece_dv] = kernels.backward(run_of(grad_out, runs[i]), run_of(q, runs[i]),
+                                                                 run_of(k, runs[i]), run_of(v, runs[i]), piece, scale);
+    run_of(dq, runs[i]).copy_(piece_dq);
+    run_of(dk, runs[i]).copy_(piece_dk);
+    run_of(dv, runs[i]).copy_(piece_dv);
+  }
+  return {dq, dk, dv};
 }
 
 // The shapes of one call, and the head groups it runs.
@@ -195,11 +285,14 @@ at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tenso
                                 const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o,
                                 const at::Tensor& cos, const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
-                                const std::optional<at::Tensor>& b_o, std::optional<double> scale) {
+                                const std::optional<at::Tensor>& b_o, std::optional<double> scale,
+                                const std::optional<at::Tensor>& segment_ids) {
   const at::Tensor bq = value_or_undefined(b_q), bk = value_or_undefined(b_k), bv = value_or_undefined(b_v),
-                   bo = value_or_undefined(b_o);
+                   bo = value_or_undefined(b_o), segments = value_or_undefined(segment_ids);
   check_arguments("attention_block", x, w_q, w_k, w_v, w_o, cos, sin, bq, bk, bv, bo, scale);
+  check_segment_ids("attention_block", segments, x);
   const Layout l(x, w_q, w_k, w_o, cos, scale);
+  const SegmentRuns runs = segment_runs(segments);
   const int64_t rows = l.batch * l.tokens;
   // The groups' output projections add up in float32 for bf16/fp16 and are rounded once.
   const at::ScalarType acc_type = at::toOpMathType(x.scalar_type());
@@ -212,7 +305,7 @@ at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tenso
     for (int64_t first = 0; first < l.kv_heads; first += l.kv_heads_per_group) {
       Group g(l, first, std::min(l.kv_heads_per_group, l.kv_heads - first));
       project(g, l, x_rows, w_q, w_k, w_v, bq, bk, bv, cos, sin);
-      const AttentionResult attention = kernels.forward(g.q, g.k, g.v, l.scale);
+      const AttentionResult attention = attend(kernels, g.q, g.k, g.v, l.scale, runs);
       accumulate_mm(out, as_rows(attention.out, l), w_o.narrow(1, g.q_start, g.q_rows).t());
     }
   }
@@ -223,11 +316,13 @@ AttentionBlockGradients attention_block_backward_impl(
     const AttentionKernels& kernels, const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q,
     const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
-    const std::optional<at::Tensor>& b_o, std::optional<double> scale, std::array<bool, 9> output_mask) {
+    const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
+    std::array<bool, 9> output_mask) {
   const char* op = "attention_block_backward";
   const at::Tensor bq = value_or_undefined(b_q), bk = value_or_undefined(b_k), bv = value_or_undefined(b_v),
-                   bo = value_or_undefined(b_o);
+                   bo = value_or_undefined(b_o), segments = value_or_undefined(segment_ids);
   check_arguments(op, x, w_q, w_k, w_v, w_o, cos, sin, bq, bk, bv, bo, scale);
+  check_segment_ids(op, segments, x);
   const Layout l(x, w_q, w_k, w_o, cos, scale);
   check_tensor(op, "grad_out", grad_out, x, "x", x.scalar_type(), {l.batch, l.tokens, l.out_features},
                "[batch, tokens, out_features]");
@@ -256,6 +351,7 @@ AttentionBlockGradients attention_block_backward_impl(
   at::Tensor grad_b_o = want_b_o ? at::sum(grad_rows, {0}, false, acc_type) : at::Tensor();
 
   if (rows > 0 && (want_inner || want_w_o)) {
+    const SegmentRuns runs = segment_runs(segments);
     const at::Tensor x_rows = x.reshape({rows, l.h}).contiguous();
     // x is every weight gradient's second operand: where accumulate_mm would convert it to
     // float32 on every call, convert it once.
@@ -264,7 +360,7 @@ AttentionBlockGradients attention_block_backward_impl(
     for (int64_t first = 0; first < l.kv_heads; first += l.kv_heads_per_group) {
       Group g(l, first, std::min(l.kv_heads_per_group, l.kv_heads - first));
       project(g, l, x_rows, w_q, w_k, w_v, bq, bk, bv, cos, sin);
-      const AttentionResult attention = kernels.forward(g.q, g.k, g.v, l.scale);
+      const AttentionResult attention = attend(kernels, g.q, g.k, g.v, l.scale, runs);
       const at::Tensor w_o_group = w_o.narrow(1, g.q_start, g.q_rows);
       if (want_w_o) {
         accumulate_mm(grad_w_o.narrow(1, g.q_start, g.q_rows), grad_rows.t(), as_rows(attention.out, l));
@@ -274,7 +370,7 @@ AttentionBlockGradients attention_block_backward_impl(
       }
       const at::Tensor grad_attention =
           at::mm(grad_rows, w_o_group).view({l.batch, l.tokens, -1, l.head_dim}).transpose(1, 2);
-      auto [dq, dk, dv] = kernels.backward(grad_attention, g.q, g.k, g.v, attention, l.scale);
+      auto [dq, dk, dv] = attend_backward(kernels, grad_attention, g.q, g.k, g.v, attention, l.scale, runs);
       const at::Tensor grad_q = rotary_backward(dq, l, cos, sin);
       const at::Tensor grad_k = rotary_backward(sum_repeats(dk, l), l, cos, sin);
       const at::Tensor grad_v = as_rows(sum_repeats(dv, l), l);
@@ -404,17 +500,20 @@ at::Tensor attention_block_cpu(const at::Tensor& x, const at::Tensor& w_q, const
                                const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
                                const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                                const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
-                               const std::optional<at::Tensor>& b_o, std::optional<double> scale) {
-  return attention_block_impl(cpu_attention_kernels, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale);
+                               const std::optional<at::Tensor>& b_o, std::optional<double> scale,
+                               const std::optional<at::Tensor>& segment_ids) {
+  return attention_block_impl(cpu_attention_kernels, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale,
+                              segment_ids);
 }
 
 AttentionBlockGradients attention_block_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
-    const std::optional<at::Tensor>& b_o, std::optional<double> scale, std::array<bool, 9> output_mask) {
+    const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
+    std::array<bool, 9> output_mask) {
   return attention_block_backward_impl(cpu_attention_kernels, grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k,
-                                       b_v, b_o, scale, output_mask);
+                                       b_v, b_o, scale, segment_ids, output_mask);
 }
 
 // Meta: the same checks (on symbolic shapes), then results shaped like the real ones.
@@ -422,9 +521,11 @@ at::Tensor attention_block_meta(const at::Tensor& x, const at::Tensor& w_q, cons
                                 const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
                                 const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
-                                const std::optional<at::Tensor>& b_o, std::optional<double> scale) {
+                                const std::optional<at::Tensor>& b_o, std::optional<double> scale,
+                                const std::optional<at::Tensor>& segment_ids) {
   check_arguments("attention_block", x, w_q, w_k, w_v, w_o, cos, sin, value_or_undefined(b_q),
                   value_or_undefined(b_k), value_or_undefined(b_v), value_or_undefined(b_o), scale);
+  check_segment_ids("attention_block", value_or_undefined(segment_ids), x);
   return at::empty_symint({x.sym_size(0), x.sym_size(1), w_o.sym_size(0)}, x.options());
 }
 
@@ -432,8 +533,10 @@ AttentionBlockGradients attention_block_backward_meta(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
-    const std::optional<at::Tensor>& b_o, std::optional<double> scale, std::array<bool, 9> output_mask) {
+    const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
+    std::array<bool, 9> output_mask) {
   const char* op = "attention_block_backward";
+  check_segment_ids(op, value_or_undefined(segment_ids), x);
   const std::array<at::Tensor, 9> inputs{x, w_q, w_k, w_v, w_o, value_or_undefined(b_q), value_or_undefined(b_k),
                                          value_or_undefined(b_v), value_or_undefined(b_o)};
   check_arguments(op, x, w_q, w_k, w_v, w_o, cos, sin, inputs[5], inputs[6], inputs[7], inputs[8], scale);

@@ -7,6 +7,7 @@
 // same on every device; each device brings its attention kernels.
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -15,11 +16,15 @@
 namespace torch_offload {
 
 // Causal attention of one head group on one device: q [B, H, T, D], k and v
-// [B, H, T, D] (already repeated for grouped-query attention). `aux` is whatever
+// [B, H, T, D] (already repeated for grouped-query attention); each row (or segment of a
+// row, a call per segment) is one causal sequence. `aux` is whatever
 // the device's backward needs besides out and the log-sum-exp.
 struct AttentionResult {
   at::Tensor out, logsumexp;
   std::tuple<at::Tensor, at::Tensor> aux;
+  // When the rows are cut into causal segments (segment_ids): one result per segment,
+  // each without its out (a view of the whole out); logsumexp and aux are then unused.
+  std::vector<AttentionResult> pieces;
 };
 struct AttentionKernels {
   AttentionResult (*forward)(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale);
@@ -33,12 +38,14 @@ at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tenso
                                 const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o,
                                 const at::Tensor& cos, const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
-                                const std::optional<at::Tensor>& b_o, std::optional<double> scale);
+                                const std::optional<at::Tensor>& b_o, std::optional<double> scale,
+                                const std::optional<at::Tensor>& segment_ids);
 AttentionBlockGradients attention_block_backward_impl(
     const AttentionKernels& kernels, const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q,
     const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
-    const std::optional<at::Tensor>& b_o, std::optional<double> scale, std::array<bool, 9> output_mask);
+    const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
+    std::array<bool, 9> output_mask);
 
 // Errors unless cos and sin are constants for autograd: the op computes no gradient for them.
 void check_rotary_needs_no_grad(const at::Tensor& cos, const at::Tensor& sin);
@@ -48,34 +55,40 @@ at::Tensor attention_block_cpu(const at::Tensor& x, const at::Tensor& w_q, const
                                const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
                                const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                                const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
-                               const std::optional<at::Tensor>& b_o, std::optional<double> scale);
+                               const std::optional<at::Tensor>& b_o, std::optional<double> scale,
+                               const std::optional<at::Tensor>& segment_ids);
 at::Tensor attention_block_meta(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
                                 const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
                                 const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
-                                const std::optional<at::Tensor>& b_o, std::optional<double> scale);
+                                const std::optional<at::Tensor>& b_o, std::optional<double> scale,
+                               const std::optional<at::Tensor>& segment_ids);
 AttentionBlockGradients attention_block_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
-    const std::optional<at::Tensor>& b_o, std::optional<double> scale, std::array<bool, 9> output_mask);
+    const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
+    std::array<bool, 9> output_mask);
 AttentionBlockGradients attention_block_backward_meta(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
-    const std::optional<at::Tensor>& b_o, std::optional<double> scale, std::array<bool, 9> output_mask);
+    const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
+    std::array<bool, 9> output_mask);
 
 #ifdef TORCH_OFFLOAD_WITH_CUDA
 at::Tensor attention_block_cuda(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
                                 const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
                                 const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
-                                const std::optional<at::Tensor>& b_o, std::optional<double> scale);
+                                const std::optional<at::Tensor>& b_o, std::optional<double> scale,
+                               const std::optional<at::Tensor>& segment_ids);
 AttentionBlockGradients attention_block_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
-    const std::optional<at::Tensor>& b_o, std::optional<double> scale, std::array<bool, 9> output_mask);
+    const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
+    std::array<bool, 9> output_mask);
 #endif
 
 }  // namespace torch_offload

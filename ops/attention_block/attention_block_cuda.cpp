@@ -47,19 +47,22 @@ at::Tensor attention_block_cuda(const at::Tensor& x, const at::Tensor& w_q, cons
                                 const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
                                 const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
-                                const std::optional<at::Tensor>& b_o, std::optional<double> scale) {
+                                const std::optional<at::Tensor>& b_o, std::optional<double> scale,
+                                const std::optional<at::Tensor>& segment_ids) {
   check_cuda_support("attention_block", x, cos);
-  return attention_block_impl(cuda_attention_kernels, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale);
+  return attention_block_impl(cuda_attention_kernels, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale,
+                              segment_ids);
 }
 
 AttentionBlockGradients attention_block_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
-    const std::optional<at::Tensor>& b_o, std::optional<double> scale, std::array<bool, 9> output_mask) {
+    const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
+    std::array<bool, 9> output_mask) {
   check_cuda_support("attention_block_backward", x, cos);
   return attention_block_backward_impl(cuda_attention_kernels, grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k,
-                                       b_v, b_o, scale, output_mask);
+                                       b_v, b_o, scale, segment_ids, output_mask);
 }
 
 }  // namespace torch_offload
