@@ -326,8 +326,9 @@ def test_rotary_tables_that_require_grad_and_bad_grad_out_are_refused():
 
 def segment_reference(x, w_q, w_k, w_v, w_o, cos, sin, b_q=None, b_k=None, b_v=None, b_o=None, scale=None,
                       segment_ids=None):
-    """reference() with transformers' dense form of the segments: a [batch, 1, T, T] boolean mask
-    allowing key s for query t when s <= t and both lie in the same run of equal ids."""
+    """reference() with the segments as a dense [batch, 1, T, T] boolean mask: a token of a
+    non-negative run sees the earlier tokens of its run; a padding token (negative id) sees all of
+    the nearest non-negative run before it, or nothing (SDPA then gives 0, as the op)."""
     batch, tokens, _ = x.shape
     head_dim = cos.shape[-1]
     q, k, v = (F.linear(x, w, b).view(batch, tokens, -1, head_dim).transpose(1, 2)
@@ -335,16 +336,20 @@ def segment_reference(x, w_q, w_k, w_v, w_o, cos, sin, b_q=None, b_k=None, b_v=N
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     run = torch.cat([torch.zeros_like(segment_ids[:, :1]), (segment_ids[:, 1:] != segment_ids[:, :-1]).long()],
                     1).cumsum(1)
-    mask = (run[:, :, None] == run[:, None, :]) & torch.ones(tokens, tokens, dtype=torch.bool).tril()
+    sequence = segment_ids >= 0
+    # The run whose tokens each token sees: its own, or for padding the last sequence run before it.
+    seen = torch.where(sequence, run, -1).cummax(1).values
+    mask = (seen[:, :, None] == run[:, None, :]) & sequence[:, None, :]
+    mask &= torch.ones(tokens, tokens, dtype=torch.bool).tril()
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
     return F.linear(out.transpose(1, 2).reshape(batch, tokens, -1), w_o, b_o)
 
 
-# Row 0: three packed documents; row 1: real tokens then right padding; row 2: left padding,
-# then two documents with an id repeated after another (each run is its own segment).
-SEGMENTS = torch.tensor([[0] * 5 + [1] * 4 + [2] * 4,
-                         [0] * 10 + [1] * 3,
-                         [0] * 3 + [1] * 6 + [0] * 4])
+# Row 0: three packed documents, an id repeated after another (each run is its own segment);
+# row 1: real tokens, then right padding (masked: negative ids); row 2: left padding, then two documents.
+SEGMENTS = torch.tensor([[0] * 5 + [1] * 4 + [0] * 4,
+                         [0] * 10 + [-1] * 3,
+                         [-1] * 3 + [1] * 6 + [2] * 4])
 
 
 @pytest.mark.parametrize("shape", ["gqa", "biases", "per_sample_rotary"])
@@ -429,8 +434,8 @@ def test_segment_ids_follow_transformers_packing_and_padding():
     assert torch.equal(segments, find_packed_sequence_indices(position_ids))
     one_row = torch_offload.attention_block_segment_ids(position_ids=position_ids[:1], batch=3)
     assert one_row.shape == (3, 10) and torch.equal(one_row[2], segments[0])
-    # A mask wins over position_ids, as in transformers: real tokens are one run, padding another.
+    # A mask wins over position_ids, as in transformers: real tokens are one run, padding is masked.
     mask = torch.tensor([[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     padded = torch_offload.attention_block_segment_ids(position_ids=position_ids[:, :6], attention_mask=mask)
-    assert padded.tolist() == [[0, 0, 0, 0, 1, 1], [0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]]
+    assert padded.tolist() == [[1, 1, 1, 1, -1, -1], [-1, -1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]
     assert torch_offload.attention_block_segment_ids() is None

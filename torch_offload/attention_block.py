@@ -42,10 +42,13 @@ def attention_block(
     they require one).
 
     ``segment_ids`` ``[batch, tokens]`` (int64 or int32) cuts the rows into causal segments:
-    each maximal run of equal ids in a row is one sequence (a packed document, a row's real
-    tokens, its padding), and a token attends to the earlier tokens of its own run only, as
-    transformers' packed-sequence and padding masks have it for every real token. No
-    ``[tokens, tokens]`` mask is made: each segment is its own attention call.
+    each maximal run of non-negative equal ids in a row is one sequence (a packed document, a
+    row's real tokens), and its tokens attend to the earlier tokens of their own run only. Tokens
+    with a negative id (padding) are no one's keys; they attend to all of the nearest sequence
+    before them in their row, or, with none, to nothing (output 0, as SDPA gives a query whose
+    every key is masked). That is transformers' packed-sequence mask, and its padding mask where
+    a row's real tokens are contiguous, for every token. No ``[tokens, tokens]`` mask is made:
+    each run is its own attention call.
     ``attention_block_segment_ids(position_ids=..., attention_mask=...)`` makes them.
     """
     for value, arg in ((x, "x"), (w_q, "w_q"), (w_k, "w_k"), (w_v, "w_v"), (w_o, "w_o"), (cos, "cos"), (sin, "sin")):
@@ -57,22 +60,22 @@ def attention_block_segment_ids(*, position_ids: torch.Tensor | None = None, att
                 batch: int | None = None) -> torch.Tensor | None:
     """``attention_block``'s ``segment_ids`` ``[batch, tokens]`` for a batch as transformers sees it.
 
-    With a 2-D ``attention_mask`` (1 for real tokens, 0 for padding): a new segment wherever the
-    mask changes, so a row's real tokens are one causal sequence and each run of padding another
-    (transformers ignores ``position_ids`` for packing when a mask is given, and so does this).
+    With a 2-D ``attention_mask`` (1 for real tokens, 0 for padding): padding gets id -1 and each
+    run of real tokens an id of its own, so a row's real tokens are one causal sequence when they
+    are contiguous, as transformers' mask has them; where they are not (holes), a real token sees
+    only its own run, unlike transformers (apply() checks this and builds its dense mask then). transformers ignores ``position_ids`` for packing when a mask is given, and so does this.
     Otherwise with ``position_ids`` (``[1 or batch, tokens]``): a new segment wherever a position
     is not the previous one plus 1 (packed documents restarting at 0), as transformers'
     ``find_packed_sequence_indices``. ``None`` when neither is given. Tensor ops only (no data-
     dependent shapes), so it traces under ``torch.compile``.
     """
     if attention_mask is not None:
-        boundaries = attention_mask.bool()
-        starts = boundaries[:, 1:] != boundaries[:, :-1]
-    elif position_ids is not None:
-        if batch is not None:
-            position_ids = position_ids.expand(batch, -1)
-        starts = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    else:
+        real = attention_mask.bool()
+        starts = torch.cat([real[:, :1], real[:, 1:] & ~real[:, :-1]], dim=1)
+        return torch.where(real, starts.cumsum(dim=1), -1)
+    if position_ids is None:
         return None
-    first = torch.zeros_like(starts[:, :1])
-    return torch.cat([first, starts], dim=1).cumsum(dim=1)
+    if batch is not None:
+        position_ids = position_ids.expand(batch, -1)
+    starts = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return torch.cat([torch.zeros_like(starts[:, :1]), starts], dim=1).cumsum(dim=1)

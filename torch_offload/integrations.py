@@ -10,6 +10,7 @@ handle restores the model.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import difflib
 import functools
@@ -24,12 +25,14 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from . import masking
 from .activations import checkpoint as offloaded_checkpoint
 from .attention_block import attention_block as attention_block_op
 from .activations import offload_activations
 from .disk import disk_spill, disk_wait
 from .causal_lm_loss import fuse_causal_lm_loss
 from .compiled_offload import graph_hooks
+from .masking import is_segment_ids
 from .tiled_mlp import TiledMLP, _first_argument, _is_plain_linear, _module_in_shards
 
 __all__ = ["apply", "OffloadHandle"]
@@ -282,6 +285,8 @@ class OffloadHandle:
       ``"attention"`` (the rest of what it saves is offloaded) or ``"none"``.
     - ``attention``: for each layer's attention module, by name: ``"attention_block"`` (the op,
       where a call allows it) or ``"module: <why not>"``.
+    - ``mask_fallbacks``: calls for which transformers built its dense ``[batch, 1, T, T]`` mask
+      although the model's masks are apply's segment ids (``torch_offload.masking``), by reason.
     """
 
     def __init__(self, layer_path: str, layers: nn.ModuleList, offload: str | None,
@@ -295,6 +300,7 @@ class OffloadHandle:
         self.attention: dict[str, str] = {}
         self.loss = "off"
         self._patches: list[_Patch] = []
+        self._attention_implementations: list[tuple[Any, Any]] = []  # (config, its implementation before)
 
     @property
     def tiled_mlps(self) -> int:
@@ -310,6 +316,13 @@ class OffloadHandle:
     def tiled_applies(self) -> int:
         """MLPs computed by the generic tiled_apply."""
         return sum(how == "tiled_apply" for how in self.mlp_tiling.values())
+
+    @property
+    def mask_fallbacks(self) -> dict[str, int]:
+        counts = collections.Counter()
+        for config, _ in self._attention_implementations:
+            counts.update(masking.fallbacks(config))
+        return dict(counts)
 
     def stats(self) -> dict[str, int]:
         """The offload context's counters (empty without offloading)."""
@@ -342,11 +355,36 @@ class OffloadHandle:
         replaced = [p.name for i, p in enumerate(self._patches) if not p.intact()
                     and not any(q.store is p.store and q.key == p.key and q.previous is p.value  # wrapped by apply
                                 for q in self._patches[i + 1:])]
+        replaced += [f"{type(config).__name__}._attn_implementation" for config, _ in self._attention_implementations
+                     if vars(config).get(_IMPLEMENTATION_KEY) != masking.IMPLEMENTATION]
         if replaced:
             raise RuntimeError(f"torch_offload: handle.remove(): {', '.join(replaced)} changed after apply() "
                                "(another wrapper?); undo that change first")
         while self._patches:
             self._undo_last_patch()
+        while self._attention_implementations:
+            config, previous = self._attention_implementations.pop()
+            _put(vars(config), _IMPLEMENTATION_KEY, previous)
+            masking.forget(config)
+
+
+# Where a transformers config keeps its attention implementation (the `_attn_implementation` property's value).
+_IMPLEMENTATION_KEY = "_attn_implementation_internal"
+
+
+def _use_segment_masks(handle: OffloadHandle, model: nn.Module) -> None:
+    """Every config of the model whose attention is SDPA gets masking.IMPLEMENTATION: packed and padded
+    batches then reach attention modules as segment ids, not as a dense [batch, 1, T, T] mask."""
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():  # attention not through transformers' AttentionInterface
+        return
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "to_dict")}
+    configs = [c for c in configs.values() if vars(c).get(_IMPLEMENTATION_KEY) == "sdpa"]
+    if configs:
+        masking.register()
+    for config in configs:
+        handle._attention_implementations.append((config, vars(config)[_IMPLEMENTATION_KEY]))
+        vars(config)[_IMPLEMENTATION_KEY] = masking.IMPLEMENTATION
 
 
 def _tile_mlp(handle: OffloadHandle, name: str, layer: nn.Module, num_shards: int, recorded: dict[type, str]) -> None:
@@ -405,6 +443,11 @@ _ATTENTION_ARGUMENTS = ("hidden_states", "position_embeddings", "attention_mask"
 # sends the call to the module's own forward.
 _NEUTRAL_ARGUMENTS = frozenset({"position_ids", "use_cache", "cache_position", "num_items_in_batch",
                                 "output_attentions", "output_hidden_states"})
+
+
+# The attention implementations whose masks the op computes: SDPA's (where there is no mask) and
+# masking.IMPLEMENTATION's (no mask, or segment ids).
+_CAUSAL_IMPLEMENTATIONS = ("sdpa", masking.IMPLEMENTATION)
 
 
 # Config options known to change attention's arithmetic in a way the op does not compute: OLMo's
@@ -509,12 +552,15 @@ def _attention_block_forward(attention: nn.Module, fallback):
                           "(use_cache=True, transformers' default even in training): the attention modules run "
                           "their own forward; pass use_cache=False or set model.config.use_cache = False",
                           UserWarning, stacklevel=2)
+        mask = call.get("attention_mask")
+        segments = mask if is_segment_ids(mask) and mask.shape == x.shape[:2] else None
         plain_causal = (
             torch.is_grad_enabled()  # inference keeps the module's own path
             and all(_is_plain_linear(p) for p in projections)
-            and getattr(config, "_attn_implementation", None) == "sdpa"  # no mask then means causal
+            # SDPA's or ours: no mask then means causal, segment ids mean causal per segment
+            and getattr(config, "_attn_implementation", None) in _CAUSAL_IMPLEMENTATIONS
             and causal is True
-            and call.get("attention_mask") is None and cache is None
+            and (mask is None or segments is not None) and cache is None
             and all(value is None or name in _NEUTRAL_ARGUMENTS for name, value in others.items())
             and not (attention.training and getattr(attention, "attention_dropout", 0.0))
             and x.dim() == 3 and all(x.shape[1] <= w for w in windows)
@@ -531,7 +577,7 @@ def _attention_block_forward(attention: nn.Module, fallback):
                    for kind in ("weight", "bias")}
         out = attention_block_op(x, cos=rotary[0].to(x.dtype), sin=rotary[1].to(x.dtype),
                                  **_op_weights(attention, layout, weights),
-                                 scale=attention.scaling)
+                                 scale=attention.scaling, segment_ids=segments)
         return out, None
 
     return forward
@@ -849,7 +895,12 @@ def apply(
       changes attention); other calls and
       modules keep their own forward (``handle.attention`` says which modules and why; a call
       with a cache warns). In a layer checkpointed whole this adds one attention forward to
-      backward.
+      backward. With it, a model whose attention implementation is ``"sdpa"`` gets
+      ``torch_offload.masking``'s, so that packed documents (``position_ids`` restarting) and
+      padded rows (``attention_mask``) reach the attention as segment ids, never as a dense
+      ``[batch, 1, T, T]`` mask: the op takes them, and modules it does not replace run SDPA
+      per segment. Masks it cannot describe (a sliding window within reach, overlays, a cache)
+      are built dense as before and counted in ``handle.mask_fallbacks``.
     - A checkpointed call never carries a key/value cache (backward's recomputation would
       fill it a second time): in training mode a layer handed an empty cache runs without
       it (``use_cache=False``, with a warning), as transformers' gradient checkpointing
@@ -901,6 +952,8 @@ def apply(
             offload_layer = context is not None and index < len(layer_list) - keep_last
             if recompute or offload_layer:
                 _wrap_layer(handle, index, name, layer, recompute, offload_layer, attention_block)
+        if attention_block:
+            _use_segment_masks(handle, model)
         if loss:
             handle.loss = fuse_causal_lm_loss(handle, model)
         if context is not None:

@@ -15,6 +15,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros_like.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
@@ -106,11 +107,19 @@ void check_segment_ids(const char* op, const at::Tensor& segment_ids, const at::
                   x.sym_size(0), ", ", x.sym_size(1), "]");
 }
 
-// The causal segments of a call: (row, first token, length) of each maximal run of equal
-// segment ids, in order. Empty when every row is one segment (no segment_ids, or one run
-// each): the kernels then take the whole batch in one call. Read on the host (a
-// device-to-host copy of the ids on a GPU).
-using SegmentRuns = std::vector<std::array<int64_t, 3>>;
+// The segments of a call: each maximal run of equal segment ids, in order. A run of
+// non-negative ids is a causal sequence. A run of negative ids (padding) is no one's keys; its
+// queries see all of the nearest non-negative run before it in the row, or nothing (output 0,
+// as SDPA gives a query whose every key is masked): transformers' padding mask, whose padding
+// queries attend to the row's real tokens before them. Empty when every row is one causal
+// sequence (no segment_ids, or one non-negative run each): the kernels then take the whole
+// batch in one call. Read on the host (a device-to-host copy of the ids on a GPU).
+struct SegmentRun {
+  int64_t row, start, length;
+  bool padding;
+  int64_t keys;  // the run whose tokens are its keys: itself, the one padding sees, or -1 (none)
+};
+using SegmentRuns = std::vector<SegmentRun>;
 
 SegmentRuns segment_runs(const at::Tensor& segment_ids) {
   if (!segment_ids.defined() || segment_ids.numel() == 0) {
@@ -120,35 +129,47 @@ SegmentRuns segment_runs(const at::Tensor& segment_ids) {
   const int64_t rows = ids.size(0), tokens = ids.size(1);
   const int64_t* data = ids.const_data_ptr<int64_t>();
   SegmentRuns runs;
+  bool any_padding = false;
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t* id = data + row * tokens;
-    int64_t start = 0;
+    int64_t start = 0, last_sequence = -1;
     for (int64_t t = 1; t <= tokens; ++t) {
       if (t == tokens || id[t] != id[t - 1]) {
-        runs.push_back({row, start, t - start});
+        const bool padding = id[start] < 0;
+        const int64_t index = static_cast<int64_t>(runs.size());
+        runs.push_back({row, start, t - start, padding, padding ? last_sequence : index});
+        last_sequence = padding ? last_sequence : index;
+        any_padding |= padding;
         start = t;
       }
     }
   }
-  return static_cast<int64_t>(runs.size()) == rows ? SegmentRuns{} : runs;
+  return static_cast<int64_t>(runs.size()) == rows && !any_padding ? SegmentRuns{} : runs;
 }
 
 // t [B, H, T, ...] restricted to one run: [1, H, length, ...].
-at::Tensor run_of(const at::Tensor& t, const std::array<int64_t, 3>& run) {
-  return t.narrow(0, run[0], 1).narrow(2, run[1], run[2]);
+at::Tensor run_of(const at::Tensor& t, const SegmentRun& run) {
+  return t.narrow(0, run.row, 1).narrow(2, run.start, run.length);
 }
 
-// Causal attention of a head group within each segment: one kernel call per run. The
-// pieces keep each run's log-sum-exp and auxiliaries (not its output, a view of out).
+// A head group's attention within the segments: one kernel call per run, causal within a
+// sequence, over all of its keys' run for padding. The pieces keep each run's log-sum-exp
+// and auxiliaries (not its output, a view of out).
 AttentionResult attend(const AttentionKernels& kernels, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        double scale, const SegmentRuns& runs) {
   if (runs.empty()) {
-    return kernels.forward(q, k, v, scale);
+    return kernels.forward(q, k, v, scale, /*causal=*/true);
   }
   AttentionResult whole{at::empty_like(q), at::Tensor(), {}, {}};
   whole.pieces.reserve(runs.size());
   for (const auto& run : runs) {
-    AttentionResult piece = kernels.forward(run_of(q, run), run_of(k, run), run_of(v, run), scale);
+    if (run.keys < 0) {
+      run_of(whole.out, run).zero_();
+      whole.pieces.emplace_back();
+      continue;
+    }
+    const SegmentRun& keys = runs[run.keys];
+    AttentionResult piece = kernels.forward(run_of(q, run), run_of(k, keys), run_of(v, keys), scale, !run.padding);
     run_of(whole.out, run).copy_(piece.out);
     piece.out = at::Tensor();
     whole.pieces.push_back(std::move(piece));
@@ -156,24 +177,31 @@ AttentionResult attend(const AttentionKernels& kernels, const at::Tensor& q, con
   return whole;
 }
 
-// attend's gradients (dq, dk, dv): each run's backward with its own log-sum-exp.
+// attend's gradients (dq, dk, dv): each run's backward with its own log-sum-exp; padding's
+// key gradients add to its keys' run, padding itself gets none as keys.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attend_backward(const AttentionKernels& kernels,
                                                                const at::Tensor& grad_out, const at::Tensor& q,
                                                                const at::Tensor& k, const at::Tensor& v,
                                                                const AttentionResult& result, double scale,
                                                                const SegmentRuns& runs) {
   if (runs.empty()) {
-    return kernels.backward(grad_out, q, k, v, result, scale);
+    return kernels.backward(grad_out, q, k, v, result, scale, /*causal=*/true);
   }
-  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  at::Tensor dq = at::empty_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
   for (size_t i = 0; i < runs.size(); ++i) {
+    const SegmentRun& run = runs[i];
+    if (run.keys < 0) {  // a constant output: no gradient
+      run_of(dq, run).zero_();
+      continue;
+    }
+    const SegmentRun& keys = runs[run.keys];
     AttentionResult piece = result.pieces[i];
-    piece.out = run_of(result.out, runs[i]);
-    const auto [piece_dq, piece_dk, piece_dv] = kernels.backward(run_of(grad_out, runs[i]), run_of(q, runs[i]),
-                                                                 run_of(k, runs[i]), run_of(v, runs[i]), piece, scale);
-    run_of(dq, runs[i]).copy_(piece_dq);
-    run_of(dk, runs[i]).copy_(piece_dk);
-    run_of(dv, runs[i]).copy_(piece_dv);
+    piece.out = run_of(result.out, run);
+    const auto [piece_dq, piece_dk, piece_dv] = kernels.backward(
+        run_of(grad_out, run), run_of(q, run), run_of(k, keys), run_of(v, keys), piece, scale, !run.padding);
+    run_of(dq, run).copy_(piece_dq);
+    run_of(dk, keys).add_(piece_dk);
+    run_of(dv, keys).add_(piece_dv);
   }
   return {dq, dk, dv};
 }
@@ -442,13 +470,14 @@ at::Tensor twice_as_batch(const at::Tensor& t) {
   return t.unsqueeze(1).expand(sizes).flatten(0, 1);
 }
 
-AttentionResult cpu_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
-  const auto flash = [&](const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, bool causal) {
-    return at::_scaled_dot_product_flash_attention_for_cpu(q_, k_, v_, 0.0, causal, {}, scale);
+AttentionResult cpu_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                                      bool causal) {
+  const auto flash = [&](const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, bool causal_) {
+    return at::_scaled_dot_product_flash_attention_for_cpu(q_, k_, v_, 0.0, causal_, {}, scale);
   };
-  if (!split_into_balanced_pieces(q)) {
-    auto [out, logsumexp] = flash(q, k, v, /*causal=*/true);
-    return {out, logsumexp, {}};
+  if (!causal || !split_into_balanced_pieces(q)) {
+    auto [out, logsumexp] = flash(q, k, v, causal);
+    return {out, logsumexp, {}, {}};
   }
   const int64_t m = q.size(2) / 2;
   const auto [halves_out, halves_lse] =
@@ -462,18 +491,19 @@ AttentionResult cpu_attention_forward(const at::Tensor& q, const at::Tensor& k, 
   second_out.copy_(second_out * (second_lse - merged_lse).exp().unsqueeze(-1) +
                    cross_out * (cross_lse - merged_lse).exp().unsqueeze(-1));
   second_lse.copy_(merged_lse);
-  return {out, logsumexp, {}};
+  return {out, logsumexp, {}, {}};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_attention_backward(const at::Tensor& grad_out, const at::Tensor& q,
                                                                       const at::Tensor& k, const at::Tensor& v,
-                                                                      const AttentionResult& result, double scale) {
+                                                                      const AttentionResult& result, double scale,
+                                                                      bool causal) {
   const auto flash_backward = [&](const at::Tensor& g, const at::Tensor& q_, const at::Tensor& k_,
-                                  const at::Tensor& v_, const at::Tensor& out, const at::Tensor& lse, bool causal) {
-    return at::_scaled_dot_product_flash_attention_for_cpu_backward(g, q_, k_, v_, out, lse, 0.0, causal, {}, scale);
+                                  const at::Tensor& v_, const at::Tensor& out, const at::Tensor& lse, bool causal_) {
+    return at::_scaled_dot_product_flash_attention_for_cpu_backward(g, q_, k_, v_, out, lse, 0.0, causal_, {}, scale);
   };
-  if (!split_into_balanced_pieces(q)) {
-    return flash_backward(grad_out, q, k, v, result.out, result.logsumexp, /*causal=*/true);
+  if (!causal || !split_into_balanced_pieces(q)) {
+    return flash_backward(grad_out, q, k, v, result.out, result.logsumexp, causal);
   }
   const int64_t m = q.size(2) / 2;
   const auto [halves_dq, halves_dk, halves_dv] =

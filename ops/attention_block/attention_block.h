@@ -15,9 +15,10 @@
 
 namespace torch_offload {
 
-// Causal attention of one head group on one device: q [B, H, T, D], k and v
-// [B, H, T, D] (already repeated for grouped-query attention); each row (or segment of a
-// row, a call per segment) is one causal sequence. `aux` is whatever
+// Attention of one head group on one device: q [B, H, Tq, D], k and v [B, H, Tk, D]
+// (already repeated for grouped-query attention), causal (Tq = Tk: each row, or segment of a
+// row, a call per segment, is one causal sequence) or not (padding's queries over the real
+// tokens before them). `aux` is whatever
 // the device's backward needs besides out and the log-sum-exp.
 struct AttentionResult {
   at::Tensor out, logsumexp;
@@ -27,11 +28,13 @@ struct AttentionResult {
   std::vector<AttentionResult> pieces;
 };
 struct AttentionKernels {
-  AttentionResult (*forward)(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale);
+  AttentionResult (*forward)(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                             bool causal);
   // (dq, dk, dv)
   std::tuple<at::Tensor, at::Tensor, at::Tensor> (*backward)(const at::Tensor& grad_out, const at::Tensor& q,
                                                              const at::Tensor& k, const at::Tensor& v,
-                                                             const AttentionResult& result, double scale);
+                                                             const AttentionResult& result, double scale,
+                                                             bool causal);
 };
 
 at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tensor& x, const at::Tensor& w_q,

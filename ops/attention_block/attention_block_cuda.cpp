@@ -22,20 +22,22 @@ void check_cuda_support(const char* op, const at::Tensor& x, const at::Tensor& c
   }
 }
 
-AttentionResult cuda_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+AttentionResult cuda_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                                       bool causal) {
   auto [out, logsumexp, seed, offset] = at::_scaled_dot_product_efficient_attention(
-      q, k, v, std::nullopt, /*compute_log_sumexp=*/true, 0.0, /*is_causal=*/true, scale);
-  return {out, logsumexp, {seed, offset}};
+      q, k, v, std::nullopt, /*compute_log_sumexp=*/true, 0.0, causal, scale);
+  return {out, logsumexp, {seed, offset}, {}};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_attention_backward(const at::Tensor& grad_out,
                                                                        const at::Tensor& q, const at::Tensor& k,
                                                                        const at::Tensor& v,
-                                                                       const AttentionResult& result, double scale) {
+                                                                       const AttentionResult& result, double scale,
+                                                                       bool causal) {
   const auto& [seed, offset] = result.aux;
   auto [dq, dk, dv, unused_bias_grad] = at::_scaled_dot_product_efficient_attention_backward(
       grad_out, q, k, v, at::Tensor(), result.out, result.logsumexp, seed, offset, 0.0, {true, true, true, false},
-      /*is_causal=*/true, scale);
+      causal, scale);
   return {dq, dk, dv};
 }
 

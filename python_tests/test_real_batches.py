@@ -1,0 +1,168 @@
+"""apply() on the batches users train on: packed documents (position_ids restarting at 0) and padded rows
+(attention_mask), exact against the un-applied model, with no [T, T] tensor in the step."""
+import peft
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torch_offload
+from test_apply import COMMON, MODELS, assert_close_runs, tier_options
+
+SDPA_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2"]
+
+
+def make_model(name, **overrides):
+    config_cls, model_cls, extra = MODELS[name]
+    kwargs = dict(COMMON, **extra, **overrides)
+    if name == "gpt2":
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                                 "num_attention_heads", "max_position_embeddings")}
+        kwargs["n_positions"] = overrides.get("max_position_embeddings", kwargs["n_positions"])
+    torch.manual_seed(0)
+    return model_cls(config_cls(**kwargs)).float().train()
+
+
+def packed(tokens=24, documents=(5, 9, 4, 6)):
+    """One row of documents of these lengths, as TRL's padding-free packing gives them."""
+    ids = torch.randint(3, 128, (1, tokens), generator=torch.Generator().manual_seed(5))
+    position_ids = torch.cat([torch.arange(n) for n in documents])[None]
+    return dict(input_ids=ids, labels=ids, position_ids=position_ids)
+
+
+def padded(side, tokens=24, lengths=(24, 18, 10)):
+    """Rows of these real lengths, padded on `side`, labels -100 on the padding."""
+    ids = torch.randint(3, 128, (len(lengths), tokens), generator=torch.Generator().manual_seed(6))
+    mask = (torch.arange(tokens)[None] < torch.tensor(lengths)[:, None]).long()
+    if side == "left":
+        mask = mask.flip(1)
+    return dict(input_ids=ids, labels=ids.masked_fill(mask == 0, -100), attention_mask=mask)
+
+
+BATCHES = {
+    "packed": packed,
+    "right_padded": lambda: padded("right"),
+    "left_padded": lambda: padded("left"),
+    "packed_num_items": lambda: dict(packed(), num_items_in_batch=torch.tensor(17)),
+    # Labels on the padding too: the padding's own outputs count, and are transformers' as well.
+    "right_padded_labelled": lambda: labelled(padded("right")),
+    "left_padded_labelled": lambda: labelled(padded("left")),
+}
+
+
+def labelled(batch):
+    return dict(batch, labels=batch["input_ids"])
+
+
+def step(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_packed_and_padded_batches_give_the_unapplied_loss_and_gradients(name, batch):
+    model, inputs = make_model(name), BATCHES[batch]()
+    implementation = model.config._attn_implementation
+    want = step(model, inputs)
+    handle = torch_offload.apply(model, num_shards=2)
+    assert_close_runs(want, step(model, inputs))
+    assert handle.mask_fallbacks == {}
+    if implementation == "sdpa":  # Gemma 2's soft-capped attention is eager: its mask stays dense
+        assert model.config._attn_implementation == torch_offload.masking.IMPLEMENTATION
+    handle.remove()
+    assert model.config._attn_implementation == implementation
+    assert_close_runs(want, step(model, inputs))
+
+
+@pytest.mark.parametrize("offload", ["disk", None])
+def test_packed_documents_through_the_op_with_offloading(offload, tmp_path):
+    model, inputs = make_model("llama"), packed()
+    want = step(model, inputs)
+    handle = torch_offload.apply(model, offload=offload, num_shards=2, **tier_options(offload, tmp_path))
+    calls = []
+    op = torch.ops.offload.attention_block.default
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is op:
+                calls.append(args[12] if len(args) > 12 else (kwargs or {}).get("segment_ids"))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        got = step(model, inputs)
+    assert_close_runs(want, got)
+    assert handle.attention_blocks == 3 and len(calls) >= 3
+    assert all(c is not None and c.shape == (1, 24) for c in calls)  # every layer's op call took the segments
+    handle.remove()
+
+
+@pytest.mark.parametrize("window, fallback", [(64, False), (8, True)], ids=["longer_than_the_row", "shorter"])
+def test_a_sliding_window_within_reach_falls_back_to_the_dense_mask_and_says_so(window, fallback):
+    model, inputs = make_model("mistral", sliding_window=window), packed()
+    want = step(model, inputs)
+    handle = torch_offload.apply(model, num_shards=2)
+    assert_close_runs(want, step(model, inputs))
+    reasons = handle.mask_fallbacks
+    assert bool(reasons) == fallback
+    if fallback:
+        assert list(reasons) == ["a sliding window (8 tokens) shorter than the sequence (24)"]
+    handle.remove()
+
+
+def test_padding_with_holes_falls_back_to_the_dense_mask():
+    model = make_model("llama")
+    inputs = padded("right")
+    inputs["attention_mask"][0, 5] = 0  # a real token masked in the middle of a row
+    inputs["labels"][0, 5] = -100
+    want = step(model, inputs)
+    handle = torch_offload.apply(model, num_shards=2)
+    assert_close_runs(want, step(model, inputs))
+    assert list(handle.mask_fallbacks) == ["an attention_mask whose real tokens are not contiguous in a row"]
+    handle.remove()
+
+
+def test_peft_lora_on_packed_documents():
+    model = make_model("llama")
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"],
+                                                       init_lora_weights=False))
+    inputs = packed()
+    want = step(model, inputs)
+    handle = torch_offload.apply(model, num_shards=2)
+    assert_close_runs(want, step(model, inputs))
+    handle.remove()
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements of any tensor an op returns while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("batch", ["packed", "right_padded", "left_padded"])
+@pytest.mark.parametrize("name", SDPA_FAMILIES)
+def test_no_tensor_of_tokens_squared_elements_in_an_applied_step(name, batch):
+    # 512 tokens: T * T = 262,144 elements, more than any weight or activation of these models
+    # (GPT-2's MLP, [3 x 512, 128], is the largest); the un-applied step's mask has 3 x T * T.
+    tokens = 512
+    model = make_model(name, max_position_embeddings=1024)
+    inputs = (packed(tokens, documents=(200, 112, 140, 60)) if batch == "packed" else
+              padded(batch.split("_")[0], tokens, lengths=(512, 400, 128)))
+    with LargestTensor() as plain:
+        step(model, inputs)
+    assert plain.largest >= tokens * tokens  # the test sees a dense mask where there is one
+    handle = torch_offload.apply(model, num_shards=2)
+    with LargestTensor() as applied:
+        step(model, inputs)
+    assert applied.largest < tokens * tokens, applied.largest
+    handle.remove()
