@@ -5,8 +5,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
-# transformers and peft pinned: their releases rename what apply() reads (5.24 renamed past_key_values to cache).
-DEV_PACKAGES := pytest numpy expecttest scikit-build-core ninja cmake transformers==5.24.0 peft==0.21.2 matplotlib tqdm
+# transformers, peft and trl pinned: their releases rename what apply() reads (5.24 renamed past_key_values to
+# cache), and trl's trainers patch the model's forward.
+DEV_PACKAGES := pytest numpy expecttest scikit-build-core ninja cmake transformers==5.24.0 peft==0.21.2 trl==1.16.0 \
+                matplotlib tqdm
 BUILD_DIR := build/python
 
 # The CUDA compile check: a CUDA build of torch in its own venv, and nvcc.

@@ -5,7 +5,8 @@ import torch
 from torch.testing._internal.optests import opcheck
 
 from cuda_allocations import allocation_sizes
-from test_attention_block import NAMES, call, make_inputs, output_and_grads, reference, relative_error
+from test_attention_block import NAMES, SEGMENTS, call, make_inputs, output_and_grads, reference, relative_error
+from test_attention_block import segment_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -116,3 +117,24 @@ def test_cuda_autocast_is_as_close_to_float32_as_the_module_under_autocast(dtype
     for name, g, e, w in zip(NAMES, got_grads, eager_grads, want_grads):
         assert g.dtype == torch.float32, name  # the leaves' own dtype
         assert relative_error(g, w) <= max(2 * relative_error(e, w), 2e-2), name
+
+
+def test_cuda_segments_match_a_dense_masked_attention():
+    inputs = to_cuda(make_inputs(batch=3, tokens=13, h=32, heads=4, kv_heads=2, head_dim=8, bias=True))
+    segments = SEGMENTS.cuda()
+    grad_out = torch.randn(3, 13, 32, device="cuda")
+    got, got_grads = output_and_grads(lambda *a: call(*a, segment_ids=segments), inputs, grad_out)
+    want, want_grads = output_and_grads(lambda *a: segment_reference(*a, segment_ids=segments), inputs, grad_out)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for name, g, w in zip(NAMES, got_grads, want_grads):
+        assert relative_error(g, w) < 1e-4, name
+
+
+def test_cuda_packed_documents_allocate_nothing_of_tokens_squared():
+    # 8192 tokens in 4 documents: one float32 [T, T] score matrix would be 256 MiB.
+    tokens = 8192
+    inputs = to_cuda(make_inputs(batch=1, tokens=tokens, h=256, heads=4, kv_heads=4, head_dim=64))
+    segments = torch.arange(tokens, device="cuda").div(tokens // 4, rounding_mode="floor")[None]
+    torch.cuda.synchronize()
+    sizes = allocation_sizes(lambda: call(*inputs, segment_ids=segments).sum().backward())
+    assert max(sizes) < tokens * tokens * 4 / 8, max(sizes)

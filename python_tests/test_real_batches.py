@@ -166,3 +166,15 @@ def test_no_tensor_of_tokens_squared_elements_in_an_applied_step(name, batch):
         step(model, inputs)
     assert applied.largest < tokens * tokens, applied.largest
     handle.remove()
+
+
+def test_a_family_not_tested_with_segment_ids_keeps_transformers_mask():
+    from test_apply_exactness import tiny_olmo
+
+    model, inputs = tiny_olmo(), packed()
+    assert model.config._attn_implementation == "sdpa"
+    want = step(model, inputs)
+    handle = torch_offload.apply(model, num_shards=2)
+    assert model.config._attn_implementation == "sdpa"
+    assert_close_runs(want, step(model, inputs))
+    handle.remove()

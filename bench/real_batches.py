@@ -1,0 +1,120 @@
+"""Bytes per token of one training step on the batches users train on: one sequence, packed
+documents (position_ids restarting at 0) and padded rows (attention_mask), plain training against
+apply(offload="disk"), on transformers' LlamaForCausalLM (hidden 512, MLP 1408, 8 layers,
+vocabulary 32K, float32).
+
+    .venv/bin/python bench/real_batches.py [--tokens 4096,8192] [--plain-tokens 4096,8192] [--write]
+
+Each point is one step in a fresh process, after a short warm-up step: the growth of the resident
+set (VmHWM, reset just before). Bytes per token is the slope between the shortest and the longest
+length. Batches: "one sequence" is one row of T tokens; "packed" one row of 4 documents of T/4
+tokens each; "padded" 2 rows of T/2 tokens, the second right-padded by a quarter (labels -100 on
+the padding), so every batch holds T token slots.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from measure import ROOT, machine, reset_peak_rss, status_bytes, write_section
+
+BATCHES = ("one sequence", "packed", "padded")
+
+
+def batch(kind, tokens):
+    import torch
+
+    ids = torch.randint(3, 32000, (1, tokens), generator=torch.Generator().manual_seed(0))
+    if kind == "one sequence":
+        return dict(input_ids=ids, labels=ids)
+    if kind == "packed":
+        return dict(input_ids=ids, labels=ids, position_ids=torch.arange(tokens).remainder(tokens // 4)[None])
+    rows = ids.view(2, tokens // 2)
+    mask = torch.ones_like(rows)
+    mask[1, -tokens // 8:] = 0
+    return dict(input_ids=rows, labels=rows.masked_fill(mask == 0, -100), attention_mask=mask)
+
+
+def worker(kind, method, tokens):
+    import torch
+    import transformers
+
+    import torch_offload
+
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=tokens,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train()
+    spill = tempfile.TemporaryDirectory()
+    handle = None
+    if method == "apply(disk)":
+        handle = torch_offload.apply(model, offload="disk", spill_directory=spill.name, min_bytes=1 << 16)
+
+    def step(inputs):
+        model(**inputs, use_cache=False).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step(batch(kind, 128))
+    inputs = batch(kind, tokens)
+    before = reset_peak_rss()
+    step(inputs)
+    peak = status_bytes("VmHWM") - before
+    fallbacks = handle.mask_fallbacks if handle is not None else {}
+    spill.cleanup()
+    print(json.dumps({"peak": peak, "fallbacks": fallbacks}))
+
+
+def measure(kind, method, tokens):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, __file__, "--worker", kind, method, str(tokens)], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="4096,8192")
+    parser.add_argument("--plain-tokens", default="4096,8192", help="plain training's lengths (its masks grow as T^2)")
+    parser.add_argument("--write", action="store_true", help="rewrite BENCHMARKS.md's section")
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        kind, method, tokens = args.worker
+        worker(kind, method, int(tokens))
+        return
+    lengths = {"plain": [int(t) for t in args.plain_tokens.split(",")],
+               "apply(disk)": [int(t) for t in args.tokens.split(",")]}
+    rows = []
+    for kind in BATCHES:
+        slopes = {}
+        for method, tokens in lengths.items():
+            points = {t: measure(kind, method, t) for t in tokens}
+            for t, point in points.items():
+                print(f"{kind:13s} {method:12s} {t:6d} tokens: {point['peak'] / 2**20:8.1f} MiB "
+                      f"{point['fallbacks'] or ''}", flush=True)
+            low, high = min(tokens), max(tokens)
+            slopes[method] = (points[high]["peak"] - points[low]["peak"]) / (high - low) / 1024
+        rows.append((kind, slopes))
+    single = rows[0][1]["apply(disk)"]
+    table = ["| batch | plain KiB/token | apply(disk) KiB/token | apply(disk) / its one-sequence figure |",
+             "| --- | ---: | ---: | ---: |"]
+    for kind, slopes in rows:
+        table.append(f"| {kind} | {slopes['plain']:.0f} | {slopes['apply(disk)']:.1f} | "
+                     f"**{slopes['apply(disk)'] / single:.2f}** |")
+    command = "`.venv/bin/python bench/real_batches.py" + (" --write`" if args.write else "`")
+    text = (f"## Packed and padded batches\n\n{command} ({machine()}). transformers' LlamaForCausalLM (hidden 512, "
+            "MLP 1408, 8 layers, vocabulary 32K, float32); one step per fresh process; bytes per token is the slope "
+            f"of the resident set's growth between {lengths['apply(disk)'][0]} and {lengths['apply(disk)'][-1]} "
+            f"tokens (plain: {lengths['plain'][0]} and {lengths['plain'][-1]}). Packed: 4 documents in one row "
+            "(position_ids restarting at 0); padded: 2 rows, the second right-padded by a quarter.\n\n"
+            + "\n".join(table) + "\n")
+    print(text)
+    if args.write:
+        write_section("Packed and padded batches", text)
+
+
+if __name__ == "__main__":
+    main()
