@@ -6,8 +6,9 @@ vocabulary 32K, float32).
     .venv/bin/python bench/real_batches.py [--tokens 4096,8192] [--plain-tokens 4096,8192] [--write]
 
 Each point is one step in a fresh process, after a short warm-up step: the growth of the resident
-set (VmHWM, reset just before). Bytes per token is the slope between the shortest and the longest
-length. Batches: "one sequence" is one row of T tokens; "packed" one row of 4 documents of T/4
+set (VmHWM, reset just before). Bytes per token is the least-squares slope over the lengths. Run it on
+a quiet machine: the disk tier holds up to 512 MiB of tensors waiting for their write (and keeps
+256 MiB of restore buffers), so a busy CPU or disk adds to a point's peak. Batches: "one sequence" is one row of T tokens; "packed" one row of 4 documents of T/4
 tokens each; "padded" 2 rows of T/2 tokens, the second right-padded by a quarter (labels -100 on
 the padding), so every batch holds T token slots.
 """
@@ -74,6 +75,15 @@ def measure(kind, method, tokens):
     return json.loads(out.strip().splitlines()[-1])
 
 
+def slope(points):
+    """KiB per token: the least-squares line through (tokens, peak bytes)."""
+    tokens = list(points)
+    mean_t = sum(tokens) / len(tokens)
+    mean_b = sum(p["peak"] for p in points.values()) / len(tokens)
+    covariance = sum((t - mean_t) * (points[t]["peak"] - mean_b) for t in tokens)
+    return covariance / sum((t - mean_t) ** 2 for t in tokens) / 1024
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="4096,8192")
@@ -95,20 +105,21 @@ def main():
             for t, point in points.items():
                 print(f"{kind:13s} {method:12s} {t:6d} tokens: {point['peak'] / 2**20:8.1f} MiB "
                       f"{point['fallbacks'] or ''}", flush=True)
-            low, high = min(tokens), max(tokens)
-            slopes[method] = (points[high]["peak"] - points[low]["peak"]) / (high - low) / 1024
+            slopes[method] = (slope(points), points)
         rows.append((kind, slopes))
-    single = rows[0][1]["apply(disk)"]
-    table = ["| batch | plain KiB/token | apply(disk) KiB/token | apply(disk) / its one-sequence figure |",
-             "| --- | ---: | ---: | ---: |"]
+    single = rows[0][1]["apply(disk)"][0]
+    mib = lambda points: " / ".join(f"{p['peak'] / 2**20:.0f}" for p in points.values())  # noqa: E731
+    table = ["| batch | plain KiB/token | apply(disk) KiB/token | apply(disk) / its one-sequence figure | "
+             "plain peaks MiB | apply(disk) peaks MiB |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for kind, slopes in rows:
-        table.append(f"| {kind} | {slopes['plain']:.0f} | {slopes['apply(disk)']:.1f} | "
-                     f"**{slopes['apply(disk)'] / single:.2f}** |")
+        table.append(f"| {kind} | {slopes['plain'][0]:.0f} | {slopes['apply(disk)'][0]:.1f} | "
+                     f"**{slopes['apply(disk)'][0] / single:.2f}** | {mib(slopes['plain'][1])} | "
+                     f"{mib(slopes['apply(disk)'][1])} |")
     command = "`.venv/bin/python bench/real_batches.py" + (" --write`" if args.write else "`")
     text = (f"## Packed and padded batches\n\n{command} ({machine()}). transformers' LlamaForCausalLM (hidden 512, "
-            "MLP 1408, 8 layers, vocabulary 32K, float32); one step per fresh process; bytes per token is the slope "
-            f"of the resident set's growth between {lengths['apply(disk)'][0]} and {lengths['apply(disk)'][-1]} "
-            f"tokens (plain: {lengths['plain'][0]} and {lengths['plain'][-1]}). Packed: 4 documents in one row "
+            "MLP 1408, 8 layers, vocabulary 32K, float32); one step per fresh process; bytes per token is the "
+            f"least-squares slope of the resident set's growth over {lengths['apply(disk)']} tokens (plain: "
+            f"{lengths['plain']}; its dense masks make longer ones too slow here). Packed: 4 documents in one row "
             "(position_ids restarting at 0); padded: 2 rows, the second right-padded by a quarter.\n\n"
             + "\n".join(table) + "\n")
     print(text)

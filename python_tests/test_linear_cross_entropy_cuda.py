@@ -5,7 +5,7 @@ import torch
 from torch.testing._internal.optests import opcheck
 
 from test_linear_cross_entropy import OPTIONS, assert_close_f32, call, loss_and_grads, make_inputs, reference
-from test_linear_cross_entropy import improbable_tail_inputs, relative_error
+from test_linear_cross_entropy import check_autocast, improbable_tail_inputs, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -136,15 +136,4 @@ def test_cuda_vocabulary_tiles_much_wider_than_a_thread_block_match_eager(reduct
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_cuda_autocast_runs_the_gemms_in_the_autocast_dtype_and_returns_a_float32_loss(dtype):
-    hidden, weight, b, target = to_cuda(make_inputs((2, 300, 64), 1000, bias=True))
-    with torch.autocast("cuda", dtype=dtype):
-        got = call(hidden, weight, b, target, tile_tokens=64, tile_vocab=512)
-        want = torch.nn.functional.cross_entropy(torch.nn.functional.linear(hidden, weight, b).view(-1, 1000),
-                                                 target.view(-1))
-    assert got.dtype == want.dtype == torch.float32
-    assert relative_error(got, want) < 1e-2
-    got_grads = torch.autograd.grad(got, (hidden, weight, b))
-    want_grads = torch.autograd.grad(want, (hidden, weight, b))
-    for g, w in zip(got_grads, want_grads):
-        assert g.dtype == w.dtype == torch.float32
-        assert relative_error(g, w) < 2e-2
+    check_autocast(*to_cuda(make_inputs((2, 300, 64), 1000, bias=True)), dtype, tile_tokens=64, tile_vocab=512)

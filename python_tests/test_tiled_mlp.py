@@ -503,14 +503,13 @@ def test_tiled_apply_replays_dropout_masks_in_backward():
     assert (out == 0).any()
 
 
-def test_autocast_runs_the_op_in_the_autocast_dtype_like_the_linear_layers():
-    torch.manual_seed(0)
-    mlp = GatedMLP(bias=True)
+def check_autocast(mlp, x, dtype):
+    """Under autocast to `dtype` TiledMLP gives what the MLP gives under it, in that dtype, with
+    float32 gradients for the float32 parameters."""
     tiled = torch_offload.TiledMLP(mlp, num_shards=3)
-    x = torch.randn(2, 11, 16, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(x.device.type, dtype=dtype):
         got, want = tiled(x), mlp(x)
-    assert got.dtype == want.dtype == torch.bfloat16
+    assert got.dtype == want.dtype == dtype
     params = [x, *mlp.parameters()]
     got_grads = torch.autograd.grad(got.float().square().sum(), params)
     want_grads = torch.autograd.grad(want.float().square().sum(), params)
@@ -518,6 +517,11 @@ def test_autocast_runs_the_op_in_the_autocast_dtype_like_the_linear_layers():
     for g, w in zip(got_grads, want_grads):
         assert g.dtype == w.dtype == torch.float32  # the parameters' own dtype
         assert relative_error(g, w) < 2e-2
+
+
+def test_autocast_runs_the_op_in_the_autocast_dtype_like_the_linear_layers():
+    torch.manual_seed(0)
+    check_autocast(GatedMLP(bias=True), torch.randn(2, 11, 16, requires_grad=True), torch.bfloat16)
 
 
 def test_tiled_apply_recomputes_under_the_forward_autocast_state():

@@ -3,10 +3,9 @@ import pytest
 import torch
 from torch.testing._internal.optests import opcheck
 
-import torch_offload
 from cuda_allocations import allocation_sizes
-from test_tiled_mlp import ACTIVATIONS, GatedMLP, assert_close_f32, call_tiled, mlp_inputs, outputs_and_grads
-from test_tiled_mlp import reference_mlp, relative_error
+from test_tiled_mlp import ACTIVATIONS, GatedMLP, assert_close_f32, call_tiled, check_autocast, mlp_inputs
+from test_tiled_mlp import outputs_and_grads, reference_mlp, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -106,16 +105,5 @@ def test_cuda_bf16_backward_holds_no_float32_product_as_large_as_a_weight():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_cuda_autocast_runs_the_op_in_the_autocast_dtype_like_the_linear_layers(dtype):
     torch.manual_seed(0)
-    mlp = GatedMLP(hidden=64, intermediate=160, bias=True).cuda()
-    tiled = torch_offload.TiledMLP(mlp, num_shards=3)
-    x = torch.randn(2, 300, 64, device="cuda", requires_grad=True)
-    with torch.autocast("cuda", dtype=dtype):
-        got, want = tiled(x), mlp(x)
-    assert got.dtype == want.dtype == dtype
-    params = [x, *mlp.parameters()]
-    got_grads = torch.autograd.grad(got.float().square().sum(), params)
-    want_grads = torch.autograd.grad(want.float().square().sum(), params)
-    assert relative_error(got, want) < 1e-2
-    for g, w in zip(got_grads, want_grads):
-        assert g.dtype == w.dtype == torch.float32  # the parameters' own dtype
-        assert relative_error(g, w) < 2e-2
+    check_autocast(GatedMLP(hidden=64, intermediate=160, bias=True).cuda(),
+                   torch.randn(2, 300, 64, device="cuda", requires_grad=True), dtype)
