@@ -6,11 +6,16 @@ vocabulary 32K, float32).
     .venv/bin/python bench/real_batches.py [--tokens 4096,8192] [--plain-tokens 4096,8192] [--write]
 
 Each point is one step in a fresh process, after a short warm-up step: the growth of the resident
-set (VmHWM, reset just before). Bytes per token is the least-squares slope over the lengths. Run it on
-a quiet machine: the disk tier holds up to 512 MiB of tensors waiting for their write (and keeps
-256 MiB of restore buffers), so a busy CPU or disk adds to a point's peak. Batches: "one sequence" is one row of T tokens; "packed" one row of 4 documents of T/4
-tokens each; "padded" 2 rows of T/2 tokens, the second right-padded by a quarter (labels -100 on
-the padding), so every batch holds T token slots.
+set (VmHWM, reset just before). Bytes per token is the least-squares slope over the lengths. Two things
+that do not grow with T are held still, or they outweigh what does at these lengths: glibc's mmap
+threshold is fixed at 1 MiB (its default grows as big blocks are freed, and blocks up to 32 MiB then
+stay in the resident set: one sequence measured 929, 1579 and 879 MiB at 4K, 8K and 16K tokens), and
+the disk tier's unwritten bytes are capped at --in-flight-mib (default 32; 512 by default) with no
+restore buffers kept (256 MiB by default).
+
+Batches: "one sequence" is one row of T tokens; "packed" one row of 4 documents of T/4 tokens each;
+"padded" 2 rows of T/2 tokens, the second right-padded by a quarter (labels -100 on the padding), so
+every batch holds T token slots.
 """
 import argparse
 import json
@@ -38,7 +43,7 @@ def batch(kind, tokens):
     return dict(input_ids=rows, labels=rows.masked_fill(mask == 0, -100), attention_mask=mask)
 
 
-def worker(kind, method, tokens):
+def worker(kind, method, tokens, in_flight_mib):
     import torch
     import transformers
 
@@ -52,6 +57,9 @@ def worker(kind, method, tokens):
     spill = tempfile.TemporaryDirectory()
     handle = None
     if method == "apply(disk)":
+        # Unwritten spills and kept restore buffers are bounded but timing-dependent: at their defaults
+        # (512 and 256 MiB) they outweigh what grows with T at these lengths and make points wander.
+        torch_offload.configure_disk_spill(max_in_flight_bytes=in_flight_mib << 20, restore_cache_bytes=0)
         handle = torch_offload.apply(model, offload="disk", spill_directory=spill.name, min_bytes=1 << 16)
 
     def step(inputs):
@@ -68,10 +76,13 @@ def worker(kind, method, tokens):
     print(json.dumps({"peak": peak, "fallbacks": fallbacks}))
 
 
-def measure(kind, method, tokens):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, __file__, "--worker", kind, method, str(tokens)], env=env, check=True,
-                         capture_output=True, text=True).stdout
+def measure(kind, method, tokens, in_flight_mib):
+    # glibc's mmap threshold grows as big blocks are freed, after which blocks up to 32 MiB come from
+    # the heap and stay in the resident set: fixed at 1 MiB, every tensor's memory is returned when freed.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               MALLOC_MMAP_THRESHOLD_=str(1 << 20))
+    out = subprocess.run([sys.executable, __file__, "--worker", kind, method, str(tokens), str(in_flight_mib)],
+                         env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -89,11 +100,12 @@ def main():
     parser.add_argument("--tokens", default="4096,8192")
     parser.add_argument("--plain-tokens", default="4096,8192", help="plain training's lengths (its masks grow as T^2)")
     parser.add_argument("--write", action="store_true", help="rewrite BENCHMARKS.md's section")
-    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--in-flight-mib", type=int, default=32, help="the disk tier's unwritten bytes at most")
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        kind, method, tokens = args.worker
-        worker(kind, method, int(tokens))
+        kind, method, tokens, in_flight_mib = args.worker
+        worker(kind, method, int(tokens), int(in_flight_mib))
         return
     lengths = {"plain": [int(t) for t in args.plain_tokens.split(",")],
                "apply(disk)": [int(t) for t in args.tokens.split(",")]}
@@ -101,7 +113,7 @@ def main():
     for kind in BATCHES:
         slopes = {}
         for method, tokens in lengths.items():
-            points = {t: measure(kind, method, t) for t in tokens}
+            points = {t: measure(kind, method, t, args.in_flight_mib) for t in tokens}
             for t, point in points.items():
                 print(f"{kind:13s} {method:12s} {t:6d} tokens: {point['peak'] / 2**20:8.1f} MiB "
                       f"{point['fallbacks'] or ''}", flush=True)
@@ -119,7 +131,9 @@ def main():
     text = (f"## Packed and padded batches\n\n{command} ({machine()}). transformers' LlamaForCausalLM (hidden 512, "
             "MLP 1408, 8 layers, vocabulary 32K, float32); one step per fresh process; bytes per token is the "
             f"least-squares slope of the resident set's growth over {lengths['apply(disk)']} tokens (plain: "
-            f"{lengths['plain']}; its dense masks make longer ones too slow here). Packed: 4 documents in one row "
+            f"{lengths['plain']}; its dense masks make longer ones too slow here); `MALLOC_MMAP_THRESHOLD_` "
+            f"1 MiB, the disk tier's unwritten bytes capped at {args.in_flight_mib} MiB and no restore buffers "
+            "kept (`configure_disk_spill`): see the script's docstring. Packed: 4 documents in one row "
             "(position_ids restarting at 0); padded: 2 rows, the second right-padded by a quarter.\n\n"
             + "\n".join(table) + "\n")
     print(text)
