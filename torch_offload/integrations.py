@@ -558,12 +558,14 @@ def _attention_block_forward(attention: nn.Module, fallback):
                           "their own forward; pass use_cache=False or set model.config.use_cache = False",
                           UserWarning, stacklevel=2)
         mask = call.get("attention_mask")
-        segments = mask if is_segment_ids(mask) and mask.shape == x.shape[:2] else None
+        implementation = getattr(config, "_attn_implementation", None)
+        segments = (mask if implementation == masking.IMPLEMENTATION and is_segment_ids(mask)
+                    and mask.shape == x.shape[:2] else None)
         plain_causal = (
             torch.is_grad_enabled()  # inference keeps the module's own path
             and all(_is_plain_linear(p) for p in projections)
             # SDPA's or ours: no mask then means causal, segment ids mean causal per segment
-            and getattr(config, "_attn_implementation", None) in _CAUSAL_IMPLEMENTATIONS
+            and implementation in _CAUSAL_IMPLEMENTATIONS
             and causal is True
             and (mask is None or segments is not None) and cache is None
             and all(value is None or name in _NEUTRAL_ARGUMENTS for name, value in others.items())
