@@ -51,6 +51,15 @@ def nvrtc_library(python, cuda_home):
     return found[0] if found else None
 
 
+def cmake_binary():
+    """The pip cmake package's binary where GPU_PYTHON has it (recent enough for CUDA 20), else cmake on PATH."""
+    try:
+        import cmake
+    except ImportError:
+        return "cmake"
+    return os.path.join(cmake.CMAKE_BIN_DIR, "cmake")
+
+
 def pytest_counts(report):
     """{test file: [passed, failed, skipped]} from pytest's JUnit XML report."""
     counts = {}
@@ -91,7 +100,8 @@ def main():
     env["PYTHONPATH"] = os.pathsep.join([ROOT, site, env.get("PYTHONPATH", "")])
 
     with_gtest = os.path.exists("/usr/include/gtest/gtest.h")
-    configure = ["cmake", "-S", ".", "-B", BUILD, "-G", "Ninja", f"-DPython3_EXECUTABLE={python}",
+    cmake = cmake_binary()
+    configure = [cmake, "-S", ".", "-B", BUILD, "-G", "Ninja", f"-DPython3_EXECUTABLE={python}",
                  "-DCMAKE_BUILD_TYPE=Release", "-DTORCH_OFFLOAD_CUDA=ON",
                  f"-DTORCH_OFFLOAD_BUILD_TESTS={'ON' if with_gtest else 'OFF'}"]
     cuda_home = cuda_toolkit()
@@ -100,11 +110,12 @@ def main():
     if nvrtc:
         configure.append(f"-DCUDA_nvrtc_LIBRARY={nvrtc}")
     built = (run("configure", configure, env, results) == 0 and
-             run("build", ["cmake", "--build", BUILD, "--parallel", str(args.jobs)], env, results) == 0)
+             run("build", [cmake, "--build", BUILD, "--parallel", str(args.jobs)], env, results) == 0)
     if built:
         env["TORCH_OFFLOAD_LIBRARY"] = os.path.join(BUILD, "libtorch_offload.so")
         if with_gtest:
-            run("C++ *Cuda tests", ["ctest", "--test-dir", BUILD, "-R", "Cuda", "--output-on-failure"], env, results)
+            ctest = os.path.join(os.path.dirname(cmake), "ctest") if os.path.isabs(cmake) else "ctest"
+            run("C++ *Cuda tests", [ctest, "--test-dir", BUILD, "-R", "Cuda", "--output-on-failure"], env, results)
         report = os.path.join(BUILD, "pytest.xml")
         tests = sorted(glob.glob(os.path.join("python_tests", "test_*_cuda.py")))
         run("pytest", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *tests], env,
