@@ -902,7 +902,8 @@ def apply(
       changes attention); other calls and
       modules keep their own forward (``handle.attention`` says which modules and why; a call
       with a cache warns). In a layer checkpointed whole this adds one attention forward to
-      backward. With it, a model whose attention implementation is ``"sdpa"`` gets
+      backward. With it, a model of a tested family (Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3,
+      GPT-2) whose attention implementation is ``"sdpa"`` gets
       ``torch_offload.masking``'s, so that packed documents (``position_ids`` restarting) and
       padded rows (``attention_mask``) reach the attention as segment ids, never as a dense
       ``[batch, 1, T, T]`` mask: the op takes them, and modules it does not replace run SDPA

@@ -1,9 +1,10 @@
 """Packed and padded batches without a [T, T] mask: an attention implementation for transformers.
 
 transformers turns packed ``position_ids`` (documents restarting at 0) and a 2-D ``attention_mask``
-into a dense ``[batch, 1, T, T]`` mask for SDPA. ``apply()`` switches a model whose attention
-implementation is ``"sdpa"`` to ``IMPLEMENTATION``, registered here with transformers'
-``AttentionMaskInterface`` and ``AttentionInterface``:
+into a dense ``[batch, 1, T, T]`` mask for SDPA. ``apply()`` switches a model of a tested family
+(integrations._SEGMENT_MASK_MODEL_TYPES) whose attention implementation is ``"sdpa"`` to
+``IMPLEMENTATION``, registered here with transformers' ``AttentionMaskInterface`` and
+``AttentionInterface``:
 
 - its mask function reads the mask transformers asks for (the mask function it composed from its
   own factories: causal, packed, sliding window) and, where that mask is causal attention within
@@ -19,6 +20,7 @@ implementation is ``"sdpa"`` to ``IMPLEMENTATION``, registered here with transfo
 from __future__ import annotations
 
 import collections
+import functools
 from typing import Any
 
 import torch
@@ -54,6 +56,7 @@ class _Unknown(Exception):
     pass
 
 
+@functools.cache
 def _factories():
     """The code objects of transformers' mask factories' closures, to recognise what they composed."""
     from transformers import masking_utils as mu

@@ -214,9 +214,10 @@ inline std::vector<int64_t> linear_cross_entropy_tile(int64_t tokens, int64_t vo
 // head_dim]; scale defaults to 1/sqrt(head_dim). It runs one group of heads at a time,
 // so one group's q, k, v and attention output exist at once, and its backward saves
 // only the inputs and recomputes each group. cos and sin get no gradient.
-// segment_ids [batch, tokens] (int64 or int32) cuts the rows into causal segments: each
-// maximal run of equal ids in a row is one sequence (a packed document, a row's real
-// tokens, its padding), and a token attends to the earlier tokens of its own run only.
+// segment_ids [batch, tokens] (int64 or int32) cuts the rows into segments: each maximal
+// run of equal non-negative ids in a row is one causal sequence (a packed document, a row's
+// real tokens); tokens with a negative id (padding) are no one's keys and attend to all of
+// the nearest sequence before them in their row, or to nothing (output 0).
 inline at::Tensor attention_block(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
                                   const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
                                   const at::Tensor& sin, const std::optional<at::Tensor>& b_q = std::nullopt,

@@ -23,8 +23,8 @@ namespace torch_offload {
 struct AttentionResult {
   at::Tensor out, logsumexp;
   std::tuple<at::Tensor, at::Tensor> aux;
-  // When the rows are cut into causal segments (segment_ids): one result per segment,
-  // each without its out (a view of the whole out); logsumexp and aux are then unused.
+  // When the rows are cut into segments (segment_ids): one result per run, each without
+  // its out (a view of the whole out); the whole's logsumexp and aux are then unused.
   std::vector<AttentionResult> pieces;
 };
 struct AttentionKernels {
@@ -65,7 +65,7 @@ at::Tensor attention_block_meta(const at::Tensor& x, const at::Tensor& w_q, cons
                                 const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
-                               const std::optional<at::Tensor>& segment_ids);
+                                const std::optional<at::Tensor>& segment_ids);
 AttentionBlockGradients attention_block_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
@@ -85,7 +85,7 @@ at::Tensor attention_block_cuda(const at::Tensor& x, const at::Tensor& w_q, cons
                                 const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
-                               const std::optional<at::Tensor>& segment_ids);
+                                const std::optional<at::Tensor>& segment_ids);
 AttentionBlockGradients attention_block_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
