@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import types
 from typing import Callable, Iterable
 
 import torch
@@ -109,11 +110,17 @@ def _activation_of(mlp: nn.Module):
 
 def _is_plain_linear(module) -> bool:
     # module.forward, not its class's: accelerate's hooks (dispatch_model, cpu_offload) replace it on
-    # the instance, and leave the bound nn.Linear.forward there when removed. (dynamo guards on this.)
+    # the instance, and leave the bound nn.Linear.forward there when removed. Reading it is what
+    # dynamo guards on: a hook added after compiling recompiles.
     forward = getattr(module, "forward", None)
-    return (isinstance(module, nn.Linear) and getattr(forward, "__func__", None) is nn.Linear.forward
-            and getattr(forward, "__self__", None) is module
-            and not (module._forward_hooks or module._forward_pre_hooks))
+    if (not isinstance(module, nn.Linear) or not isinstance(forward, types.MethodType)
+            or module._forward_hooks or module._forward_pre_hooks):
+        return False
+    if torch.compiler.is_compiling():
+        # dynamo reads no bound method's __func__ or __self__: the class's forward it must be (an instance's
+        # bound method, a removed hook's leftover, is then taken as not plain).
+        return "forward" not in module.__dict__ and type(module).forward is nn.Linear.forward
+    return forward.__func__ is nn.Linear.forward and forward.__self__ is module
 
 
 def _check_linear(module, attr: str) -> None:
