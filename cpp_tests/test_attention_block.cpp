@@ -127,6 +127,55 @@ TEST(AttentionBlock, BadInputsRaiseErrorsNamingTheArgument) {
                "attention_block: x is an undefined tensor");
 }
 
+// segment_attention alone: q, k, v [2, 3, 9, 4], against the scores and softmax written out
+// with the segments' mask, values and gradients, from C++.
+void check_segment_attention(at::Device device, at::ScalarType dtype, double rtol, double atol) {
+  at::manual_seed(1);
+  const auto options = at::TensorOptions().dtype(dtype).device(device);
+  std::vector<at::Tensor> qkv;
+  for (int i = 0; i < 3; ++i) {
+    qkv.push_back(at::randn({2, 3, 9, 4}, options).requires_grad_(true));
+  }
+  // Row 0: two packed documents; row 1: real tokens, then two of padding (they see the real tokens).
+  const at::Tensor segment_ids =
+      at::tensor({0, 0, 0, 0, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, -1, -1}).view({2, 9}).to(device);
+  const at::Tensor out = torch_offload::segment_attention(qkv[0], qkv[1], qkv[2], segment_ids, 0.5);
+  const at::Tensor causal = at::ones({9, 9}, options.dtype(at::kBool)).tril();
+  at::Tensor seen = segment_ids.unsqueeze(2).eq(segment_ids.unsqueeze(1)).logical_and(causal);
+  seen.select(0, 1).narrow(0, 7, 2).fill_(false).narrow(1, 0, 7).fill_(true);
+  const at::Tensor scores =
+      at::matmul(qkv[0], qkv[1].transpose(-2, -1)).mul(0.5).masked_fill(seen.logical_not().unsqueeze(1), -INFINITY);
+  const at::Tensor want = at::matmul(at::softmax(scores, -1), qkv[2]);
+  EXPECT_TRUE(at::allclose(out, want, rtol, atol)) << (out - want).abs().max().item<double>();
+  const at::Tensor grad_out = at::randn_like(want);
+  const auto got_grads = torch::autograd::grad({out}, qkv, {grad_out});
+  const auto want_grads = torch::autograd::grad({want}, qkv, {grad_out});
+  for (size_t i = 0; i < got_grads.size(); ++i) {
+    EXPECT_TRUE(at::allclose(got_grads[i], want_grads[i], rtol, atol)) << i;
+  }
+}
+
+TEST(SegmentAttention, ValuesAndGradientsMatchAtenWithTheMaskWrittenOut) {
+  check_segment_attention(at::kCPU, at::kDouble, 1e-10, 1e-12);
+}
+
+TEST(SegmentAttention, BadInputsRaiseErrorsNamingTheArgument) {
+  const at::Tensor q = at::zeros({2, 3, 9, 4});
+  expect_error([&] { torch_offload::segment_attention(q, q.narrow(1, 0, 2), q, at::zeros({2, 9}, at::kLong)); },
+               "segment_attention: key has shape [2, 2, 9, 4]; expected query's [batch, heads, tokens, head_dim]");
+  expect_error([&] { torch_offload::segment_attention(q, q, q, at::zeros({2, 8}, at::kLong)); },
+               "segment_attention: segment_ids has shape [2, 8]; expected [batch, tokens] = [2, 9]");
+  expect_error([&] { torch_offload::segment_attention(at::Tensor(), q, q, at::zeros({2, 9}, at::kLong)); },
+               "segment_attention: query is an undefined tensor");
+}
+
+TEST(SegmentAttentionCuda, MatchesAtenWithGradientsInFloat32) {
+  if (!at::hasCUDA()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  check_segment_attention(at::kCUDA, at::kFloat, 1e-4, 1e-5);
+}
+
 // GPU path: runs wherever a GPU is present; skipped (and reported as such) here.
 TEST(AttentionBlockCuda, MatchesAtenWithGradientsInFloat32) {
   if (!at::hasCUDA()) {

@@ -324,24 +324,29 @@ def test_rotary_tables_that_require_grad_and_bad_grad_out_are_refused():
         torch.ops.offload.attention_block_backward(torch.zeros(2, 7, 15), *detached, None, None, [True] * 9)
 
 
-def segment_reference(x, w_q, w_k, w_v, w_o, cos, sin, b_q=None, b_k=None, b_v=None, b_o=None, scale=None,
-                      segment_ids=None):
-    """reference() with the segments as a dense [batch, 1, T, T] boolean mask: a token of a
-    non-negative run sees the earlier tokens of its run; a padding token (negative id) sees all of
-    the nearest non-negative run before it, or nothing (SDPA then gives 0, as the op)."""
-    batch, tokens, _ = x.shape
-    head_dim = cos.shape[-1]
-    q, k, v = (F.linear(x, w, b).view(batch, tokens, -1, head_dim).transpose(1, 2)
-               for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+def segment_mask(segment_ids):
+    """The segments as a dense [batch, 1, T, T] boolean mask: a token of a non-negative run sees the
+    earlier tokens of its run; a padding token (negative id) sees all of the nearest non-negative run
+    before it, or nothing (SDPA then gives 0, as the op)."""
+    tokens = segment_ids.shape[1]
     run = torch.cat([torch.zeros_like(segment_ids[:, :1]), (segment_ids[:, 1:] != segment_ids[:, :-1]).long()],
                     1).cumsum(1)
     sequence = segment_ids >= 0
     # The run whose tokens each token sees: its own, or for padding the last sequence run before it.
     seen = torch.where(sequence, run, -1).cummax(1).values
     mask = (seen[:, :, None] == run[:, None, :]) & sequence[:, None, :]
-    mask &= torch.ones(tokens, tokens, dtype=torch.bool).tril()
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
+    return (mask & torch.ones(tokens, tokens, dtype=torch.bool).tril())[:, None]
+
+
+def segment_reference(x, w_q, w_k, w_v, w_o, cos, sin, b_q=None, b_k=None, b_v=None, b_o=None, scale=None,
+                      segment_ids=None):
+    """reference() with segment_mask(segment_ids)."""
+    batch, tokens, _ = x.shape
+    head_dim = cos.shape[-1]
+    q, k, v = (F.linear(x, w, b).view(batch, tokens, -1, head_dim).transpose(1, 2)
+               for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=segment_mask(segment_ids), scale=scale, enable_gqa=True)
     return F.linear(out.transpose(1, 2).reshape(batch, tokens, -1), w_o, b_o)
 
 

@@ -4,9 +4,11 @@ import pytest
 import torch
 from torch.testing._internal.optests import opcheck
 
+import torch_offload
 from cuda_allocations import allocation_sizes
 from test_attention_block import NAMES, SEGMENTS, call, make_inputs, output_and_grads, reference, relative_error
 from test_attention_block import segment_reference
+from test_segment_attention import make_qkv, output_and_grads as qkv_output_and_grads, reference as qkv_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -137,4 +139,20 @@ def test_cuda_packed_documents_allocate_nothing_of_tokens_squared():
     segments = torch.arange(tokens, device="cuda").div(tokens // 4, rounding_mode="floor")[None]
     torch.cuda.synchronize()
     sizes = allocation_sizes(lambda: call(*inputs, segment_ids=segments).sum().backward())
+    assert max(sizes) < tokens * tokens * 4 / 8, max(sizes)
+
+
+def test_cuda_segment_attention_matches_sdpa_with_the_dense_mask_and_allocates_nothing_of_tokens_squared():
+    leaves = make_qkv(heads=4, head_dim=8, dtype=torch.float32, device="cuda")
+    segments = SEGMENTS.cuda()
+    grad_out = torch.randn_like(leaves[0])
+    got, got_grads = qkv_output_and_grads(lambda *a: torch_offload.segment_attention(*a, segments), leaves, grad_out)
+    want, want_grads = qkv_output_and_grads(lambda *a: qkv_reference(*a, segments), leaves, grad_out)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for name, g, w in zip("qkv", got_grads, want_grads):
+        assert relative_error(g, w) < 1e-4, name
+    tokens = 8192
+    q, k, v = (torch.randn(1, 4, tokens, 64, device="cuda", requires_grad=True) for _ in range(3))
+    documents = torch.arange(tokens, device="cuda").div(tokens // 4, rounding_mode="floor")[None]
+    sizes = allocation_sizes(lambda: torch_offload.segment_attention(q, k, v, documents).sum().backward())
     assert max(sizes) < tokens * tokens * 4 / 8, max(sizes)

@@ -84,13 +84,25 @@ at::Tensor attention_block_autocast(const at::Tensor& x, const at::Tensor& w_q, 
                          cast(b_k), cast(b_v), cast(b_o), scale, segment_ids);
 }
 
+// segment_attention runs in the autocast dtype, as the SDPA it stands for does.
+template <c10::DeviceType kDevice>
+at::Tensor segment_attention_autocast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& segment_ids, std::optional<double> scale) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
+  const auto cast = [&](const at::Tensor& t) { return at::autocast::cached_cast(dtype, t, kDevice); };
+  return segment_attention(cast(q), cast(k), cast(v), segment_ids, scale);
+}
+
 }  // namespace
 }  // namespace torch_offload
 
 TORCH_LIBRARY_IMPL(offload, AutocastCPU, m) {
   m.impl("attention_block", &torch_offload::attention_block_autocast<c10::DeviceType::CPU>);
+  m.impl("segment_attention", &torch_offload::segment_attention_autocast<c10::DeviceType::CPU>);
 }
 
 TORCH_LIBRARY_IMPL(offload, AutocastCUDA, m) {
   m.impl("attention_block", &torch_offload::attention_block_autocast<c10::DeviceType::CUDA>);
+  m.impl("segment_attention", &torch_offload::segment_attention_autocast<c10::DeviceType::CUDA>);
 }

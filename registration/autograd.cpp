@@ -244,11 +244,38 @@ at::Tensor attention_block_autograd(const at::Tensor& x, const at::Tensor& w_q, 
   return AttentionBlockFunction::apply(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids);
 }
 
+// segment_attention saves its inputs only; segment_attention_backward recomputes. No double backward.
+class SegmentAttentionFunction : public torch::autograd::Function<SegmentAttentionFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& segment_ids, std::optional<double> scale) {
+    ctx->save_for_backward({q, k, v, segment_ids});
+    ctx->saved_data["scale"] = scale;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return segment_attention(q, k, v, segment_ids, scale);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const std::array<bool, 3> output_mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                                          ctx->needs_input_grad(2)};
+    const auto [q, k, v] = segment_attention_backward(grads[0], saved[0], saved[1], saved[2], saved[3],
+                                                      ctx->saved_data["scale"].toOptional<double>(), output_mask);
+    return {q, k, v, at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor segment_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& segment_ids, std::optional<double> scale) {
+  return SegmentAttentionFunction::apply(q, k, v, segment_ids, scale);
+}
+
 }  // namespace
 }  // namespace torch_offload
 
 TORCH_LIBRARY_IMPL(offload, Autograd, m) {
   m.impl("attention_block", &torch_offload::attention_block_autograd);
+  m.impl("segment_attention", &torch_offload::segment_attention_autograd);
+  m.impl("segment_attention_backward", torch::autograd::autogradNotImplementedFallback());
   // Computing gradients of gradients is not supported: an error if backward reaches it.
   m.impl("attention_block_backward", torch::autograd::autogradNotImplementedFallback());
 }

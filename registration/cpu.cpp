@@ -27,4 +27,6 @@ TORCH_LIBRARY_IMPL(offload, CPU, m) {
 TORCH_LIBRARY_IMPL(offload, CPU, m) {
   m.impl("attention_block", &torch_offload::attention_block_cpu);
   m.impl("attention_block_backward", &torch_offload::attention_block_backward_cpu);
+  m.impl("segment_attention", &torch_offload::segment_attention_cpu);
+  m.impl("segment_attention_backward", &torch_offload::segment_attention_backward_cpu);
 }

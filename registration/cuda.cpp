@@ -23,4 +23,6 @@ TORCH_LIBRARY_IMPL(offload, CUDA, m) {
 TORCH_LIBRARY_IMPL(offload, CUDA, m) {
   m.impl("attention_block", &torch_offload::attention_block_cuda);
   m.impl("attention_block_backward", &torch_offload::attention_block_backward_cuda);
+  m.impl("segment_attention", &torch_offload::segment_attention_cuda);
+  m.impl("segment_attention_backward", &torch_offload::segment_attention_backward_cuda);
 }

@@ -30,4 +30,6 @@ TORCH_LIBRARY_IMPL(offload, Meta, m) {
 TORCH_LIBRARY_IMPL(offload, Meta, m) {
   m.impl("attention_block", &torch_offload::attention_block_meta);
   m.impl("attention_block_backward", &torch_offload::attention_block_backward_meta);
+  m.impl("segment_attention", &torch_offload::segment_attention_meta);
+  m.impl("segment_attention_backward", &torch_offload::segment_attention_backward_meta);
 }

@@ -94,4 +94,13 @@ TORCH_LIBRARY(offload, m) {
       "attention_block_backward(Tensor grad_out, Tensor x, Tensor w_q, Tensor w_k, Tensor w_v, Tensor w_o, "
       "Tensor cos, Tensor sin, Tensor? b_q, Tensor? b_k, Tensor? b_v, Tensor? b_o, float? scale, "
       "Tensor? segment_ids, bool[9] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+
+  // attention_block's attention alone, for attention modules it does not replace: query, key and
+  // value [batch, heads, tokens, head_dim], causal within the segments of segment_ids [batch,
+  // tokens]. Backward saves only the inputs; it returns (query, key, value)'s gradients, undefined
+  // where output_mask does not ask.
+  m.def("segment_attention(Tensor query, Tensor key, Tensor value, Tensor segment_ids, float? scale=None) -> Tensor");
+  m.def(
+      "segment_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor segment_ids, "
+      "float? scale, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
 }

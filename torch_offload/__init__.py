@@ -16,6 +16,7 @@ __all__ = [
     "apply",
     "attention_block",
     "attention_block_segment_ids",
+    "segment_attention",
     "checkpoint",
     "cmake_prefix_path",
     "configure_disk_spill",
@@ -134,4 +135,4 @@ def pinned_arena_stats() -> dict[str, int]:
 from .tiled_mlp import TiledMLP, tiled_apply, tiled_mlp, tiled_mlp_num_shards  # noqa: E402  (uses _require_tensor above)
 from .integrations import OffloadHandle, apply  # noqa: E402
 from .linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_tile  # noqa: E402
-from .attention_block import attention_block, attention_block_segment_ids  # noqa: E402
+from .attention_block import attention_block, attention_block_segment_ids, segment_attention  # noqa: E402

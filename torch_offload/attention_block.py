@@ -6,7 +6,7 @@ import torch
 
 from . import _require_tensor
 
-__all__ = ["attention_block", "attention_block_segment_ids"]
+__all__ = ["attention_block", "attention_block_segment_ids", "segment_attention"]
 
 
 def attention_block(
@@ -54,6 +54,22 @@ def attention_block(
     for value, arg in ((x, "x"), (w_q, "w_q"), (w_k, "w_k"), (w_v, "w_v"), (w_o, "w_o"), (cos, "cos"), (sin, "sin")):
         _require_tensor(value, "attention_block", arg)
     return torch.ops.offload.attention_block(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids)
+
+
+def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segment_ids: torch.Tensor, *,
+                      scale: float | None = None) -> torch.Tensor:
+    """``attention_block``'s attention alone, for attention modules whose projections it does not replace
+    (differentiable; the ``torch.ops.offload.segment_attention`` op).
+
+    ``query``, ``key`` and ``value`` ``[batch, heads, tokens, head_dim]`` (key/value heads repeated to the
+    query's), ``segment_ids`` ``[batch, tokens]`` as ``attention_block``'s: each query attends causally
+    within its sequence, padding to the nearest sequence before it. One attention call per segment, no
+    ``[tokens, tokens]`` mask; backward saves only the inputs and recomputes. ``scale`` defaults to
+    ``head_dim ** -0.5``. Returns ``[batch, heads, tokens, head_dim]``.
+    """
+    for t, arg in ((query, "query"), (key, "key"), (value, "value"), (segment_ids, "segment_ids")):
+        _require_tensor(t, "segment_attention", arg)
+    return torch.ops.offload.segment_attention(query, key, value, segment_ids, scale)
 
 
 def attention_block_segment_ids(*, position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,

@@ -259,4 +259,31 @@ inline AttentionBlockGradients attention_block_backward(
   return handle.call(grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids, output_mask);
 }
 
+// attention_block's attention alone, for attention modules whose projections it does not
+// replace: query, key and value [batch, heads, tokens, head_dim] (key/value heads repeated to
+// the query's), causal within the segments of segment_ids [batch, tokens] as attention_block's,
+// one attention call per segment, no [tokens, tokens] mask. scale defaults to 1/sqrt(head_dim).
+// Backward saves only the inputs and recomputes.
+inline at::Tensor segment_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                    const at::Tensor& segment_ids, std::optional<double> scale = std::nullopt) {
+  TORCH_CHECK(query.defined(), "segment_attention: query is an undefined tensor; expected a defined tensor");
+  static const auto handle =
+      detail::op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            std::optional<double>)>("offload::segment_attention");
+  return handle.call(query, key, value, segment_ids, scale);
+}
+
+// segment_attention's gradients (query, key, value), each only where output_mask asks for it.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask) {
+  TORCH_CHECK(grad_out.defined(),
+              "segment_attention_backward: grad_out is an undefined tensor; expected a defined tensor");
+  TORCH_CHECK(query.defined(), "segment_attention_backward: query is an undefined tensor; expected a defined tensor");
+  static const auto handle = detail::op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      std::optional<double>, std::array<bool, 3>)>("offload::segment_attention_backward");
+  return handle.call(grad_out, query, key, value, segment_ids, scale, output_mask);
+}
+
 }  // namespace torch_offload

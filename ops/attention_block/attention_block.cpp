@@ -91,20 +91,25 @@ void check_arguments(const char* op, const at::Tensor& x, const at::Tensor& w_q,
               "; expected a finite value > 0 (or None for 1/sqrt(head_dim))");
 }
 
-// segment_ids, when given: integers [batch, tokens] on x's device.
-void check_segment_ids(const char* op, const at::Tensor& segment_ids, const at::Tensor& x) {
+// segment_ids, when given: integers [batch, tokens] for a call of `batch` rows of `tokens` on ref's device.
+void check_segment_ids(const char* op, const at::Tensor& segment_ids, const at::Tensor& ref, const char* ref_name,
+                       const c10::SymInt& batch, const c10::SymInt& tokens) {
   if (!segment_ids.defined()) {
     return;
   }
   TORCH_CHECK(segment_ids.scalar_type() == at::kLong || segment_ids.scalar_type() == at::kInt, op,
               ": segment_ids has dtype ", segment_ids.scalar_type(), "; expected int64 or int32");
-  TORCH_CHECK(segment_ids.device() == x.device(), op, ": segment_ids is on ", segment_ids.device(), " but x is on ",
-              x.device());
+  TORCH_CHECK(segment_ids.device() == ref.device(), op, ": segment_ids is on ", segment_ids.device(), " but ",
+              ref_name, " is on ", ref.device());
   TORCH_CHECK(segment_ids.dim() == 2, op, ": segment_ids has shape ", segment_ids.sym_sizes(),
-              "; expected [batch, tokens] = [", x.sym_size(0), ", ", x.sym_size(1), "]");
-  TORCH_SYM_CHECK(segment_ids.sym_size(0).sym_eq(x.sym_size(0)).sym_and(segment_ids.sym_size(1).sym_eq(x.sym_size(1))),
-                  op, ": segment_ids has shape ", segment_ids.sym_sizes(), "; expected [batch, tokens] = [",
-                  x.sym_size(0), ", ", x.sym_size(1), "]");
+              "; expected [batch, tokens] = [", batch, ", ", tokens, "]");
+  TORCH_SYM_CHECK(segment_ids.sym_size(0).sym_eq(batch).sym_and(segment_ids.sym_size(1).sym_eq(tokens)), op,
+                  ": segment_ids has shape ", segment_ids.sym_sizes(), "; expected [batch, tokens] = [", batch, ", ",
+                  tokens, "]");
+}
+
+void check_segment_ids(const char* op, const at::Tensor& segment_ids, const at::Tensor& x) {
+  check_segment_ids(op, segment_ids, x, "x", x.sym_size(0), x.sym_size(1));
 }
 
 // The segments of a call: each maximal run of equal segment ids, in order. A run of
@@ -204,6 +209,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attend_backward(const AttentionKe
     run_of(dv, keys).add_(piece_dv);
   }
   return {dq, dk, dv};
+}
+
+// segment_attention's arguments: query, key and value [batch, heads, tokens, head_dim] alike
+// (floating point, one device), segment_ids [batch, tokens] (required). Symbolic shapes work.
+void check_segment_attention(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& segment_ids) {
+  TORCH_CHECK(q.dim() == 4, op, ": query has shape ", q.sym_sizes(), "; expected [batch, heads, tokens, head_dim]");
+  TORCH_CHECK(at::isFloatingType(q.scalar_type()), op, ": query has dtype ", q.scalar_type(),
+              "; expected a floating point dtype");
+  check_tensor(op, "key", k, q, "query", q.scalar_type(), q.sym_sizes(), "query's [batch, heads, tokens, head_dim]");
+  check_tensor(op, "value", v, q, "query", q.scalar_type(), q.sym_sizes(),
+               "query's [batch, heads, tokens, head_dim]");
+  TORCH_CHECK(segment_ids.defined(), op, ": segment_ids is undefined; expected [batch, tokens] integer ids");
+  check_segment_ids(op, segment_ids, q, "query", q.sym_size(0), q.sym_size(2));
 }
 
 // The shapes of one call, and the head groups it runs.
@@ -430,6 +449,52 @@ AttentionBlockGradients attention_block_backward_impl(
           to_dtype(grad_b_q), to_dtype(grad_b_k), to_dtype(grad_b_v), to_dtype(grad_b_o)};
 }
 
+namespace {
+
+// t, in the layout at::empty_like(like) has (what the Meta kernels promise), copied only if the
+// kernels returned another (CPU flash attention's gradients come token-major).
+at::Tensor in_layout_of(const at::Tensor& t, const at::Tensor& like) {
+  at::Tensor out = at::empty_like(like);
+  return out.strides() == t.strides() ? t : out.copy_(t);
+}
+
+}  // namespace
+
+at::Tensor segment_attention_impl(const AttentionKernels& kernels, const at::Tensor& q, const at::Tensor& k,
+                                  const at::Tensor& v, const at::Tensor& segment_ids, std::optional<double> scale) {
+  check_segment_attention("segment_attention", q, k, v, segment_ids);
+  if (q.numel() == 0) {
+    return at::zeros_like(q);
+  }
+  const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
+  return in_layout_of(attend(kernels, q, k, v, s, segment_runs(segment_ids)).out, q);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_impl(
+    const AttentionKernels& kernels, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask) {
+  const char* op = "segment_attention_backward";
+  check_segment_attention(op, q, k, v, segment_ids);
+  check_tensor(op, "grad_out", grad_out, q, "query", q.scalar_type(), q.sym_sizes(),
+               "query's [batch, heads, tokens, head_dim]");
+  at::Tensor dq, dk, dv;
+  if (q.numel() == 0) {
+    dq = at::zeros_like(q);
+    dk = at::zeros_like(k);
+    dv = at::zeros_like(v);
+  } else {
+    const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
+    const SegmentRuns runs = segment_runs(segment_ids);
+    // Forward saved nothing but its inputs: the log-sum-exp each run's backward needs is recomputed.
+    const AttentionResult result = attend(kernels, q, k, v, s, runs);
+    std::tie(dq, dk, dv) = attend_backward(kernels, grad_out, q, k, v, result, s, runs);
+  }
+  const auto asked = [&](const at::Tensor& t, const at::Tensor& like, size_t i) {
+    return output_mask[i] ? in_layout_of(t, like) : at::Tensor();
+  };
+  return {asked(dq, q, 0), asked(dk, k, 1), asked(dv, v, 2)};
+}
+
 void check_rotary_needs_no_grad(const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(!cos.requires_grad() && !sin.requires_grad(), "attention_block: ", cos.requires_grad() ? "cos" : "sin",
               " requires grad; the op computes no gradient for the rotary tables (detach them)");
@@ -579,6 +644,34 @@ AttentionBlockGradients attention_block_backward_meta(
     }
   }
   return {grads[0], grads[1], grads[2], grads[3], grads[4], grads[5], grads[6], grads[7], grads[8]};
+}
+
+at::Tensor segment_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& segment_ids, std::optional<double> scale) {
+  return segment_attention_impl(cpu_attention_kernels, q, k, v, segment_ids, scale);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask) {
+  return segment_attention_backward_impl(cpu_attention_kernels, grad_out, q, k, v, segment_ids, scale, output_mask);
+}
+
+at::Tensor segment_attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& segment_ids, std::optional<double> /*scale*/) {
+  check_segment_attention("segment_attention", q, k, v, segment_ids);
+  return at::empty_like(q);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_meta(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& segment_ids, std::optional<double> /*scale*/, std::array<bool, 3> output_mask) {
+  const char* op = "segment_attention_backward";
+  check_segment_attention(op, q, k, v, segment_ids);
+  check_tensor(op, "grad_out", grad_out, q, "query", q.scalar_type(), q.sym_sizes(),
+               "query's [batch, heads, tokens, head_dim]");
+  const auto asked = [&](const at::Tensor& t, size_t i) { return output_mask[i] ? at::empty_like(t) : at::Tensor(); };
+  return {asked(q, 0), asked(k, 1), asked(v, 2)};
 }
 
 }  // namespace torch_offload

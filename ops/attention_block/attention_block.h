@@ -50,6 +50,17 @@ AttentionBlockGradients attention_block_backward_impl(
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
     std::array<bool, 9> output_mask);
 
+// segment_attention / segment_attention_backward: the attention of attention_block alone, for
+// attention modules it does not replace (their own projections and norms): query, key and value
+// [batch, heads, tokens, head_dim] (key/value heads already repeated), causal within the segments
+// of segment_ids as attention_block's, scale defaulting to 1/sqrt(head_dim). Backward saves the
+// inputs only and recomputes the forward's log-sum-exp.
+at::Tensor segment_attention_impl(const AttentionKernels& kernels, const at::Tensor& q, const at::Tensor& k,
+                                  const at::Tensor& v, const at::Tensor& segment_ids, std::optional<double> scale);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_impl(
+    const AttentionKernels& kernels, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask);
+
 // Errors unless cos and sin are constants for autograd: the op computes no gradient for them.
 void check_rotary_needs_no_grad(const at::Tensor& cos, const at::Tensor& sin);
 
@@ -79,6 +90,17 @@ AttentionBlockGradients attention_block_backward_meta(
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
     std::array<bool, 9> output_mask);
 
+at::Tensor segment_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& segment_ids, std::optional<double> scale);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask);
+at::Tensor segment_attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& segment_ids, std::optional<double> scale);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_meta(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask);
+
 #ifdef TORCH_OFFLOAD_WITH_CUDA
 at::Tensor attention_block_cuda(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
                                 const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
@@ -92,6 +114,11 @@ AttentionBlockGradients attention_block_backward_cuda(
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
     std::array<bool, 9> output_mask);
+at::Tensor segment_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& segment_ids, std::optional<double> scale);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask);
 #endif
 
 }  // namespace torch_offload

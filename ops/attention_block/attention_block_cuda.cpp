@@ -12,14 +12,18 @@ namespace {
 
 // What CUDA's memory-efficient attention kernels take, checked before any work (SDPA's own
 // front end checks the same; these private entry points do not).
+// `where` says where the head dimension was read.
+void check_cuda_support(const char* op, const at::Tensor& x, const char* name, int64_t head_dim, const char* where) {
+  TORCH_CHECK(x.scalar_type() != at::kDouble, op, ": ", name,
+              " is float64, which CUDA's attention kernels do not support; use float32, bfloat16 or float16");
+  const int64_t alignment = x.element_size() == 4 ? 4 : 8;
+  TORCH_CHECK(head_dim % alignment == 0, op, ": the head dimension (", where, ") is ", head_dim,
+              "; CUDA's attention kernels need a multiple of ", alignment, " for ", x.scalar_type());
+}
+
 void check_cuda_support(const char* op, const at::Tensor& x, const at::Tensor& cos) {
-  TORCH_CHECK(x.scalar_type() != at::kDouble, op,
-              ": x is float64, which CUDA's attention kernels do not support; use float32, bfloat16 or float16");
-  if (cos.dim() == 3) {  // else check_arguments names the problem
-    const int64_t alignment = x.element_size() == 4 ? 4 : 8;
-    TORCH_CHECK(cos.size(2) % alignment == 0, op, ": the head dimension (cos's last dimension) is ", cos.size(2),
-                "; CUDA's attention kernels need a multiple of ", alignment, " for ", x.scalar_type());
-  }
+  // A cos of another rank: check_arguments names the problem.
+  check_cuda_support(op, x, "x", cos.dim() == 3 ? cos.size(2) : 8, "cos's last dimension");
 }
 
 AttentionResult cuda_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
@@ -65,6 +69,23 @@ AttentionBlockGradients attention_block_backward_cuda(
   check_cuda_support("attention_block_backward", x, cos);
   return attention_block_backward_impl(cuda_attention_kernels, grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k,
                                        b_v, b_o, scale, segment_ids, output_mask);
+}
+
+at::Tensor segment_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& segment_ids, std::optional<double> scale) {
+  if (q.dim() == 4) {  // else the shared checks name the problem
+    check_cuda_support("segment_attention", q, "query", q.size(3), "query's last dimension");
+  }
+  return segment_attention_impl(cuda_attention_kernels, q, k, v, segment_ids, scale);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask) {
+  if (q.dim() == 4) {
+    check_cuda_support("segment_attention_backward", q, "query", q.size(3), "query's last dimension");
+  }
+  return segment_attention_backward_impl(cuda_attention_kernels, grad_out, q, k, v, segment_ids, scale, output_mask);
 }
 
 }  // namespace torch_offload
