@@ -3,6 +3,9 @@
 import peft
 import pytest
 import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_offload
@@ -13,7 +16,7 @@ SDPA_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2"]
 
 def make_model(name, **overrides):
     config_cls, model_cls, extra = MODELS[name]
-    kwargs = dict(COMMON, **extra, **overrides)
+    kwargs = {**COMMON, **extra, **overrides}
     if name == "gpt2":
         kwargs = {k: v for k, v in kwargs.items() if k not in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                                                  "num_attention_heads", "max_position_embeddings")}
@@ -177,4 +180,110 @@ def test_a_family_not_tested_with_segment_ids_keeps_transformers_mask():
     handle = torch_offload.apply(model, num_shards=2)
     assert model.config._attn_implementation == "sdpa"
     assert_close_runs(want, step(model, inputs))
+    handle.remove()
+
+
+def compiled_step(model, inputs, dynamic=False):
+    """step() through torch.compile(fullgraph=True) (a graph break fails), and the forward and backward
+    graphs AOTAutograd made, run as they are."""
+    graphs = []
+
+    def keep(graph, _):
+        graphs.append(graph)
+        return make_boxed_func(graph.forward)
+
+    compiled = torch.compile(model, fullgraph=True, dynamic=dynamic,
+                             backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    model.zero_grad(set_to_none=True)
+    loss = compiled(**inputs, use_cache=False).loss
+    loss.backward()
+    return (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}), graphs
+
+
+def calls_and_largest(graphs):
+    """(forward calls of attention_block or segment_attention, the most elements of any tensor) in the graphs."""
+    ops = (torch.ops.offload.attention_block.default, torch.ops.offload.segment_attention.default)
+    calls = sum(node.target in ops for node in graphs[0].graph.nodes)
+    largest = max(node.meta["val"].numel() for graph in graphs for node in graph.graph.nodes
+                  if isinstance(node.meta.get("val"), torch.Tensor))
+    return calls, largest
+
+
+@pytest.mark.parametrize("batch", ["packed", "right_padded", "left_padded"])
+@pytest.mark.parametrize("name", SDPA_FAMILIES)
+def test_compiled_applied_step_equals_the_unapplied_with_no_tensor_of_tokens_squared(name, batch):
+    torch._dynamo.reset()
+    tokens = 512
+    model = make_model(name, max_position_embeddings=1024)
+    inputs = (packed(tokens, documents=(200, 112, 140, 60)) if batch == "packed" else
+              padded(batch.split("_")[0], tokens, lengths=(512, 400, 128)))
+    want = step(model, inputs)
+    handle = torch_offload.apply(model, num_shards=2)
+    got, graphs = compiled_step(model, inputs)
+    assert_close_runs(want, got)
+    calls, largest = calls_and_largest(graphs)
+    assert calls == 3  # every layer's attention through the op, with the segments
+    assert largest < tokens * tokens, largest
+    handle.remove()
+
+
+def test_compiled_dynamic_over_changing_tokens_and_document_counts_without_recompiling():
+    torch._dynamo.reset()
+    model = make_model("qwen3")
+    batches = [packed(tokens, documents) for tokens, documents in
+               ((24, (5, 9, 4, 6)), (31, (20, 11)), (40, (3, 7, 10, 12, 8)))]
+    wants = [step(model, inputs) for inputs in batches]
+    handle = torch_offload.apply(model, offload="disk", num_shards=2, min_bytes=0)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=counter)
+    compiles = []
+    for inputs, want in zip(batches, wants):
+        model.zero_grad(set_to_none=True)
+        loss = compiled(**inputs, use_cache=False).loss
+        loss.backward()
+        assert_close_runs(want, (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        compiles.append(counter.frame_count)
+    assert compiles[0] > 0 and compiles[-1] == compiles[0]
+    handle.remove()
+
+
+@pytest.mark.parametrize("window, dense", [(1024, False), (256, True)], ids=["longer_than_the_row", "shorter"])
+def test_compiled_sliding_window_within_reach_keeps_transformers_dense_mask(window, dense):
+    torch._dynamo.reset()
+    tokens = 512
+    model = make_model("mistral", sliding_window=window, max_position_embeddings=1024)
+    inputs = packed(tokens, documents=(200, 112, 140, 60))
+    want = step(model, inputs)
+    handle = torch_offload.apply(model, num_shards=2)
+    got, graphs = compiled_step(model, inputs)
+    assert_close_runs(want, got)
+    calls, largest = calls_and_largest(graphs)
+    assert (calls, largest >= tokens * tokens) == ((0, True) if dense else (3, False))
+    handle.remove()
+
+
+def test_compiled_padding_with_holes_is_refused_at_run_time():
+    torch._dynamo.reset()
+    model = make_model("llama")
+    handle = torch_offload.apply(model, num_shards=2)
+    inputs = padded("right")
+    compiled_step(model, inputs)  # compiles, and runs a batch without holes
+    inputs["attention_mask"][0, 5] = 0
+    with pytest.raises(RuntimeError, match="real tokens must be contiguous in each row"):
+        compiled_step(model, inputs)
+    handle.remove()
+
+
+def test_compiled_attention_dropout_takes_the_dense_mask_the_segments_stand_for():
+    from test_attention_block import SEGMENTS, segment_mask
+
+    allowed, has_keys = torch_offload.masking._dense_mask(SEGMENTS)
+    assert torch.equal(has_keys, segment_mask(SEGMENTS).any(-1)[:, 0])
+    assert torch.equal(allowed & has_keys[:, None, :, None], segment_mask(SEGMENTS))
+    torch._dynamo.reset()
+    model = make_model("gpt2", attn_pdrop=0.5)
+    handle = torch_offload.apply(model, num_shards=2)
+    (loss, grads), graphs = compiled_step(model, packed())
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
+    assert calls_and_largest(graphs)[0] == 0  # SDPA with dropout, not the op
     handle.remove()

@@ -906,9 +906,10 @@ def apply(
       GPT-2) whose attention implementation is ``"sdpa"`` gets
       ``torch_offload.masking``'s, so that packed documents (``position_ids`` restarting) and
       padded rows (``attention_mask``) reach the attention as segment ids, never as a dense
-      ``[batch, 1, T, T]`` mask: the op takes them, and modules it does not replace run SDPA
-      per segment. Masks it cannot describe (a sliding window within reach, overlays, a cache)
-      are built dense as before and counted in ``handle.mask_fallbacks``.
+      ``[batch, 1, T, T]`` mask, eager and under ``torch.compile``: the op takes them, and
+      modules it does not replace run the ``segment_attention`` op. Masks it cannot describe (a
+      sliding window within reach, overlays, a cache) are built dense as before and counted in
+      ``handle.mask_fallbacks`` (uncounted under compile).
     - A checkpointed call never carries a key/value cache (backward's recomputation would
       fill it a second time): in training mode a layer handed an empty cache runs without
       it (``use_cache=False``, with a warning), as transformers' gradient checkpointing

@@ -12,20 +12,20 @@ into a dense ``[batch, 1, T, T]`` mask for SDPA. ``apply()`` switches a model of
   ``[batch, T]`` segment ids of ``attention_block`` instead, or ``None`` for plain causal attention.
   Anything else (a sliding window within reach, overlays such as bidirectional image tokens, a
   cache's offsets, real tokens with holes) gets transformers' own dense SDPA mask, and is counted.
-  Under torch.compile it always does (dynamo cannot read the factories' closures), uncounted.
-- its attention function takes either: segment ids run causal SDPA per segment (for attention
-  modules ``attention_block`` does not replace, and their own forwards), anything else goes to
+  Under torch.compile, where the factories' closures cannot be read, it evaluates the mask function
+  instead (_compiled_segments): the same segment ids, with traceable ops.
+- its attention function takes either: segment ids go to the ``segment_attention`` op (for attention
+  modules ``attention_block`` does not replace, and their own forwards), anything else to
   transformers' SDPA function unchanged.
 """
 from __future__ import annotations
 
 import collections
-import functools
 from typing import Any
 
 import torch
 
-from .attention_block import attention_block_segment_ids
+from .attention_block import attention_block_segment_ids, segment_attention
 
 IMPLEMENTATION = "torch_offload_sdpa"
 
@@ -56,9 +56,12 @@ class _Unknown(Exception):
     pass
 
 
-@functools.cache
-def _factories():
-    """The code objects of transformers' mask factories' closures, to recognise what they composed."""
+# The code objects of transformers' mask factories' closures, to recognise what they composed; filled
+# by register(), before any mask is asked for (a plain dict: dynamo reads it, it would not trust a cache).
+_FACTORIES: dict[str, Any] = {}
+
+
+def _find_factories() -> dict[str, Any]:
     from transformers import masking_utils as mu
 
     return {
@@ -88,9 +91,9 @@ def _describe(mask_function, factories) -> tuple[int | None, torch.Tensor | None
     raise _Unknown
 
 
-def _real_tokens_contiguous(mask: torch.Tensor) -> bool:
+def _real_tokens_are_contiguous(mask: torch.Tensor) -> torch.Tensor:
     starts = mask & ~torch.nn.functional.pad(mask[:, :-1], (1, 0), value=False)
-    return bool((starts.sum(1) <= 1).all())
+    return (starts.sum(1) <= 1).all()
 
 
 def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
@@ -102,11 +105,13 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_o
     dense = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                  kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                  use_vmap=use_vmap, config=config, **kwargs)
-    if torch.compiler.is_compiling():  # dynamo cannot read the factories' closures: SDPA's mask, as before
-        return mu.sdpa_mask(**dense)
+    if torch.compiler.is_compiling():
+        segments = _compiled_segments(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                                      attention_mask, use_vmap, config, kwargs.get("device"))
+        return mu.sdpa_mask(**dense) if segments is _DENSE else segments
     reason = None
     try:
-        window, packed = _describe(mask_function, _factories())
+        window, packed = _describe(mask_function, _FACTORIES)
     except _Unknown:
         reason = "a mask transformers composed from other parts (overlays, chunks, bidirectional blocks)"
     else:
@@ -116,7 +121,7 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_o
             reason = "a key/value cache (queries offset from keys)"
         elif window is not None and q_length > window:
             reason = f"a sliding window ({window} tokens) shorter than the sequence ({q_length})"
-        elif attention_mask is not None and not _real_tokens_contiguous(attention_mask[:, -kv_length:]):
+        elif attention_mask is not None and not bool(_real_tokens_are_contiguous(attention_mask[:, -kv_length:])):
             reason = "an attention_mask whose real tokens are not contiguous in a row"
     if reason is None:
         if packed is not None:
@@ -126,6 +131,40 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_o
         return None
     fallbacks(config)[reason] += 1
     return mu.sdpa_mask(**dense)
+
+
+_DENSE = object()
+
+
+def _compiled_segments(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, use_vmap,
+                       config, device):
+    """mask()'s answer under torch.compile, where dynamo cannot read a nested function's closure: the
+    factories' cells are out of reach, their code objects are not. The families apply() switches
+    (integrations._SEGMENT_MASK_MODEL_TYPES) compose only causal, their config's sliding window and,
+    with no attention_mask, the packed-sequence mask (under compile transformers always composes it
+    when it has position_ids: it cannot check for a single sequence), which mask() reads. So the mask
+    function is evaluated instead, one key back from each query (mask_function(b, 0, i, i - 1)): false
+    exactly where a document starts. Decided on static facts only (no graph break): a window shorter
+    than the row (its layer or not: the config's window is all that is known) and any overlay get
+    _DENSE, and padding with holes, which segment ids cannot describe, is a runtime error."""
+    factories = _FACTORIES
+    window = getattr(config, "sliding_window", None)
+    if (use_vmap or q_length != kv_length or not isinstance(q_offset, int) or q_offset or kv_offset
+            or (window is not None and q_length > window)
+            or (mask_function is not factories["causal"]
+                and getattr(mask_function, "__code__", None) is not factories["and"])):
+        return _DENSE
+    if attention_mask is not None:
+        real = attention_mask[:, -kv_length:]
+        torch._assert_async(_real_tokens_are_contiguous(real),
+                            "torch_offload: under torch.compile an attention_mask's real tokens must be contiguous "
+                            "in each row (padding only before or after them); this batch has a hole")
+        return attention_block_segment_ids(attention_mask=real)
+    rows = torch.arange(batch_size, device=device)[:, None]
+    queries = torch.arange(1, q_length, device=device)[None, :]
+    follows = mask_function(rows, torch.zeros((), dtype=torch.long, device=device), queries, queries - 1)
+    starts = torch.nn.functional.pad(~follows.expand(batch_size, q_length - 1), (1, 0), value=False)
+    return starts.long().cumsum(dim=1)
 
 
 def _runs(segment_ids: torch.Tensor) -> list[list[tuple[int, int, tuple[int, int] | None]]]:
@@ -144,16 +183,12 @@ def _runs(segment_ids: torch.Tensor) -> list[list[tuple[int, int, tuple[int, int
     return rows
 
 
-def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: torch.Tensor | None, **kwargs):
-    """The attention function registered for IMPLEMENTATION (query, key, value [B, heads, T, D])."""
+def _attention_with_dropout_per_run(module, query, key, value, segment_ids, **kwargs):
+    """SDPA with dropout, one call per run (eager only: the runs are read on the host)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if not is_segment_ids(attention_mask):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    kwargs.pop("is_causal", None)
     rows = []
-    for b, runs in enumerate(_runs(attention_mask)):
+    for b, runs in enumerate(_runs(segment_ids)):
         # Padding sees all of the sequence before it (not causal: every key precedes it), or no key
         # at all, where SDPA gives 0.
         pieces = [query.new_zeros(1, e - s, query.shape[1], value.shape[-1]) if keys is None else
@@ -165,10 +200,51 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     return torch.cat(rows, dim=0), None
 
 
+def _dense_mask(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The [batch, 1, T, T] boolean mask segment ids stand for, and which queries have any key (padding
+    before every sequence has none: it attends to itself here, and its output is zeroed after)."""
+    starts = torch.nn.functional.pad(segment_ids[:, 1:] != segment_ids[:, :-1], (1, 0), value=True)
+    run = starts.long().cumsum(dim=1)  # 1, 2, ... per row
+    sequence = segment_ids >= 0
+    keys_run = torch.where(sequence, run, 0).cummax(dim=1).values  # own run, or the nearest sequence's; 0: none
+    positions = torch.arange(segment_ids.shape[1], device=segment_ids.device)
+    allowed = ((keys_run[:, :, None] == run[:, None, :]) & sequence[:, None, :]
+               & (positions[None, None, :] <= positions[None, :, None]))
+    has_keys = keys_run > 0
+    allowed |= ~has_keys[:, :, None] & (positions[None, None, :] == positions[None, :, None])
+    return allowed[:, None], has_keys
+
+
+def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, **kwargs):
+    """The attention function registered for IMPLEMENTATION (query, key, value [B, heads, T, D]).
+
+    With segment ids: the segment_attention op (no [T, T] tensor; one attention call per run). Attention
+    dropout in training is not the op's: eager runs SDPA with dropout per run; under torch.compile,
+    which cannot read the runs, SDPA gets the dense mask the ids stand for."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    if not is_segment_ids(attention_mask):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    kwargs.pop("is_causal", None)
+    if kwargs.get("dropout", 0.0):  # transformers passes the module's dropout in training only
+        if not torch.compiler.is_compiling():
+            return _attention_with_dropout_per_run(module, query, key, value, attention_mask, **kwargs)
+        allowed, has_keys = _dense_mask(attention_mask)
+        out, _ = sdpa_attention_forward(module, query, key, value, allowed, is_causal=False, **kwargs)
+        return out * has_keys[:, :, None, None], None
+    groups = query.shape[1] // key.shape[1]
+    out = segment_attention(query, repeat_kv(key, groups), repeat_kv(value, groups), attention_mask,
+                            scale=kwargs.get("scaling"))
+    return out.transpose(1, 2).contiguous(), None  # [B, T, heads, D], as SDPA's function returns it
+
+
 def register() -> None:
     """Registers IMPLEMENTATION with transformers (once; registering again changes nothing)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    if not _FACTORIES:
+        _FACTORIES.update(_find_factories())
     AttentionInterface.register(IMPLEMENTATION, attention)
     AttentionMaskInterface.register(IMPLEMENTATION, mask)
