@@ -19,12 +19,11 @@ every batch holds T token slots.
 """
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 
-from measure import ROOT, machine, reset_peak_rss, status_bytes, write_section
+from measure import machine, reset_peak_rss, status_bytes, worker_env, write_section
 
 BATCHES = ("one sequence", "packed", "padded")
 
@@ -77,12 +76,8 @@ def worker(kind, method, tokens, in_flight_mib):
 
 
 def measure(kind, method, tokens, in_flight_mib):
-    # glibc's mmap threshold grows as big blocks are freed, after which blocks up to 32 MiB come from
-    # the heap and stay in the resident set: fixed at 1 MiB, every tensor's memory is returned when freed.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               MALLOC_MMAP_THRESHOLD_=str(1 << 20))
     out = subprocess.run([sys.executable, __file__, "--worker", kind, method, str(tokens), str(in_flight_mib)],
-                         env=env, check=True, capture_output=True, text=True).stdout
+                         env=worker_env(), check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
