@@ -28,10 +28,10 @@ def test_ddp_example_with_torchrun_matches_one_process(tmp_path):
 def test_demo_measures_every_configuration_and_their_losses_agree(tmp_path):
     demo = os.path.join(ROOT, "examples", "demo.py")
     result = run([sys.executable, demo, "--seq-lens", "128,256", "--out", str(tmp_path / "out")], tmp_path)
-    assert "losses agree across the 3 configurations at every length" in result.stdout
+    assert "losses agree across the 3 configurations on one sequence at every length" in result.stdout
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "KiB" not in line]
     assert [row.split(" | ")[0] for row in rows if not row.startswith("| ---")] == \
-        ["| baseline", "| checkpointing", "| torch_offload"]
+        ["| baseline", "| checkpointing", "| torch_offload", "| torch_offload_packed"]
     assert (tmp_path / "out" / "memory.png").stat().st_size > 0
-    for name in ("baseline", "torch_offload"):
+    for name in ("baseline", "torch_offload", "torch_offload_packed"):
         assert json.loads((tmp_path / "out" / f"{name}-256.json").read_text())["training_bytes"] > 0
