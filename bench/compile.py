@@ -4,7 +4,8 @@ hidden 256, MLP 704, 4 layers, vocabulary 32K on the CPU; hidden 1024, MLP 2816,
 on one sequence and on 4 packed documents (position_ids restarting; bench/real_batches.py's batches).
 
     .venv/bin/python bench/compile.py [--tokens 2048,4096] [--rounds 3] [--offload none,disk] [--device cpu|cuda]
-                                      [--batches "one sequence,packed"] [--write]   # --write: rewrites BENCHMARKS.md's section
+                                      [--batches "one sequence,packed"]
+                                      [--write]   # --write: rewrites BENCHMARKS.md's section
 
 (with the package installed, e.g. by `make test`; or PYTHONPATH and TORCH_OFFLOAD_LIBRARY pointing at a build).
 
@@ -118,7 +119,8 @@ def main():
     text = (
         "## torch.compile of an applied model\n\n"
         f"`python bench/compile.py --tokens {args.tokens} --rounds {args.rounds} --offload {args.offload} "
-        f"--device {args.device} --batches \"{args.batches}\" --write` on {platform.processor() or platform.machine()}, "
+        f"--device {args.device} --batches \"{args.batches}\" --write` on "
+        f"{platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores: one training step (SGD) of the demo's Llama after `apply()`, eager against "
         "`torch.compile(model, fullgraph=True)` (inductor), median of the rounds, each in a fresh process; peaks "
         "are the resident set's growth with glibc's mmap threshold at 1 MiB.\n\n"

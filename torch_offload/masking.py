@@ -121,7 +121,7 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_o
             reason = "a key/value cache (queries offset from keys)"
         elif window is not None and q_length > window:
             reason = f"a sliding window ({window} tokens) shorter than the sequence ({q_length})"
-        elif attention_mask is not None and not bool(_real_tokens_are_contiguous(attention_mask[:, -kv_length:])):
+        elif attention_mask is not None and not _real_tokens_are_contiguous(attention_mask[:, -kv_length:]):
             reason = "an attention_mask whose real tokens are not contiguous in a row"
     if reason is None:
         if packed is not None:
