@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 import torch_offload
 from distributed import run_ranks
+import torch_offload.sequence_parallel
 from torch_offload.sequence_parallel import ulysses_attention
 
 
@@ -75,3 +76,66 @@ def test_heads_not_divisible_by_the_ranks_and_ids_of_a_chunk_are_refused_by_name
         assert heads.startswith("ulysses_attention: 3 query heads cannot be split over 2 ranks")
         assert ids.startswith("ulysses_attention: segment_ids has shape [1, 2]; expected the whole rows, "
                               "[batch, 2 ranks x 2 tokens]")
+
+
+def collated(tokens=13):
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 50, (2, tokens), generator=generator)
+    labels = ids.clone()
+    labels[0, 5:8] = -100  # an ignored run across the boundary of 2 ranks (7 tokens each after padding)
+    labels[1, :2] = -100
+    return dict(input_ids=ids, labels=labels, attention_mask=torch.ones_like(ids))
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_shard_batch_pads_splits_and_shifts_labels_across_ranks(ranks):
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    batch = collated()
+    parts = [torch_offload.sequence_parallel._shard(batch, rank, ranks) for rank in range(ranks)]
+    padded = -13 % ranks + 13
+    glued = {name: torch.cat([p[name] for p in parts], dim=1) for name in ("input_ids", "labels", "shift_labels",
+                                                                          "attention_mask", "position_ids")}
+    assert glued["input_ids"].shape == (2, padded) and torch.equal(glued["input_ids"][:, :13], batch["input_ids"])
+    assert torch.equal(glued["position_ids"], torch.arange(padded)[None])
+    assert (glued["attention_mask"][:, 13:] == 0).all() and (glued["labels"][:, 13:] == -100).all()
+    # Each token's label is the next token's, across rank boundaries; the last real token's is -100.
+    assert torch.equal(glued["shift_labels"][:, :12], batch["labels"][:, 1:])
+    assert (glued["shift_labels"][:, 12:] == -100).all()
+    # The ranks' losses on their tokens add up to the whole batch's (logits as a whole model gives them).
+    logits = torch.randn(2, padded, 50, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    want = ForCausalLMLoss(logits[:, :13], batch["labels"], 50)
+    local = padded // ranks
+    got = sum(ForCausalLMLoss(logits[:, r * local:(r + 1) * local].contiguous(), p["labels"], 50,
+                              num_items_in_batch=p["num_items_in_batch"], shift_labels=p["shift_labels"])
+              for r, p in enumerate(parts))
+    torch.testing.assert_close(got, want)
+
+
+def test_shard_batch_keeps_packed_positions_and_a_given_count_and_refuses_what_it_cannot_split():
+    batch = dict(collated(), position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7]]),
+                 num_items_in_batch=torch.tensor(40))
+    first, second = (torch_offload.sequence_parallel._shard(batch, rank, 2) for rank in range(2))
+    assert torch.equal(torch.cat([first["position_ids"], second["position_ids"]], 1),
+                       torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 8]]))
+    assert first["num_items_in_batch"] == 40
+    with pytest.raises(ValueError, match=r"shard_batch: inputs_embeds has shape \[2, 13, 8\]"):
+        torch_offload.sequence_parallel._shard(dict(batch, inputs_embeds=torch.zeros(2, 13, 8)), 0, 2)
+    with pytest.raises(ValueError, match=r"shard_batch: labels has shape \[2, 12\]; expected \[batch, 13\]"):
+        torch_offload.sequence_parallel._shard(dict(batch, labels=batch["labels"][:, 1:]), 0, 2)
+    with pytest.raises(ValueError, match="shard_batch: the batch has shift_labels; pass labels"):
+        torch_offload.sequence_parallel._shard(dict(batch, shift_labels=batch["labels"]), 0, 2)
+    with pytest.raises(ValueError, match="shard_batch: the batch has no input_ids"):
+        torch_offload.sequence_parallel._shard({"labels": batch["labels"]}, 0, 2)
+
+
+def shard_on_ranks(rank, world_size, path):
+    torch.save(torch_offload.sequence_parallel.shard_batch(collated(), dist.group.WORLD), f"{path}.{rank}")
+
+
+def test_shard_batch_takes_the_rank_and_count_from_the_group(tmp_path):
+    path = str(tmp_path / "shard")
+    run_ranks(shard_on_ranks, 2, path)
+    for rank in range(2):
+        got, want = torch.load(f"{path}.{rank}"), torch_offload.sequence_parallel._shard(collated(), rank, 2)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

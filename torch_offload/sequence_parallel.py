@@ -14,7 +14,11 @@ from torch.distributed import _functional_collectives as funcol
 
 from .attention_block import segment_attention
 
-__all__ = ["ulysses_attention"]
+IGNORE_INDEX = -100
+# What shard_batch splits along the tokens, and the value it pads each with (position_ids: continued).
+_SEQUENCE_KEYS = {"input_ids": 0, "labels": IGNORE_INDEX, "attention_mask": 0, "position_ids": None}
+
+__all__ = ["shard_batch", "ulysses_attention"]
 
 
 def _ready(t: torch.Tensor) -> torch.Tensor:
@@ -88,3 +92,63 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
     out = segment_attention(q, k, v, segment_ids, scale=scale)
     return _tokens_to_heads(out, ranks, group)
+
+
+def shard_batch(batch: dict, group: dist.ProcessGroup | None = None) -> dict:
+    """This rank's part of a whole batch, for a model whose sequence is split over ``group``'s ranks.
+
+    ``batch`` is what a collator gives a causal LM: ``input_ids`` ``[batch, T]`` and any of ``labels``,
+    ``attention_mask``, ``position_ids`` (``[1 or batch, T]``), ``num_items_in_batch``; every rank passes
+    the same batch. T is padded to a multiple of the ranks N (input ids and the mask with 0, labels with
+    -100, positions continued), so the padding comes after every real token and no real token sees it.
+    Rank r gets tokens ``[r * T / N, (r + 1) * T / N)`` of each of them, with:
+
+    - ``shift_labels``: the labels shifted by one token over the whole rows, so a chunk's last token is
+      labelled with the next rank's first token (transformers' causal-LM loss takes them instead of
+      shifting ``labels`` itself, which is also kept, for the model to compute a loss at all);
+    - ``position_ids``: the whole rows' positions (0..T-1 if the batch has none), so the rotary embedding
+      sees global positions and packed documents stay packed across ranks;
+    - ``num_items_in_batch``: the number of labelled tokens of the whole batch (if the batch does not give
+      one already, e.g. counted over accumulation steps): each rank's loss is then its share of the whole
+      batch's, and the ranks' losses add up to it.
+    Other entries are passed on as they are; another tensor shaped like the tokens (``inputs_embeds``) is
+    refused by name, as it would go unsplit.
+    """
+    return _shard(batch, dist.get_rank(group), dist.get_world_size(group))
+
+
+def _shard(batch: dict, rank: int, ranks: int) -> dict:
+    if "input_ids" not in batch:
+        raise ValueError("shard_batch: the batch has no input_ids; expected a causal LM batch (input_ids [batch, T])")
+    if "shift_labels" in batch:
+        raise ValueError("shard_batch: the batch has shift_labels; pass labels, which shard_batch shifts over the "
+                         "whole rows")
+    tokens = batch["input_ids"].shape[-1]
+    for name, value in batch.items():
+        if name not in _SEQUENCE_KEYS and isinstance(value, torch.Tensor) and value.dim() >= 2 and (
+                value.shape[1] == tokens):
+            raise ValueError(f"shard_batch: {name} has shape {list(value.shape)}, one entry per token, and is not "
+                             f"one shard_batch splits ({', '.join(_SEQUENCE_KEYS)})")
+        if name in _SEQUENCE_KEYS and (not isinstance(value, torch.Tensor) or value.shape[-1] != tokens):
+            raise ValueError(f"shard_batch: {name} has shape {list(getattr(value, 'shape', []))}; expected "
+                             f"[batch, {tokens}] like input_ids")
+    padding = -tokens % ranks
+    local = (tokens + padding) // ranks
+    out = dict(batch)
+    if "position_ids" not in out:
+        out["position_ids"] = torch.arange(tokens, device=batch["input_ids"].device)[None]
+    if "labels" in batch:
+        labels = batch["labels"]
+        out["shift_labels"] = torch.nn.functional.pad(labels[:, 1:], (0, 1 + padding), value=IGNORE_INDEX)
+        if "num_items_in_batch" not in batch:
+            out["num_items_in_batch"] = (labels[:, 1:] != IGNORE_INDEX).sum()
+    for name in (*_SEQUENCE_KEYS, "shift_labels"):
+        if name not in out:
+            continue
+        value = out[name]
+        if name == "position_ids":
+            value = torch.cat([value, value[:, -1:] + torch.arange(1, padding + 1, device=value.device)], dim=1)
+        elif name != "shift_labels":
+            value = torch.nn.functional.pad(value, (0, padding), value=_SEQUENCE_KEYS[name])
+        out[name] = value[:, rank * local:(rank + 1) * local].contiguous()  # transformers views them flat
+    return out
