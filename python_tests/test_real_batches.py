@@ -200,10 +200,14 @@ def compiled_step(model, inputs, dynamic=False):
     return (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}), graphs
 
 
+def forward_calls(graphs, *ops):
+    return sum(node.target in ops for node in graphs[0].graph.nodes)
+
+
 def calls_and_largest(graphs):
     """(forward calls of attention_block or segment_attention, the most elements of any tensor) in the graphs."""
-    ops = (torch.ops.offload.attention_block.default, torch.ops.offload.segment_attention.default)
-    calls = sum(node.target in ops for node in graphs[0].graph.nodes)
+    calls = forward_calls(graphs, torch.ops.offload.attention_block.default,
+                          torch.ops.offload.segment_attention.default)
     largest = max(node.meta["val"].numel() for graph in graphs for node in graph.graph.nodes
                   if isinstance(node.meta.get("val"), torch.Tensor))
     return calls, largest
@@ -224,6 +228,20 @@ def test_compiled_applied_step_equals_the_unapplied_with_no_tensor_of_tokens_squ
     calls, largest = calls_and_largest(graphs)
     assert calls == 3  # every layer's attention through the op, with the segments
     assert largest < tokens * tokens, largest
+    if handle.tiled_mlps:  # and every MLP through tiled_mlp (Phi-3's and GPT-2's: tiled_apply)
+        assert handle.tiled_mlps == forward_calls(graphs, torch.ops.offload.tiled_mlp.default) == 3
+    handle.remove()
+
+
+def test_compiled_bidirectional_config_keeps_transformers_dense_mask():
+    torch._dynamo.reset()
+    model = make_model("mistral", is_causal=False, sliding_window=1024)
+    inputs = padded("right")
+    want = step(model, inputs)
+    handle = torch_offload.apply(model, num_shards=2)
+    got, graphs = compiled_step(model, inputs)
+    assert_close_runs(want, got)
+    assert calls_and_largest(graphs)[0] == 0
     handle.remove()
 
 

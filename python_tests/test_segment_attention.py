@@ -101,8 +101,11 @@ def test_autocast_runs_in_the_autocast_dtype_as_sdpa_does():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = torch_offload.segment_attention(q, k, v, SEGMENTS)
     assert got.dtype == torch.bfloat16
-    want = torch_offload.segment_attention(*(t.bfloat16() for t in (q, k, v)), SEGMENTS)
-    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got, torch_offload.segment_attention(*(t.bfloat16() for t in (q, k, v)), SEGMENTS))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = reference(q, k, v, SEGMENTS)  # SDPA under autocast, with the dense mask
+    assert want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("needed", [(True, False, False), (False, True, True)])
@@ -138,6 +141,8 @@ def bad_input_cases():
         ("segment_ids_shape", (q, q, q, ids[:, :4]), r"segment_ids has shape \[2, 4\]; expected \[batch, tokens\] "
                                                       r"= \[2, 5\]"),
         ("segment_ids_device", (q, q, q, ids.to("meta")), "segment_ids is on meta but query is on cpu"),
+        ("scale_nan", (q, q, q, ids, float("nan")), "scale is nan; expected a finite value > 0"),
+        ("scale_negative", (q, q, q, ids, -0.5), r"scale is -0.5; expected a finite value > 0"),
     ]
 
 

@@ -145,24 +145,30 @@ def _compiled_segments(batch_size, q_length, kv_length, q_offset, kv_offset, mas
     when it has position_ids: it cannot check for a single sequence), which mask() reads. So the mask
     function is evaluated instead, one key back from each query (mask_function(b, 0, i, i - 1)): false
     exactly where a document starts. Decided on static facts only (no graph break): a window shorter
-    than the row (its layer or not: the config's window is all that is known) and any overlay get
-    _DENSE, and padding with holes, which segment ids cannot describe, is a runtime error."""
+    than the row (its layer or not: the config's window is all that is known), overlays (use_vmap) and
+    a bidirectional config get _DENSE. What only the data shows is a runtime error: padding with holes,
+    which segment ids cannot describe, and a query that sees the key after it (a composition this does
+    not know, e.g. a bidirectional block)."""
     factories = _FACTORIES
     window = getattr(config, "sliding_window", None)
     if (use_vmap or q_length != kv_length or not isinstance(q_offset, int) or q_offset or kv_offset
-            or (window is not None and q_length > window)
+            or not getattr(config, "is_causal", True) or (window is not None and q_length > window)
             or (mask_function is not factories["causal"]
                 and getattr(mask_function, "__code__", None) is not factories["and"])):
         return _DENSE
+    rows = torch.arange(batch_size, device=device)[:, None]
+    queries = torch.arange(1, q_length, device=device)[None, :]
+    head = torch.zeros((), dtype=torch.long, device=device)
+    torch._assert_async(~mask_function(rows, head, queries - 1, queries).any(),
+                        "torch_offload: under torch.compile the mask transformers composed lets a query see a later "
+                        "key, which segment ids cannot describe")
     if attention_mask is not None:
         real = attention_mask[:, -kv_length:]
         torch._assert_async(_real_tokens_are_contiguous(real),
                             "torch_offload: under torch.compile an attention_mask's real tokens must be contiguous "
                             "in each row (padding only before or after them); this batch has a hole")
         return attention_block_segment_ids(attention_mask=real)
-    rows = torch.arange(batch_size, device=device)[:, None]
-    queries = torch.arange(1, q_length, device=device)[None, :]
-    follows = mask_function(rows, torch.zeros((), dtype=torch.long, device=device), queries, queries - 1)
+    follows = mask_function(rows, head, queries, queries - 1)
     starts = torch.nn.functional.pad(~follows.expand(batch_size, q_length - 1), (1, 0), value=False)
     return starts.long().cumsum(dim=1)
 

@@ -212,9 +212,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attend_backward(const AttentionKe
 }
 
 // segment_attention's arguments: query, key and value [batch, heads, tokens, head_dim] alike
-// (floating point, one device), segment_ids [batch, tokens] (required). Symbolic shapes work.
+// (floating point, one device), segment_ids [batch, tokens] (required), scale. Symbolic shapes work.
 void check_segment_attention(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const at::Tensor& segment_ids) {
+                             const at::Tensor& segment_ids, std::optional<double> scale) {
   TORCH_CHECK(q.dim() == 4, op, ": query has shape ", q.sym_sizes(), "; expected [batch, heads, tokens, head_dim]");
   TORCH_CHECK(at::isFloatingType(q.scalar_type()), op, ": query has dtype ", q.scalar_type(),
               "; expected a floating point dtype");
@@ -223,6 +223,8 @@ void check_segment_attention(const char* op, const at::Tensor& q, const at::Tens
                "query's [batch, heads, tokens, head_dim]");
   TORCH_CHECK(segment_ids.defined(), op, ": segment_ids is undefined; expected [batch, tokens] integer ids");
   check_segment_ids(op, segment_ids, q, "query", q.sym_size(0), q.sym_size(2));
+  TORCH_CHECK(!scale.has_value() || (std::isfinite(*scale) && *scale > 0), op, ": scale is ", scale.value_or(0),
+              "; expected a finite value > 0 (or None for 1/sqrt(head_dim))");
 }
 
 // The shapes of one call, and the head groups it runs.
@@ -451,9 +453,13 @@ AttentionBlockGradients attention_block_backward_impl(
 
 namespace {
 
-// t, in the layout at::empty_like(like) has (what the Meta kernels promise), copied only if the
-// kernels returned another (CPU flash attention's gradients come token-major).
+// t, in the layout at::empty_like(like) has (what the Meta kernels promise: like's own strides when
+// like is dense), copied only if the kernels returned another (CPU flash attention's gradients come
+// token-major).
 at::Tensor in_layout_of(const at::Tensor& t, const at::Tensor& like) {
+  if (like.is_non_overlapping_and_dense() && t.strides() == like.strides()) {
+    return t;
+  }
   at::Tensor out = at::empty_like(like);
   return out.strides() == t.strides() ? t : out.copy_(t);
 }
@@ -462,7 +468,7 @@ at::Tensor in_layout_of(const at::Tensor& t, const at::Tensor& like) {
 
 at::Tensor segment_attention_impl(const AttentionKernels& kernels, const at::Tensor& q, const at::Tensor& k,
                                   const at::Tensor& v, const at::Tensor& segment_ids, std::optional<double> scale) {
-  check_segment_attention("segment_attention", q, k, v, segment_ids);
+  check_segment_attention("segment_attention", q, k, v, segment_ids, scale);
   if (q.numel() == 0) {
     return at::zeros_like(q);
   }
@@ -474,7 +480,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_impl(
     const AttentionKernels& kernels, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask) {
   const char* op = "segment_attention_backward";
-  check_segment_attention(op, q, k, v, segment_ids);
+  check_segment_attention(op, q, k, v, segment_ids, scale);
   check_tensor(op, "grad_out", grad_out, q, "query", q.scalar_type(), q.sym_sizes(),
                "query's [batch, heads, tokens, head_dim]");
   at::Tensor dq, dk, dv;
@@ -658,16 +664,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_cpu(
 }
 
 at::Tensor segment_attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const at::Tensor& segment_ids, std::optional<double> /*scale*/) {
-  check_segment_attention("segment_attention", q, k, v, segment_ids);
+                                  const at::Tensor& segment_ids, std::optional<double> scale) {
+  check_segment_attention("segment_attention", q, k, v, segment_ids, scale);
   return at::empty_like(q);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_meta(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& segment_ids, std::optional<double> /*scale*/, std::array<bool, 3> output_mask) {
+    const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask) {
   const char* op = "segment_attention_backward";
-  check_segment_attention(op, q, k, v, segment_ids);
+  check_segment_attention(op, q, k, v, segment_ids, scale);
   check_tensor(op, "grad_out", grad_out, q, "query", q.scalar_type(), q.sym_sizes(),
                "query's [batch, heads, tokens, head_dim]");
   const auto asked = [&](const at::Tensor& t, size_t i) { return output_mask[i] ? at::empty_like(t) : at::Tensor(); };
