@@ -159,3 +159,14 @@ def test_python_wrapper_names_a_missing_tensor_and_backward_checks_grad_out():
     with pytest.raises(RuntimeError, match=r"segment_attention_backward: grad_out has shape \[2, 3, 5, 3\]"):
         torch.ops.offload.segment_attention_backward(torch.zeros(2, 3, 5, 3), q, q, q,
                                                      torch.zeros(2, 5, dtype=torch.long), None, [True] * 3)
+
+
+def test_the_eager_dropout_path_attends_per_run_as_the_op_does():
+    # masking's SDPA-per-run path (attention dropout in eager training), run here with dropout 0 so that
+    # it must give the op's values: the same runs, causal for sequences, padding over the sequence before it.
+    from torch_offload.masking import _attention_with_dropout_per_run
+
+    q, k, v = make_qkv(dtype=torch.float32)
+    module = torch.nn.Module()
+    got, _ = _attention_with_dropout_per_run(module, q, k, v, SEGMENTS, dropout=0.0, scaling=0.3)
+    torch.testing.assert_close(got, torch_offload.segment_attention(q, k, v, SEGMENTS, scale=0.3).transpose(1, 2))
