@@ -13,8 +13,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+def _entry(rank, world_size, port, fn, args, backend="gloo"):
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         torch.manual_seed(0)
         fn(rank, world_size, *args)
@@ -27,10 +29,11 @@ def _entry(rank, world_size, port, fn, args):
     os._exit(0)
 
 
-def run_ranks(fn, world_size, *args):
-    """fn(rank, world_size, *args) on each rank; fn must be importable (module level).
+def run_ranks(fn, world_size, *args, backend="gloo"):
+    """fn(rank, world_size, *args) on each rank; fn must be importable (module level). With backend
+    "nccl", rank r uses CUDA device r.
 
     Results travel through files the caller names in args (e.g. under tmp_path).
     Raises if any rank fails.
     """
-    mp.spawn(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+    mp.spawn(_entry, args=(world_size, free_port(), fn, args, backend), nprocs=world_size, join=True)

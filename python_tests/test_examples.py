@@ -35,3 +35,15 @@ def test_demo_measures_every_configuration_and_their_losses_agree(tmp_path):
     assert (tmp_path / "out" / "memory.png").stat().st_size > 0
     for name in ("baseline", "torch_offload", "torch_offload_packed"):
         assert json.loads((tmp_path / "out" / f"{name}-256.json").read_text())["training_bytes"] > 0
+
+
+def test_sequence_parallel_example_with_torchrun_matches_one_process(tmp_path):
+    script = os.path.join(ROOT, "examples", "sequence_parallel", "train.py")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    small = ["--tokens", "256", "--steps", "3", "--hidden", "128", "--intermediate", "256", "--layers", "2"]
+    run(torchrun + [script, *small, "--out", "ranks.json"], tmp_path)
+    run([sys.executable, script, *small, "--out", "single.json"], tmp_path)
+    ranks = json.loads((tmp_path / "ranks.json").read_text())
+    single = json.loads((tmp_path / "single.json").read_text())
+    assert len(ranks) == 3 and ranks[-1] < ranks[0]
+    torch.testing.assert_close(torch.tensor(ranks), torch.tensor(single), rtol=1e-5, atol=1e-6)

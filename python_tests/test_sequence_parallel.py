@@ -1,13 +1,22 @@
 """Sequence parallelism on Gloo CPU ranks: ulysses_attention on each rank's chunk of the rows equals
 segment_attention on the whole rows in one process, values and gradients, in float64."""
+import contextlib
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import torch_offload
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from distributed import run_ranks
 import torch_offload.sequence_parallel
 from torch_offload.sequence_parallel import ulysses_attention
+from test_attention_block import make_inputs as make_block_inputs
+from test_real_batches import labelled, make_model, packed, padded
 
 
 def inputs(heads, kv_heads, tokens=12, batch=2, head_dim=4):
@@ -54,6 +63,76 @@ def test_ulysses_attention_on_each_ranks_chunk_equals_the_whole_rows(world_size,
     for i, name in enumerate("qkv"):
         torch.testing.assert_close(torch.cat([grads[i] for _, grads in parts], dim=2), want_grads[i],
                                    msg=lambda m: f"d{name}: {m}")
+
+
+def opcheck_on_ranks(rank, world_size, path):
+    q, k, v, segment_ids, _ = inputs(4, 2)
+    local = q.shape[2] // world_size
+    chunk = [t.narrow(2, rank * local, local).clone().requires_grad_() for t in (q, k, v)]
+    args = (*chunk, segment_ids, dist.group.WORLD.group_name, 0.3)
+    # Not test_schema nor test_faketensor: they check the ops inside too, and torch's own
+    # _c10d_functional.wait_tensor returns its argument (an alias its schema and fake kernel do not
+    # have). The fake result's metadata is checked here instead.
+    torch.library.opcheck(torch.ops.offload.ulysses_attention.default, args,
+                          test_utils=("test_autograd_registration", "test_aot_dispatch_dynamic"))
+    with FakeTensorMode() as mode:
+        fake = torch.ops.offload.ulysses_attention(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                                                     for a in args))
+    real = torch.ops.offload.ulysses_attention(*args)
+    assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
+    torch.save(True, f"{path}.{rank}")
+
+
+def test_opcheck_on_two_ranks(tmp_path):
+    path = str(tmp_path / "opcheck")
+    run_ranks(opcheck_on_ranks, 2, path)
+    assert all(torch.load(f"{path}.{rank}") for rank in range(2))
+
+
+# attention_block with a group: x, cos and sin are each rank's chunk of the rows, segment_ids the whole rows'.
+BLOCK_SEGMENTS = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 2, 2], [-1, -1, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4]])
+
+
+def block_inputs(heads, kv_heads, bias):
+    return make_block_inputs(batch=2, tokens=12, h=16, heads=heads, kv_heads=kv_heads, head_dim=4, bias=bias,
+                             dtype=torch.float64)
+
+
+def block_on_ranks(rank, world_size, heads, kv_heads, bias, path):
+    inputs = block_inputs(heads, kv_heads, bias)
+    local = 12 // world_size
+    chunk = [t.narrow(1, rank * local, local).detach().clone().requires_grad_() if i == 0 else
+             t.narrow(1, rank * local, local) if i in (5, 6) else t for i, t in enumerate(inputs)]
+    name = dist.group.WORLD.group_name
+    out = torch_offload.attention_block(*chunk[:7], b_q=chunk[7], b_k=chunk[8], b_v=chunk[9], b_o=chunk[10],
+                                        segment_ids=BLOCK_SEGMENTS, group_name=name)
+    grad_out = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    leaves = [t for i, t in enumerate(chunk) if t is not None and i not in (5, 6)]
+    grads = torch.autograd.grad(out, leaves, grad_out.narrow(1, rank * local, local))
+    if not bias:  # every rank: the op's collectives need all of them
+        torch.library.opcheck(torch.ops.offload.attention_block.default,
+                              (*chunk[:7], *chunk[7:], None, BLOCK_SEGMENTS, name))
+    torch.save((out.detach(), grads), f"{path}.{rank}")
+
+
+@pytest.mark.parametrize("world_size, heads, kv_heads, bias", [(2, 4, 4, False), (2, 4, 1, True), (4, 4, 2, False),
+                                                               (3, 6, 3, False)],
+                         ids=["mha", "one_kv_head_bias", "4_ranks_gqa", "3_ranks"])
+def test_attention_block_with_a_group_on_each_ranks_chunk_equals_the_whole_rows(world_size, heads, kv_heads, bias,
+                                                                                  tmp_path):
+    path = str(tmp_path / "block")
+    run_ranks(block_on_ranks, world_size, heads, kv_heads, bias, path)
+    parts = [torch.load(f"{path}.{rank}") for rank in range(world_size)]
+    inputs = block_inputs(heads, kv_heads, bias)
+    out = torch_offload.attention_block(*inputs[:7], b_q=inputs[7], b_k=inputs[8], b_v=inputs[9], b_o=inputs[10],
+                                        segment_ids=BLOCK_SEGMENTS)
+    grad_out = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    leaves = [t for i, t in enumerate(inputs) if t is not None and i not in (5, 6)]
+    want = torch.autograd.grad(out, leaves, grad_out)
+    torch.testing.assert_close(torch.cat([o for o, _ in parts], dim=1), out.detach())
+    torch.testing.assert_close(torch.cat([g[0] for _, g in parts], dim=1), want[0])  # x: each rank its chunk's
+    for i in range(1, len(want)):  # weights and biases: the ranks' shares add up
+        torch.testing.assert_close(sum(g[i] for _, g in parts), want[i])
 
 
 def refused(rank, world_size, path):
@@ -139,3 +218,229 @@ def test_shard_batch_takes_the_rank_and_count_from_the_group(tmp_path):
     for rank in range(2):
         got, want = torch.load(f"{path}.{rank}"), torch_offload.sequence_parallel._shard(collated(), rank, 2)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+# ---------------------------------------------------------------------------------------------
+# apply(model, sequence_parallel=group): a whole model on each rank's chunk of the rows equals one
+# process on the whole rows: every rank's loss is the whole batch's, and the ranks' gradients add up
+# to the whole batch's.
+
+def documents_crossing_ranks(tokens=24, documents=(5, 9, 4, 6)):
+    """Packed documents, the second crossing the boundary of 2 ranks (12) and of 4 (6, 12, 18); a run of
+    ignored labels across the boundary of 2 ranks."""
+    batch = packed(tokens, documents)
+    labels = batch["labels"].clone()
+    labels[0, 10:14] = -100
+    return dict(batch, labels=labels)
+
+
+def accumulation_steps():
+    """Two micro-batches with num_items_in_batch counted over both, as Trainer does under accumulation."""
+    first, second = documents_crossing_ranks(), labelled(padded("right"))
+    second["labels"] = second["labels"].masked_fill(second["attention_mask"] == 0, -100)
+    count = sum((b["labels"][:, 1:] != -100).sum() for b in (first, second))
+    return [dict(first, num_items_in_batch=count), dict(second, num_items_in_batch=count)]
+
+
+# id: (family, config overrides, batches (one optimizer step; more than one accumulates), apply options)
+APPLIED = {
+    "llama_mha": ("llama", dict(num_key_value_heads=4), lambda: [documents_crossing_ranks()], {}),
+    "llama_one_kv_head": ("llama", dict(num_key_value_heads=1), lambda: [documents_crossing_ranks()], {}),
+    "qwen3": ("qwen3", {}, lambda: [documents_crossing_ranks()], {}),
+    "mistral": ("mistral", {}, lambda: [documents_crossing_ranks()], {}),
+    "qwen2": ("qwen2", {}, lambda: [documents_crossing_ranks()], {}),
+    "phi3": ("phi3", {}, lambda: [documents_crossing_ranks()], {}),
+    "gpt2": ("gpt2", {}, lambda: [documents_crossing_ranks()], {}),
+    "gemma": ("gemma", {}, lambda: [documents_crossing_ranks()], {}),
+    "tokens_1001": ("llama", dict(max_position_embeddings=1024),
+                    lambda: [documents_crossing_ranks(1001, (300, 500, 201))], {}),
+    "right_padded": ("llama", {}, lambda: [padded("right")], {}),
+    "left_padded": ("llama", {}, lambda: [padded("left")], {}),
+    "accumulation_num_items": ("llama", {}, accumulation_steps, {}),
+    "disk_tier": ("llama", {}, lambda: [documents_crossing_ranks()], dict(offload="disk", min_bytes=0)),
+}
+# Families whose attention attention_block does not compute (per-head norms, Conv1D): their own forwards, the core
+# attention through ulysses_attention.
+THE_MODULES_OWN = {"qwen3": "ulysses_attention", "gpt2": "ulysses_attention"}
+FOUR_RANKS = ["llama_mha", "llama_one_kv_head", "qwen3", "tokens_1001", "left_padded"]
+
+
+class CountGroupCalls(TorchDispatchMode):
+    """Counts attention_block's forward calls over a group."""
+
+    def __init__(self):
+        super().__init__()
+        self.forwards = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.offload.attention_block.default and args[-1] is not None:
+            self.forwards += 1
+        return func(*args, **(kwargs or {}))
+
+
+def sp_model(case):
+    family, overrides, _, _ = APPLIED[case]
+    return make_model(family, **overrides).double()
+
+
+def one_process(case):
+    """The un-applied model on the whole batches: each batch's loss, and the gradients summed over them."""
+    model = sp_model(case)
+    losses = [model(**batch, use_cache=False).loss for batch in APPLIED[case][2]()]
+    for loss in losses:
+        loss.backward()
+    return [loss.detach() for loss in losses], {n: p.grad for n, p in model.named_parameters()}
+
+
+def applied_on_ranks(rank, world_size, cases, path, compiled=False):
+    results = {}
+    for case in cases:
+        model = sp_model(case)
+        options = dict(APPLIED[case][3])
+        if options.get("offload") == "disk":
+            options["spill_directory"] = os.path.dirname(path)
+        handle = torch_offload.apply(model, sequence_parallel=dist.group.WORLD, **options)
+        counter = CompileCounterWithBackend("inductor")
+        run = torch.compile(model, fullgraph=True, backend=counter) if compiled else model
+        losses, calls = [], CountGroupCalls()
+        for batch in APPLIED[case][2]():
+            with contextlib.nullcontext() if compiled else calls:
+                loss = run(**torch_offload.shard_batch(batch, dist.group.WORLD), use_cache=False).loss
+                loss.backward()
+            losses.append(loss.detach())
+        # A graph's code with its subgraphs' (the checkpointed layers' bodies).
+        graphs = ["".join(m.code for m in g.modules() if isinstance(m, torch.fx.GraphModule)) for g in counter.graphs]
+        results[case] = (losses, {n: p.grad for n, p in model.named_parameters()}, dict(handle.attention), graphs,
+                         calls.forwards)
+        handle.remove()
+    torch.save(results, f"{path}.{rank}")
+
+
+def assert_equals_one_process(case, parts):
+    want_losses, want_grads = one_process(case)
+    for losses, *_ in parts:  # every rank returns the whole batch's loss
+        torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-6, atol=1e-6)
+    for name, want in want_grads.items():
+        got = sum(grads[name] for _, grads, *_ in parts)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case}, {name}: {m}")
+
+
+@pytest.mark.parametrize("world_size, cases", [(2, list(APPLIED)), (4, FOUR_RANKS)], ids=["2_ranks", "4_ranks"])
+def test_applied_model_on_each_ranks_chunk_equals_one_process_on_the_whole_batch(world_size, cases, tmp_path):
+    path = str(tmp_path / "applied")
+    run_ranks(applied_on_ranks, world_size, cases, path)
+    results = [torch.load(f"{path}.{rank}") for rank in range(world_size)]
+    for case in cases:
+        parts = [r[case] for r in results]
+        family = APPLIED[case][0]
+        assert set(parts[0][2].values()) == {THE_MODULES_OWN.get(family, "attention_block")}, case
+        calls = parts[0][4]  # every layer's in every step (twice in a layer checkpointed whole), or none
+        assert calls == 0 if family in THE_MODULES_OWN else calls >= 3 * len(APPLIED[case][2]()), case
+        assert_equals_one_process(case, parts)
+
+
+def test_compiled_applied_model_on_each_ranks_chunk_equals_one_process(tmp_path):
+    """torch.compile(fullgraph=True), so with no graph break: the all-to-alls, gathers and the loss's
+    all-reduce are in the graph."""
+    path, cases = str(tmp_path / "compiled"), ["llama_one_kv_head", "left_padded", "qwen3"]
+    run_ranks(applied_on_ranks, 2, cases, path, True)
+    results = [torch.load(f"{path}.{rank}") for rank in range(2)]
+    for case in cases:
+        parts = [r[case] for r in results]
+        assert_equals_one_process(case, parts)
+        graphs, op = parts[0][3], THE_MODULES_OWN.get(APPLIED[case][0], "attention_block")
+        assert len(graphs) == 1 and graphs[0].count(f"offload.{op}") == 3  # every layer's, in one graph
+
+
+def refusals_on_ranks(rank, world_size, path):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    group, messages = dist.group.WORLD, {}
+
+    def refused(name, call):
+        try:
+            call()
+        except (ValueError, TypeError) as error:
+            messages[name] = f"{type(error).__name__}: {error}"
+
+    refused("heads", lambda: torch_offload.apply(make_model("llama", hidden_size=24, num_attention_heads=3,
+                                                            num_key_value_heads=3), sequence_parallel=group))
+    refused("loss", lambda: torch_offload.apply(make_model("llama"), sequence_parallel=group, loss=False))
+    refused("mesh", lambda: torch_offload.apply(make_model("llama"), sequence_parallel=init_device_mesh(
+        "cpu", (1, 2), mesh_dim_names=("dp", "sp"))))
+    refused("type", lambda: torch_offload.apply(make_model("llama"), sequence_parallel="sp"))
+    model = make_model("llama")
+    handle = torch_offload.apply(model, sequence_parallel=init_device_mesh("cpu", (2,), mesh_dim_names=("sp",)))
+    batch = torch_offload.shard_batch(documents_crossing_ranks(), group)
+    refused("no_shift_labels", lambda: model(**{k: v for k, v in batch.items() if k != "shift_labels"}))
+    refused("no_position_ids", lambda: model(**{k: v for k, v in batch.items() if k != "position_ids"}))
+    attention = model.model.layers[0].self_attn
+    messages["applied"] = (model.config._attn_implementation, vars(attention).get(
+        torch_offload.sequence_parallel.GROUP_ATTRIBUTE) == dist.group.WORLD.group_name)
+    handle.remove()
+    messages["removed"] = (model.config._attn_implementation, torch_offload.sequence_parallel.GROUP_ATTRIBUTE in
+                           vars(attention))
+    torch.save(messages, f"{path}.{rank}")
+
+
+def test_apply_refuses_what_sequence_parallelism_cannot_compute_and_remove_restores(tmp_path):
+    path = str(tmp_path / "refusals")
+    run_ranks(refusals_on_ranks, 2, path)
+    got = torch.load(f"{path}.0")
+    assert got["heads"] == ("ValueError: torch_offload.apply: sequence_parallel: 3 attention heads cannot be split "
+                            "over 2 ranks; the heads must be a multiple of the number of ranks")
+    assert got["loss"].startswith("ValueError: torch_offload.apply: sequence_parallel needs loss=True")
+    assert got["mesh"].startswith("ValueError: torch_offload.apply: sequence_parallel is a 2-D DeviceMesh")
+    assert got["type"].startswith("TypeError: torch_offload.apply: sequence_parallel must be a torch.distributed "
+                                  "ProcessGroup or DeviceMesh, got str")
+    assert "called with labels but no shift_labels; pass torch_offload.shard_batch" in got["no_shift_labels"]
+    assert "called without position_ids; pass torch_offload.shard_batch" in got["no_position_ids"]
+    assert got["applied"] == (torch_offload.sequence_parallel.IMPLEMENTATION, True)
+    assert got["removed"] == ("sdpa", False)
+
+
+# Data x sequence parallelism on a 2-D mesh of 4 ranks: each data rank's pair of sequence ranks shards its own
+# batch. One process's gradients are those of the data ranks' mean loss: FSDP2 and DDP average over the ranks
+# they reduce over, so the sum over sequence ranks needs FSDP2's divide factor set to the data ranks, or under
+# DDP (all 4 ranks) the loss scaled by the sequence ranks.
+DATA_BATCHES = [documents_crossing_ranks, lambda: padded("left")]
+
+
+def data_and_sequence_ranks(rank, world_size, wrapper, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    sequence = mesh["sp"]
+    model = make_model("llama").double()
+    torch_offload.apply(model, sequence_parallel=sequence)
+    if wrapper == "fsdp2":  # sharded over the sequence ranks, replicated over the data ranks
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(mesh["dp"].size())
+        run, scale = model, 1
+    else:
+        run, scale = DistributedDataParallel(model), sequence.size()
+    batch = DATA_BATCHES[mesh["dp"].get_local_rank()]()
+    loss = run(**torch_offload.shard_batch(batch, sequence.get_group()), use_cache=False).loss
+    (loss * scale).backward()
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()}
+    torch.save((loss.detach(), grads), f"{path}.{rank}")
+
+
+@pytest.mark.parametrize("wrapper", ["fsdp2", "ddp"])
+def test_data_times_sequence_ranks_under_fsdp2_and_ddp_equal_one_process(wrapper, tmp_path):
+    path = str(tmp_path / wrapper)
+    run_ranks(data_and_sequence_ranks, 4, wrapper, path)
+    model = make_model("llama").double()
+    losses = [model(**make(), use_cache=False).loss for make in DATA_BATCHES]
+    (sum(losses) / len(losses)).backward()
+    for rank in range(4):
+        loss, grads = torch.load(f"{path}.{rank}")
+        torch.testing.assert_close(loss, losses[rank // 2].detach(), rtol=1e-6, atol=1e-6)  # its data rank's batch
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{rank} {name}: {m}")

@@ -202,14 +202,15 @@ class AttentionBlockFunction : public torch::autograd::Function<AttentionBlockFu
                             const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                             const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                             const std::optional<at::Tensor>& b_o, std::optional<double> scale,
-                            const std::optional<at::Tensor>& segment_ids) {
+                            const std::optional<at::Tensor>& segment_ids, std::optional<c10::string_view> group_name) {
     check_rotary_needs_no_grad(cos, sin);
     const auto or_undefined = [](const std::optional<at::Tensor>& t) { return t.value_or(at::Tensor()); };
     ctx->save_for_backward({x, w_q, w_k, w_v, w_o, cos, sin, or_undefined(b_q), or_undefined(b_k), or_undefined(b_v),
                             or_undefined(b_o), or_undefined(segment_ids)});
     ctx->saved_data["scale"] = scale;
+    ctx->saved_data["group_name"] = group_name.has_value() ? c10::IValue(std::string(*group_name)) : c10::IValue();
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return attention_block(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids);
+    return attention_block(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids, group_name);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
@@ -228,10 +229,14 @@ class AttentionBlockFunction : public torch::autograd::Function<AttentionBlockFu
       return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
     };
     const auto scale = ctx->saved_data["scale"].toOptional<double>();
+    const c10::IValue& group = ctx->saved_data["group_name"];
+    const auto group_name = group.isNone() ? std::nullopt : std::optional<c10::string_view>(group.toStringRef());
     const auto [x, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o] = attention_block_backward(
         grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], saved[6], or_nullopt(saved[7]),
-        or_nullopt(saved[8]), or_nullopt(saved[9]), or_nullopt(saved[10]), scale, or_nullopt(saved[11]), output_mask);
-    return {x, w_q, w_k, w_v, w_o, at::Tensor(), at::Tensor(), b_q, b_k, b_v, b_o, at::Tensor(), at::Tensor()};
+        or_nullopt(saved[8]), or_nullopt(saved[9]), or_nullopt(saved[10]), scale, or_nullopt(saved[11]), output_mask,
+        group_name);
+    return {x, w_q, w_k, w_v, w_o, at::Tensor(), at::Tensor(), b_q, b_k, b_v, b_o, at::Tensor(), at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -240,8 +245,10 @@ at::Tensor attention_block_autograd(const at::Tensor& x, const at::Tensor& w_q, 
                                     const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                                     const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                     const std::optional<at::Tensor>& b_o, std::optional<double> scale,
-                                    const std::optional<at::Tensor>& segment_ids) {
-  return AttentionBlockFunction::apply(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids);
+                                    const std::optional<at::Tensor>& segment_ids,
+                                    std::optional<c10::string_view> group_name) {
+  return AttentionBlockFunction::apply(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids,
+                                       group_name);
 }
 
 // segment_attention saves its inputs only; segment_attention_backward recomputes. No double backward.

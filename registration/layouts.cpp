@@ -57,7 +57,7 @@ constexpr const char* kOpsTakingTensors[] = {
     "disk_spill",           "disk_restore",       "disk_prefetch",   "disk_wait",
     "_disk_ticket_location", "linear_cross_entropy", "linear_cross_entropy_forward",
     "linear_cross_entropy_backward", "attention_block", "attention_block_backward",
-    "segment_attention",    "segment_attention_backward",
+    "segment_attention",    "segment_attention_backward", "ulysses_attention",
 };
 
 void reject_at_this_key(torch::Library& m) {

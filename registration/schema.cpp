@@ -8,6 +8,7 @@
 #include "ops/offload/activation_store.h"
 #include "ops/linear_cross_entropy/linear_cross_entropy.h"
 #include "ops/attention_block/attention_block.h"
+#include "ops/sequence_parallel/ulysses_attention.h"
 
 TORCH_LIBRARY(offload, m) {
   m.def("offload_pack(Tensor src, bool non_blocking=False) -> Tensor");
@@ -86,14 +87,18 @@ TORCH_LIBRARY(offload, m) {
   // w_q) and w_o, one group of heads at a time; backward saves only the inputs and
   // recomputes each group. The backward op returns the gradients output_mask asks for
   // (x, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o), undefined where not asked or absent.
+  // With group_name (sequence parallelism), x and cos/sin are this rank's contiguous chunk of the
+  // rows, segment_ids the whole rows', and each head group's attention runs over the whole rows
+  // for a share of its heads, between two all-to-alls (ops/sequence_parallel).
   m.def(
       "attention_block(Tensor x, Tensor w_q, Tensor w_k, Tensor w_v, Tensor w_o, Tensor cos, Tensor sin, "
       "Tensor? b_q=None, Tensor? b_k=None, Tensor? b_v=None, Tensor? b_o=None, float? scale=None, "
-      "Tensor? segment_ids=None) -> Tensor");
+      "Tensor? segment_ids=None, str? group_name=None) -> Tensor");
   m.def(
       "attention_block_backward(Tensor grad_out, Tensor x, Tensor w_q, Tensor w_k, Tensor w_v, Tensor w_o, "
       "Tensor cos, Tensor sin, Tensor? b_q, Tensor? b_k, Tensor? b_v, Tensor? b_o, float? scale, "
-      "Tensor? segment_ids, bool[9] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor? segment_ids, bool[9] output_mask, str? group_name=None) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 
   // attention_block's attention alone, for attention modules it does not replace: query, key and
   // value [batch, heads, tokens, head_dim], causal within the segments of segment_ids [batch,
@@ -103,4 +108,17 @@ TORCH_LIBRARY(offload, m) {
   m.def(
       "segment_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor segment_ids, "
       "float? scale, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+
+  // segment_attention over a sequence split across the ranks of the process group named group_name
+  // (Ulysses): query [batch, heads, tokens / ranks, head_dim] and key, value [batch, kv_heads, tokens
+  // / ranks, head_dim] are this rank's contiguous chunk of the rows, segment_ids [batch, tokens] the
+  // whole rows'; returns this rank's chunk of the output. A composite of functional collectives and
+  // segment_attention (ulysses_attention.cpp): no kernels of its own.
+  m.def(
+      "ulysses_attention(Tensor query, Tensor key, Tensor value, Tensor segment_ids, str group_name, "
+      "float? scale=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(offload, CompositeImplicitAutograd, m) {
+  m.impl("ulysses_attention", &torch_offload::ulysses_attention_composite);
 }

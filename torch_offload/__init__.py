@@ -32,11 +32,13 @@ __all__ = [
     "offload_unpack",
     "segment_attention",
     "set_pinned_budget",
+    "shard_batch",
     "pinned_arena_stats",
     "TiledMLP",
     "tiled_apply",
     "tiled_mlp",
     "tiled_mlp_num_shards",
+    "ulysses_attention",
 ]
 
 
@@ -136,3 +138,4 @@ from .tiled_mlp import TiledMLP, tiled_apply, tiled_mlp, tiled_mlp_num_shards  #
 from .integrations import OffloadHandle, apply  # noqa: E402
 from .linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_tile  # noqa: E402
 from .attention_block import attention_block, attention_block_segment_ids, segment_attention  # noqa: E402
+from .sequence_parallel import shard_batch, ulysses_attention  # noqa: E402

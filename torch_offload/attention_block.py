@@ -24,6 +24,7 @@ def attention_block(
     b_o: torch.Tensor | None = None,
     scale: float | None = None,
     segment_ids: torch.Tensor | None = None,
+    group_name: str | None = None,
 ) -> torch.Tensor:
     """Causal self-attention with rotary embeddings and its projections, as Llama's (differentiable).
 
@@ -50,10 +51,17 @@ def attention_block(
     a row's real tokens are contiguous, for every token. No ``[tokens, tokens]`` mask is made:
     each run is its own attention call.
     ``attention_block_segment_ids(position_ids=..., attention_mask=...)`` makes them.
+
+    ``group_name`` (sequence parallelism: a torch.distributed group's ``group_name``): ``x``, ``cos``
+    and ``sin`` are this rank's contiguous chunk of the rows and ``segment_ids`` the whole rows';
+    each head group's q, k and v go to the whole rows for a share of its heads by an all-to-all,
+    and its attention output comes back by another (as ``ulysses_attention``), in forward and in
+    backward's recompute. ``heads`` must be a multiple of the ranks. Every rank calls it alike.
     """
     for value, arg in ((x, "x"), (w_q, "w_q"), (w_k, "w_k"), (w_v, "w_v"), (w_o, "w_o"), (cos, "cos"), (sin, "sin")):
         _require_tensor(value, "attention_block", arg)
-    return torch.ops.offload.attention_block(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids)
+    return torch.ops.offload.attention_block(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids,
+                                             group_name)
 
 
 def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segment_ids: torch.Tensor, *,

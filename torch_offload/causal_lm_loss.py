@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import sequence_parallel
 from .linear_cross_entropy import linear_cross_entropy
 from .tiled_mlp import _first_argument
 
@@ -40,6 +41,7 @@ class _LossRequest:
     shift_labels: torch.Tensor | None
     ignore_index: int
     num_items_in_batch: Any
+    sequence_parallel: str | None = None  # the group's name: the loss is the whole batch's over its ranks
     loss: torch.Tensor | None = None
 
 
@@ -92,22 +94,27 @@ def _fused_loss(request: _LossRequest, hidden: torch.Tensor, head: nn.Linear, ma
     target = target.to(hidden.device)
     if math.scale != 1.0:
         hidden = hidden * math.scale
-    reduction = "mean" if request.num_items_in_batch is None else "sum"
+    group = request.sequence_parallel
+    count = request.num_items_in_batch
+    if count is None and group is not None:  # the mean over the whole batch's labelled tokens, not this rank's
+        count = sequence_parallel.group_sum((target != request.ignore_index).sum(), group)
     loss = linear_cross_entropy(hidden, head.weight, target, bias=head.bias, ignore_index=request.ignore_index,
-                                reduction=reduction, softcap=math.softcap).float()  # transformers' loss is float32 for any head
-    if request.num_items_in_batch is not None:
-        count = request.num_items_in_batch
+                                reduction="mean" if count is None else "sum",
+                                softcap=math.softcap).float()  # transformers' loss is float32 for any head
+    if count is not None:
         loss = loss / (count.to(loss.device) if isinstance(count, torch.Tensor) else count)
-    return loss
+    return loss if group is None else sequence_parallel.global_loss(loss, group)
 
 
 def _kwargs_name(signature: inspect.Signature) -> str | None:
     return next((p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
 
 
-def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath):
+def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath, group: str | None = None):
     """The owner's forward (routes a call with labels and gradients to the op), that routing alone
-    (for the probe, which runs without gradients), and the head's forward (serves a routed call)."""
+    (for the probe, which runs without gradients), and the head's forward (serves a routed call).
+    With ``group`` (sequence parallelism), every call with labels is routed, gradients or not, and
+    its loss is the whole batch's over the group's ranks."""
     original = owner.forward
     head_original = head.forward
     signature = inspect.signature(original)
@@ -124,7 +131,7 @@ def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath):
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() and group is None:
             # Evaluation: no backward to save memory for, and Trainer's compute_metrics needs the logits.
             return original(*args, **kwargs)
         return fused_forward(*args, **kwargs)
@@ -136,6 +143,8 @@ def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath):
             return original(*args, **kwargs)  # let the model's forward say what is wrong
         arguments = bound.arguments
         extra = dict(arguments.get(extra_name, {})) if extra_name else {}
+        if group is not None:
+            _check_sequence_parallel_call(arguments, extra)
         keep = arguments.get("logits_to_keep", 0)
         router_logits = arguments.get("output_router_logits", extra.get("output_router_logits"))
         if router_logits is None:  # as transformers' mixture-of-experts models: the call's, else the config's
@@ -147,7 +156,7 @@ def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath):
             # (resize_token_embeddings): the model's own path.
             return original(*args, **kwargs)
         request = _LossRequest(arguments["labels"], extra.get("shift_labels"), extra.get("ignore_index", -100),
-                               extra.get("num_items_in_batch"))
+                               extra.get("num_items_in_batch"), group)
         arguments["labels"] = None
         as_tuple = extra.pop("return_dict", None) is False
         if extra_name:
@@ -169,6 +178,19 @@ def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath):
         return output
 
     return forward, fused_forward, head_forward
+
+
+def _check_sequence_parallel_call(arguments: dict, extra: dict) -> None:
+    """A sequence-parallel call must carry what shard_batch adds: the whole rows' positions (this rank's
+    part), and with labels, the labels shifted over the whole rows (a chunk's last token labelled with
+    the next rank's first)."""
+    if arguments.get("position_ids") is None:
+        raise ValueError("torch_offload sequence parallelism: the model was called without position_ids; pass "
+                         "torch_offload.shard_batch(batch, group)'s (the whole rows' positions, for the rotary "
+                         "embedding and the documents)")
+    if arguments.get("labels") is not None and extra.get("shift_labels") is None:
+        raise ValueError("torch_offload sequence parallelism: the model was called with labels but no shift_labels; "
+                         "pass torch_offload.shard_batch(batch, group)'s (labels shifted across the ranks' chunks)")
 
 
 @contextlib.contextmanager
@@ -226,8 +248,9 @@ def _probe_problem(owner: nn.Module, head: nn.Linear, original, fused) -> str | 
     return None
 
 
-def fuse_causal_lm_loss(handle, model: nn.Module) -> str:
-    """Patch ``model`` (through ``handle``) so that a call with labels computes its loss with the op.
+def fuse_causal_lm_loss(handle, model: nn.Module, sequence_parallel_group: str | None = None) -> str:
+    """Patch ``model`` (through ``handle``) so that a call with labels computes its loss with the op
+    (the whole batch's over the ranks of the group named ``sequence_parallel_group``, if given).
 
     Returns "linear_cross_entropy"; "unfused: <why>" when the model keeps its own loss; or,
     for a model that is not a causal LM, "no output layer: ...".
@@ -250,5 +273,7 @@ def fuse_causal_lm_loss(handle, model: nn.Module) -> str:
     if problem is not None:
         handle._undo_last_patch()
         return f"unfused: {problem}"
+    if sequence_parallel_group is not None:  # probed on one process's batches above, installed for the group's
+        forward = _patched_forwards(owner, head, math, sequence_parallel_group)[0]
     handle._patch(f"{owner_name}.forward", owner, "forward", forward)
     return "linear_cross_entropy"

@@ -25,7 +25,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from . import masking
+from . import masking, sequence_parallel
 from .activations import checkpoint as offloaded_checkpoint
 from .attention_block import attention_block as attention_block_op
 from .activations import offload_activations
@@ -284,7 +284,9 @@ class OffloadHandle:
     - ``checkpointing``: for each layer, by name, what backward recomputes: ``"layer"``,
       ``"attention"`` (the rest of what it saves is offloaded) or ``"none"``.
     - ``attention``: for each layer's attention module, by name: ``"attention_block"`` (the op,
-      where a call allows it) or ``"module: <why not>"``.
+      where a call allows it; with ``sequence_parallel``, over the group), ``"ulysses_attention"``
+      (with ``sequence_parallel``: the module's own forward, its core attention through that op) or
+      ``"module: <why not>"``.
     - ``mask_fallbacks``: calls for which transformers built its dense ``[batch, 1, T, T]`` mask
       although the model's masks are apply's segment ids (``torch_offload.masking``), by reason.
     """
@@ -299,8 +301,10 @@ class OffloadHandle:
         self.checkpointing: dict[str, str] = {}
         self.attention: dict[str, str] = {}
         self.loss = "off"
+        self.sequence_parallel: str | None = None  # the name of apply()'s sequence-parallel group
         self._patches: list[_Patch] = []
-        self._attention_implementations: list[tuple[Any, Any]] = []  # (config, its implementation before)
+        # (config, its attention implementation before, the one apply set)
+        self._attention_implementations: list[tuple[Any, Any, str]] = []
 
     @property
     def tiled_mlps(self) -> int:
@@ -320,7 +324,7 @@ class OffloadHandle:
     @property
     def mask_fallbacks(self) -> dict[str, int]:
         counts = collections.Counter()
-        for config, _ in self._attention_implementations:
+        for config, _, _ in self._attention_implementations:
             counts.update(masking.fallbacks(config))
         return dict(counts)
 
@@ -355,17 +359,78 @@ class OffloadHandle:
         replaced = [p.name for i, p in enumerate(self._patches) if not p.intact()
                     and not any(q.store is p.store and q.key == p.key and q.previous is p.value  # wrapped by apply
                                 for q in self._patches[i + 1:])]
-        replaced += [f"{type(config).__name__}._attn_implementation" for config, _ in self._attention_implementations
-                     if vars(config).get(_IMPLEMENTATION_KEY) != masking.IMPLEMENTATION]
+        replaced += [f"{type(config).__name__}._attn_implementation"
+                     for config, _, ours in self._attention_implementations
+                     if vars(config).get(_IMPLEMENTATION_KEY) != ours]
         if replaced:
             raise RuntimeError(f"torch_offload: handle.remove(): {', '.join(replaced)} changed after apply() "
                                "(another wrapper?); undo that change first")
         while self._patches:
             self._undo_last_patch()
         while self._attention_implementations:
-            config, previous = self._attention_implementations.pop()
+            config, previous, _ = self._attention_implementations.pop()
             _put(vars(config), _IMPLEMENTATION_KEY, previous)
             masking.forget(config)
+
+
+def _sequence_parallel_group(sequence_parallel: Any, loss: bool) -> Any:
+    """apply()'s sequence-parallel ProcessGroup (given as one or as a 1-D DeviceMesh), or None."""
+    if sequence_parallel is None:
+        return None
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(sequence_parallel, DeviceMesh):
+        if sequence_parallel.ndim != 1:
+            raise ValueError(f"torch_offload.apply: sequence_parallel is a {sequence_parallel.ndim}-D DeviceMesh; "
+                             "pass its sequence dimension (e.g. mesh[\"sp\"])")
+        sequence_parallel = sequence_parallel.get_group()
+    if not isinstance(sequence_parallel, ProcessGroup):
+        raise TypeError("torch_offload.apply: sequence_parallel must be a torch.distributed ProcessGroup or "
+                        f"DeviceMesh, got {type(sequence_parallel).__name__}")
+    if not loss:
+        raise ValueError("torch_offload.apply: sequence_parallel needs loss=True: the model's own loss would be "
+                         "each rank's mean, not the whole batch's")
+    return sequence_parallel
+
+
+def _attend_over_ranks(handle: OffloadHandle, model: nn.Module, names: list[str], layers: nn.ModuleList,
+                       group: Any) -> None:
+    """The model's attention over ``group``'s ranks: its attention implementation becomes
+    sequence_parallel.IMPLEMENTATION (ulysses_attention for the modules' own forwards) and each attention
+    module is told the group; modules already through attention_block run it with the group."""
+    if handle.loss != "linear_cross_entropy":
+        raise ValueError(f"torch_offload.apply: sequence_parallel needs the fused loss, and this model's is "
+                         f"{handle.loss!r}: its own would be each rank's mean, not the whole batch's")
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "to_dict")}
+    for config in configs.values():
+        implementation = vars(config).get(_IMPLEMENTATION_KEY)
+        if implementation is None:  # a composite config (a VLM's) whose parts have their own
+            continue
+        if implementation not in ("sdpa", "eager") or getattr(config, "model_type", None) not in (
+                _SEGMENT_MASK_MODEL_TYPES):
+            raise ValueError(f"torch_offload.apply: sequence_parallel supports the attention of "
+                             f"{', '.join(sorted(_SEGMENT_MASK_MODEL_TYPES))} models with 'sdpa' or 'eager' "
+                             f"attention; {type(config).__name__} has model_type "
+                             f"{getattr(config, 'model_type', None)!r} and attention {implementation!r}")
+        heads = getattr(config, "num_attention_heads", None)
+        if isinstance(heads, int) and heads % group.size():
+            raise ValueError(f"torch_offload.apply: sequence_parallel: {heads} attention heads cannot be split over "
+                             f"{group.size()} ranks; the heads must be a multiple of the number of ranks")
+    sequence_parallel.register()
+    for name, layer in zip(names, layers):
+        attention = _attention_of(layer)
+        if attention is None:
+            raise ValueError(f"torch_offload.apply: sequence_parallel: {name} has no single attention module")
+        handle._patch(f"{name}.{attention}.{sequence_parallel.GROUP_ATTRIBUTE}", getattr(layer, attention),
+                      sequence_parallel.GROUP_ATTRIBUTE, group.group_name)
+        if handle.attention.get(f"{name}.{attention}") != "attention_block":  # not the op with the group
+            handle.attention[f"{name}.{attention}"] = "ulysses_attention"
+    for config in configs.values():
+        if vars(config).get(_IMPLEMENTATION_KEY) is not None:
+            handle._attention_implementations.append((config, vars(config)[_IMPLEMENTATION_KEY],
+                                                      sequence_parallel.IMPLEMENTATION))
+            vars(config)[_IMPLEMENTATION_KEY] = sequence_parallel.IMPLEMENTATION
 
 
 # Where a transformers config keeps its attention implementation (the `_attn_implementation` property's value).
@@ -388,7 +453,7 @@ def _use_segment_masks(handle: OffloadHandle, model: nn.Module) -> None:
     if configs:
         masking.register()
     for config in configs:
-        handle._attention_implementations.append((config, vars(config)[_IMPLEMENTATION_KEY]))
+        handle._attention_implementations.append((config, vars(config)[_IMPLEMENTATION_KEY], masking.IMPLEMENTATION))
         vars(config)[_IMPLEMENTATION_KEY] = masking.IMPLEMENTATION
 
 
@@ -446,7 +511,7 @@ _ATTENTION_ARGUMENTS = ("hidden_states", "position_embeddings", "attention_mask"
 # Other arguments transformers passes an attention module that do not change what SDPA computes
 # without a mask (packed sequences' position_ids make transformers build one). Any other argument
 # sends the call to the module's own forward.
-_NEUTRAL_ARGUMENTS = frozenset({"position_ids", "use_cache", "cache_position", "num_items_in_batch",
+_NEUTRAL_ARGUMENTS = frozenset({"position_ids", "use_cache", "cache_position", "num_items_in_batch", "shift_labels",
                                 "output_attentions", "output_hidden_states"})
 
 
@@ -528,8 +593,9 @@ def _attention_block_problem(attention: nn.Module) -> str | None:
     return None
 
 
-def _attention_block_forward(attention: nn.Module, fallback):
-    """``attention``'s forward through the op where the call allows, else ``fallback``."""
+def _attention_block_forward(attention: nn.Module, fallback, group: str | None = None):
+    """``attention``'s forward through the op where the call allows, else ``fallback``; with ``group``
+    (sequence parallelism), the op over that group's ranks."""
     layout = _projection_layout(attention)
     signature = inspect.signature(attention.forward)
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
@@ -559,15 +625,20 @@ def _attention_block_forward(attention: nn.Module, fallback):
                           UserWarning, stacklevel=2)
         mask = call.get("attention_mask")
         implementation = getattr(config, "_attn_implementation", None)
-        segments = (mask if implementation == masking.IMPLEMENTATION and is_segment_ids(mask)
-                    and mask.shape == x.shape[:2] else None)
+        if group is None:
+            # SDPA's or ours: no mask then means causal, segment ids mean causal per segment
+            segments = (mask if implementation == masking.IMPLEMENTATION and is_segment_ids(mask)
+                        and mask.shape == x.shape[:2] else None)
+            ours = implementation in _CAUSAL_IMPLEMENTATIONS and (mask is None or segments is not None)
+        else:  # sequence_parallel.mask's: this rank's real-token flags, or None (all real)
+            ours = implementation == sequence_parallel.IMPLEMENTATION and (
+                mask is None or (mask.dtype == torch.bool and mask.shape == x.shape[:2]))
         plain_causal = (
             torch.is_grad_enabled()  # inference keeps the module's own path
             and all(_is_plain_linear(p) for p in projections)
-            # SDPA's or ours: no mask then means causal, segment ids mean causal per segment
-            and implementation in _CAUSAL_IMPLEMENTATIONS
+            and ours
             and causal is True
-            and (mask is None or segments is not None) and cache is None
+            and cache is None
             and all(value is None or name in _NEUTRAL_ARGUMENTS for name, value in others.items())
             and not (attention.training and getattr(attention, "attention_dropout", 0.0))
             and x.dim() == 3 and all(x.shape[1] <= w for w in windows)
@@ -580,11 +651,13 @@ def _attention_block_forward(attention: nn.Module, fallback):
         )
         if not plain_causal:
             return fallback(*args, **kwargs)
+        if group is not None:
+            segments = sequence_parallel.whole_rows_segment_ids(mask, others.get("position_ids"), x.shape[0], group)
         weights = {f"{name}.{kind}": getattr(p, kind) for name, p in zip(layout, projections)
                    for kind in ("weight", "bias")}
         out = attention_block_op(x, cos=rotary[0].to(x.dtype), sin=rotary[1].to(x.dtype),
                                  **_op_weights(attention, layout, weights),
-                                 scale=attention.scaling, segment_ids=segments)
+                                 scale=attention.scaling, segment_ids=segments, group_name=group)
         return out, None
 
     return forward
@@ -659,7 +732,8 @@ def _fuse_attention(handle: OffloadHandle, name: str, layer: nn.Module, checkpoi
     # The op saves only its input and recomputes itself in backward: checkpointing it again
     # would compute its forward twice. Calls the op cannot take get the module's own path.
     fallback = _checkpoint_forward(handle, module, offload=True) if checkpointed else module.forward
-    handle._patch(f"{name}.{attention}.forward", module, "forward", _attention_block_forward(module, fallback))
+    handle._patch(f"{name}.{attention}.forward", module, "forward",
+                  _attention_block_forward(module, fallback, handle.sequence_parallel))
 
 
 # The names a decoder layer's or attention module's key/value cache goes by (transformers from 5.24,
@@ -856,6 +930,7 @@ def apply(
     layers: str | None = None,
     loss: bool = True,
     attention_block: bool = True,
+    sequence_parallel: Any = None,
     **offload_options,
 ) -> OffloadHandle:
     """Make ``model`` (a Hugging Face style causal LM or VLM) train with less memory, in place.
@@ -910,6 +985,20 @@ def apply(
       modules it does not replace run the ``segment_attention`` op. Masks it cannot describe (a
       sliding window within reach, overlays, a cache) are built dense as before and counted in
       ``handle.mask_fallbacks`` (uncounted under compile).
+    - ``sequence_parallel``: a ``torch.distributed`` ProcessGroup (or a 1-D DeviceMesh, or a
+      mesh's dimension ``mesh["sp"]``) whose ranks each hold a contiguous chunk of every row's
+      tokens, as ``torch_offload.shard_batch(batch, group)`` gives them; call the model with
+      that batch. Attention runs over the whole rows for a share of the heads between two
+      all-to-alls, within the whole rows' documents and padding: modules ``attention_block``
+      computes run it with the group (one head group at a time, recomputed in backward), the
+      others keep their own forwards (projections, norms, rotary embedding with the whole rows'
+      ``position_ids``) with their core attention through the ``ulysses_attention`` op
+      (``handle.attention`` says which). The fused loss
+      is the whole batch's on every rank (``num_items_in_batch``, else the group's count of
+      labelled tokens), and after backward the ranks' gradients add up to one process's on the
+      whole batch. Needs a model of a tested family with ``"sdpa"`` or ``"eager"`` attention, its
+      loss fused, query heads a multiple of the ranks; no cache, attention dropout or sliding
+      window shorter than the rows.
     - A checkpointed call never carries a key/value cache (backward's recomputation would
       fill it a second time): in training mode a layer handed an empty cache runs without
       it (``use_cache=False``, with a warning), as transformers' gradient checkpointing
@@ -942,6 +1031,7 @@ def apply(
         if layer in _PATCHED or getattr(layer, "mlp", None) in _PATCHED:
             raise ValueError(f"torch_offload.apply: {name} is already changed by an earlier apply(); "
                              "call that handle's remove() first")
+    group = _sequence_parallel_group(sequence_parallel, loss)
     requested, offload = offload, _resolve_offload(model, offload)
     _check_offload_options(offload_options, offload, requested)
     recompute = _resolve_checkpoint(checkpoint, offload)
@@ -953,6 +1043,7 @@ def apply(
             disk_wait(disk_spill(torch.zeros(1), directory=options.get("spill_directory"),
                                  allow_tmpfs=options.get("allow_tmpfs", False)))
     handle = OffloadHandle(layer_path, layer_list, offload, context)
+    handle.sequence_parallel = None if group is None else group.group_name
     try:
         recorded = _recorded_outputs(model) if tiled_mlp else {}
         for index, (name, layer) in enumerate(zip(names, layer_list)):
@@ -961,10 +1052,12 @@ def apply(
             offload_layer = context is not None and index < len(layer_list) - keep_last
             if recompute or offload_layer:
                 _wrap_layer(handle, index, name, layer, recompute, offload_layer, attention_block)
-        if attention_block:
+        if attention_block and group is None:
             _use_segment_masks(handle, model)
         if loss:
-            handle.loss = fuse_causal_lm_loss(handle, model)
+            handle.loss = fuse_causal_lm_loss(handle, model, handle.sequence_parallel)
+        if group is not None:
+            _attend_over_ranks(handle, model, names, layer_list, group)
         if context is not None:
             _offload_in_compiled_graphs(handle, model, set(range(len(layer_list) - keep_last)))
         if not handle._patches:

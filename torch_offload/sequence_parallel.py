@@ -3,95 +3,53 @@
 Each rank holds a contiguous chunk of every row's tokens. ``ulysses_attention`` exchanges q, k and v
 with one all-to-all each so that every rank holds all of the tokens for a share of the heads, runs
 ``segment_attention`` there (causal within the segments of the whole rows), and sends the outputs back
-with one more all-to-all. The collectives are torch.distributed's functional ones (Gloo on CPUs, NCCL
-on GPUs), differentiable, and traced by dynamo.
+with one more all-to-all: the ``offload::ulysses_attention`` op, a C++ composite of torch.distributed's
+functional collectives (Gloo on CPUs, NCCL on GPUs) and ``segment_attention``, differentiable and traced
+by dynamo.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+# Also registers the functional collectives' autograd, which ulysses_attention's gradients go through.
 from torch.distributed import _functional_collectives as funcol
 
-from .attention_block import segment_attention
+from .attention_block import attention_block_segment_ids
 
 IGNORE_INDEX = -100
 # What shard_batch splits along the tokens, and the value it pads each with (position_ids: continued).
 _SEQUENCE_KEYS = {"input_ids": 0, "labels": IGNORE_INDEX, "attention_mask": 0, "position_ids": None}
 
-__all__ = ["shard_batch", "ulysses_attention"]
+__all__ = ["group_name", "shard_batch", "ulysses_attention"]
+
+# The transformers attention implementation apply(model, sequence_parallel=group) gives a model, and the
+# attribute of each attention module that names its group.
+IMPLEMENTATION = "torch_offload_ulysses"
+GROUP_ATTRIBUTE = "torch_offload_sequence_parallel_group"
 
 
-def _ready(t: torch.Tensor) -> torch.Tensor:
-    """t as a plain tensor: eager functional collectives return an AsyncCollectiveTensor, whose views
-    stay one (a leaf's .grad, or a tensor the caller saves, would keep it), waited for here."""
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
-
-
-class _Ready(torch.autograd.Function):
-    """The identity, with _ready() on the way forward and on the gradient's way back."""
-
-    @staticmethod
-    def forward(ctx, t):
-        return _ready(t).view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _ready(grad)
-
-
-def _all_to_all(chunks: torch.Tensor, group) -> torch.Tensor:
-    """all_to_all_single over dim 0 of a contiguous [ranks, ...], differentiable; the result and the
-    input's gradient are plain tensors."""
-    return _Ready.apply(funcol.all_to_all_single_autograd(_Ready.apply(chunks), None, None, group))
-
-
-def _heads_to_tokens(t: torch.Tensor, ranks: int, group) -> torch.Tensor:
-    """[B, heads, tokens / ranks, D] on each rank -> [B, heads / ranks, tokens, D]: rank r keeps the
-    r-th share of the heads, for the tokens of every rank in rank order."""
-    batch, heads, local, dim = t.shape
-    chunks = t.reshape(batch, ranks, heads // ranks, local, dim).transpose(0, 1).contiguous()
-    exchanged = _all_to_all(chunks, group)  # [ranks (source), B, h, local, D]
-    return exchanged.permute(1, 2, 0, 3, 4).reshape(batch, heads // ranks, ranks * local, dim)
-
-
-def _tokens_to_heads(t: torch.Tensor, ranks: int, group) -> torch.Tensor:
-    """_heads_to_tokens' inverse: [B, heads / ranks, tokens, D] -> [B, heads, tokens / ranks, D]."""
-    batch, heads, tokens, dim = t.shape
-    chunks = t.reshape(batch, heads, ranks, tokens // ranks, dim).permute(2, 0, 1, 3, 4).contiguous()
-    exchanged = _all_to_all(chunks, group)  # [ranks (source), B, h, local, D]
-    return exchanged.transpose(0, 1).reshape(batch, ranks * heads, tokens // ranks, dim)
+def group_name(group: dist.ProcessGroup | None) -> str:
+    """The name torch.distributed registered ``group`` under (the default group's for None)."""
+    return (group if group is not None else dist.group.WORLD).group_name
 
 
 def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segment_ids: torch.Tensor,
-                      group: dist.ProcessGroup | None = None, *, scale: float | None = None) -> torch.Tensor:
-    """Causal attention of a sequence split over ``group``'s ranks, each rank holding a contiguous chunk.
+                      group: dist.ProcessGroup | str | None = None, *, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of a sequence split over ``group``'s ranks, each rank holding a contiguous chunk:
+    the ``offload::ulysses_attention`` op.
 
     ``query`` ``[batch, heads, tokens / ranks, head_dim]`` and ``key``, ``value`` ``[batch, kv_heads,
     tokens / ranks, head_dim]`` are this rank's chunk (rank r holds tokens ``[r * tokens / ranks,
     (r + 1) * tokens / ranks)`` of every row); ``segment_ids`` ``[batch, tokens]`` describe the whole rows
     as ``attention_block``'s do (so packed documents may cross ranks). Returns this rank's chunk of the
     output, ``[batch, heads, tokens / ranks, head_dim]``: what ``segment_attention`` gives on the whole
-    rows, sliced. ``heads`` must be a multiple of the number of ranks; key/value heads that are not are
-    repeated to the query heads (grouped-query attention with fewer key/value heads than ranks).
+    rows, sliced. ``heads`` must be a multiple of the number of ranks (else a ValueError naming both);
+    key/value heads that are not are repeated to the query heads (grouped-query attention with fewer
+    key/value heads than ranks). ``group``: a ProcessGroup, its name, or None for the default group.
     Differentiable; every rank must call it with the same shapes.
     """
-    ranks = dist.get_world_size(group)
-    heads, kv_heads = query.shape[1], key.shape[1]
-    if heads % ranks:
-        raise ValueError(f"ulysses_attention: {heads} query heads cannot be split over {ranks} ranks; "
-                         "the query heads must be a multiple of the number of ranks")
-    if heads % kv_heads:
-        raise ValueError(f"ulysses_attention: {heads} query heads are not a multiple of {kv_heads} key/value heads")
-    if segment_ids.dim() != 2 or segment_ids.shape[1] != ranks * query.shape[2]:
-        raise ValueError(f"ulysses_attention: segment_ids has shape {list(segment_ids.shape)}; expected the whole "
-                         f"rows, [batch, {ranks} ranks x {query.shape[2]} tokens]")
-    if kv_heads % ranks:
-        key, value = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (key, value))
-    q, k, v = (_heads_to_tokens(t, ranks, group) for t in (query, key, value))
-    groups = q.shape[1] // k.shape[1]  # the query heads of this rank's share that use each key/value head
-    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-    out = segment_attention(q, k, v, segment_ids, scale=scale)
-    return _tokens_to_heads(out, ranks, group)
+    name = group if isinstance(group, str) else group_name(group)
+    return torch.ops.offload.ulysses_attention(query, key, value, segment_ids, name, scale)
 
 
 def shard_batch(batch: dict, group: dist.ProcessGroup | None = None) -> dict:
@@ -152,3 +110,73 @@ def _shard(batch: dict, rank: int, ranks: int) -> dict:
             value = torch.nn.functional.pad(value, (0, padding), value=_SEQUENCE_KEYS[name])
         out[name] = value[:, rank * local:(rank + 1) * local].contiguous()  # transformers views them flat
     return out
+
+
+def _gathered(t: torch.Tensor, group: str) -> torch.Tensor:
+    """[rows, tokens / ranks] on each rank -> [rows, tokens], the ranks' chunks in rank order."""
+    chunks = funcol.all_gather_single(t.t().contiguous(), 0, group)  # [tokens, rows]: dim 0 is the one it gathers
+    return chunks.t()
+
+
+def group_sum(t: torch.Tensor, group: str) -> torch.Tensor:
+    """The sum of ``t`` over the group's ranks, not differentiable."""
+    return funcol.all_reduce(t.detach(), "sum", group)
+
+
+def global_loss(local: torch.Tensor, group: str) -> torch.Tensor:
+    """The ranks' losses added up, with the gradient of this rank's own: every rank returns the whole
+    batch's loss, and after backward the ranks' gradients add up to the whole batch's."""
+    return local + (group_sum(local, group) - local.detach())
+
+
+def whole_rows_segment_ids(real: torch.Tensor | None, position_ids: torch.Tensor | None, batch: int,
+                           group: str) -> torch.Tensor:
+    """The whole rows' segment ids from this rank's part of a call: from the gathered real-token flags
+    (``mask``'s result) where the batch has an attention_mask, else from the gathered position_ids (packed
+    documents restarting), as transformers reads a batch."""
+    if real is not None:
+        return attention_block_segment_ids(attention_mask=_gathered(real.to(torch.int32), group))
+    if position_ids is None:
+        raise ValueError("torch_offload sequence parallelism: the attention got no position_ids; call the model "
+                         "with shard_batch's position_ids")
+    return attention_block_segment_ids(position_ids=_gathered(position_ids, group), batch=batch)
+
+
+def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+         mask_function=None, attention_mask: torch.Tensor | None = None, config=None, **kwargs):
+    """The mask function registered for IMPLEMENTATION: this rank's [batch, tokens / ranks] real-token
+    flags (or None: all real); the attention function gathers the whole rows' segments itself."""
+    if q_length != kv_length or not isinstance(q_offset, int) or q_offset or kv_offset:
+        raise NotImplementedError("torch_offload sequence parallelism: a key/value cache (queries offset from keys) "
+                                  "is not supported; call the model with use_cache=False")
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, int) and window < kv_length:  # the rows are longer still: ranks x kv_length tokens
+        raise NotImplementedError(f"torch_offload sequence parallelism: a sliding window ({window} tokens) "
+                                  "shorter than the sequence is not supported")
+    return None if attention_mask is None else attention_mask[:, -kv_length:]
+
+
+def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, **kwargs):
+    """The attention function registered for IMPLEMENTATION: ulysses_attention over the module's group,
+    with the whole rows' segment ids: from the gathered real-token flags where the batch has an
+    attention_mask, else from the gathered position_ids (packed documents restarting), as transformers
+    reads a batch."""
+    group = getattr(module, GROUP_ATTRIBUTE, None)
+    if group is None:
+        raise RuntimeError(f"torch_offload sequence parallelism: {type(module).__name__} has no process group; "
+                           "its model's attention implementation is set by apply(model, sequence_parallel=group)")
+    if kwargs.get("dropout", 0.0):
+        raise NotImplementedError("torch_offload sequence parallelism: attention dropout is not supported")
+    segment_ids = whole_rows_segment_ids(attention_mask, kwargs.get("position_ids"), query.shape[0], group)
+    out = ulysses_attention(query, key, value, segment_ids, group, scale=kwargs.get("scaling"))
+    return out.transpose(1, 2).contiguous(), None  # [B, T, heads, D], as SDPA's function returns it
+
+
+def register() -> None:
+    """Registers IMPLEMENTATION with transformers (registering again changes nothing)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(IMPLEMENTATION, attention)
+    AttentionMaskInterface.register(IMPLEMENTATION, mask)

@@ -6,6 +6,7 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <tuple>
 #include <vector>
@@ -218,6 +219,9 @@ inline std::vector<int64_t> linear_cross_entropy_tile(int64_t tokens, int64_t vo
 // run of equal non-negative ids in a row is one causal sequence (a packed document, a row's
 // real tokens); tokens with a negative id (padding) are no one's keys and attend to all of
 // the nearest sequence before them in their row, or to nothing (output 0).
+// group_name (sequence parallelism, a torch.distributed group's name): x, cos and sin are this
+// rank's contiguous chunk of the rows and segment_ids the whole rows'; each head group's attention
+// runs over the whole rows for a share of its heads, between two all-to-alls (heads a multiple of the ranks).
 inline at::Tensor attention_block(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
                                   const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
                                   const at::Tensor& sin, const std::optional<at::Tensor>& b_q = std::nullopt,
@@ -225,14 +229,15 @@ inline at::Tensor attention_block(const at::Tensor& x, const at::Tensor& w_q, co
                                   const std::optional<at::Tensor>& b_v = std::nullopt,
                                   const std::optional<at::Tensor>& b_o = std::nullopt,
                                   std::optional<double> scale = std::nullopt,
-                                  const std::optional<at::Tensor>& segment_ids = std::nullopt) {
+                                  const std::optional<at::Tensor>& segment_ids = std::nullopt,
+                                  std::optional<std::string_view> group_name = std::nullopt) {
   TORCH_CHECK(x.defined(), "attention_block: x is an undefined tensor; expected a defined tensor");
   static const auto handle = detail::op<at::Tensor(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
       const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::optional<double>,
-      const std::optional<at::Tensor>&)>("offload::attention_block");
-  return handle.call(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids);
+      const std::optional<at::Tensor>&, std::optional<std::string_view>)>("offload::attention_block");
+  return handle.call(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids, group_name);
 }
 
 // The gradients of attention_block with respect to (x, w_q, w_k, w_v, w_o, b_q, b_k,
@@ -246,7 +251,7 @@ inline AttentionBlockGradients attention_block_backward(
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
-    std::array<bool, 9> output_mask) {
+    std::array<bool, 9> output_mask, std::optional<std::string_view> group_name = std::nullopt) {
   TORCH_CHECK(grad_out.defined(),
               "attention_block_backward: grad_out is an undefined tensor; expected a defined tensor");
   TORCH_CHECK(x.defined(), "attention_block_backward: x is an undefined tensor; expected a defined tensor");
@@ -254,9 +259,10 @@ inline AttentionBlockGradients attention_block_backward(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-      std::optional<double>, const std::optional<at::Tensor>&, std::array<bool, 9>)>(
+      std::optional<double>, const std::optional<at::Tensor>&, std::array<bool, 9>, std::optional<std::string_view>)>(
       "offload::attention_block_backward");
-  return handle.call(grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids, output_mask);
+  return handle.call(grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids, output_mask,
+                     group_name);
 }
 
 // attention_block's attention alone, for attention modules whose projections it does not
@@ -284,6 +290,22 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
       std::optional<double>, std::array<bool, 3>)>("offload::segment_attention_backward");
   return handle.call(grad_out, query, key, value, segment_ids, scale, output_mask);
+}
+
+// segment_attention over a sequence split across the ranks of a process group (Ulysses), named as
+// torch.distributed names it (ProcessGroup.group_name): query [batch, heads, tokens / ranks, head_dim]
+// and key, value [batch, kv_heads, tokens / ranks, head_dim] are this rank's contiguous chunk of the
+// rows, segment_ids [batch, tokens] the whole rows'. heads must be a multiple of the ranks; key/value
+// heads that are not are repeated. Every rank calls it with the same shapes; the gradients need
+// torch.distributed's functional collectives' autograd (registered when Python imports torch.distributed).
+inline at::Tensor ulysses_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                    const at::Tensor& segment_ids, const std::string& group_name,
+                                    std::optional<double> scale = std::nullopt) {
+  TORCH_CHECK(query.defined(), "ulysses_attention: query is an undefined tensor; expected a defined tensor");
+  static const auto handle =
+      detail::op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const std::string&, std::optional<double>)>("offload::ulysses_attention");
+  return handle.call(query, key, value, segment_ids, group_name, scale);
 }
 
 }  // namespace torch_offload

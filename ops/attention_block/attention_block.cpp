@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <numeric>
+#include <string>
 #include <vector>
 
 #include <ATen/OpMathType.h>
@@ -24,6 +26,7 @@
 
 #include "ops/common/checks.h"
 #include "ops/common/gemm.h"
+#include "ops/sequence_parallel/ulysses_attention.h"
 
 namespace torch_offload {
 
@@ -108,8 +111,9 @@ void check_segment_ids(const char* op, const at::Tensor& segment_ids, const at::
                   tokens, "]");
 }
 
-void check_segment_ids(const char* op, const at::Tensor& segment_ids, const at::Tensor& x) {
-  check_segment_ids(op, segment_ids, x, "x", x.sym_size(0), x.sym_size(1));
+// attention_block's: [batch, tokens] of the whole rows, x's tokens times the ranks of a sequence-parallel group.
+void check_segment_ids(const char* op, const at::Tensor& segment_ids, const at::Tensor& x, int64_t ranks) {
+  check_segment_ids(op, segment_ids, x, "x", x.sym_size(0), x.sym_size(1) * ranks);
 }
 
 // The segments of a call: each maximal run of equal segment ids, in order. A run of
@@ -301,6 +305,36 @@ at::Tensor narrow_or_undefined(const at::Tensor& t, int64_t dim, int64_t start, 
   return t.defined() ? t.narrow(dim, start, length) : t;
 }
 
+// Sequence parallelism (a group name given): x holds this rank's contiguous chunk of every row. Each
+// head group's q, k and v go to the whole rows for a share of the group's heads (to_tokens), and its
+// attention output comes back (to_heads). Without a group both are the identity.
+struct Shards {
+  std::string group_name;
+  int64_t ranks;
+
+  explicit Shards(std::optional<c10::string_view> name)
+      : group_name(name.has_value() ? std::string(*name) : std::string()),
+        ranks(name.has_value() ? group_size(group_name) : 1) {}
+  bool active() const { return !group_name.empty(); }
+  at::Tensor to_tokens(const at::Tensor& t) const {
+    return active() ? heads_to_tokens(t, ranks, group_name, /*differentiable=*/false) : t;
+  }
+  at::Tensor to_heads(const at::Tensor& t) const {
+    return active() ? tokens_to_heads(t, ranks, group_name, /*differentiable=*/false) : t;
+  }
+};
+
+// Key/value heads per group: the layout's, rounded up so that each rank gets whole query heads of a group.
+int64_t kv_heads_per_group(const char* op, const Layout& l, const Shards& shards) {
+  if (!shards.active()) {
+    return l.kv_heads_per_group;
+  }
+  TORCH_CHECK_VALUE(l.heads % shards.ranks == 0, op, ": ", l.heads, " query heads cannot be split over ",
+                    shards.ranks, " ranks; the query heads must be a multiple of the number of ranks");
+  const int64_t step = shards.ranks / std::gcd(shards.ranks, l.repeats);
+  return std::min(l.kv_heads, (l.kv_heads_per_group + step - 1) / step * step);
+}
+
 // One group of key/value heads [first, first + count) and the query heads that share them.
 struct Group {
   int64_t q_start, q_rows, kv_start, kv_rows;
@@ -313,10 +347,10 @@ struct Group {
         kv_rows(count * l.head_dim) {}
 };
 
-// Projects x's rows to the group's q, k and v.
+// Projects x's rows to the group's q, k and v (for the whole rows and a share of the heads, with shards).
 void project(Group& g, const Layout& l, const at::Tensor& x_rows, const at::Tensor& w_q, const at::Tensor& w_k,
              const at::Tensor& w_v, const at::Tensor& b_q, const at::Tensor& b_k, const at::Tensor& b_v,
-             const at::Tensor& cos, const at::Tensor& sin) {
+             const at::Tensor& cos, const at::Tensor& sin, const Shards& shards) {
   const auto linear = [&](const at::Tensor& w, const at::Tensor& b, int64_t start, int64_t rows) {
     at::Tensor out = at::empty({x_rows.size(0), rows}, x_rows.options());
     linear_into(out, x_rows, w.narrow(0, start, rows), narrow_or_undefined(b, 0, start, rows));
@@ -326,6 +360,9 @@ void project(Group& g, const Layout& l, const at::Tensor& x_rows, const at::Tens
   g.k = repeat_kv(rotary(linear(w_k, b_k, g.kv_start, g.kv_rows), l, cos, sin), l);
   g.v = repeat_kv(linear(w_v, b_v, g.kv_start, g.kv_rows).view({l.batch, l.tokens, -1, l.head_dim}).transpose(1, 2),
                   l);
+  g.q = shards.to_tokens(g.q);
+  g.k = shards.to_tokens(g.k);
+  g.v = shards.to_tokens(g.v);
 }
 
 }  // namespace
@@ -335,12 +372,15 @@ at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tenso
                                 const at::Tensor& cos, const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
-                                const std::optional<at::Tensor>& segment_ids) {
+                                const std::optional<at::Tensor>& segment_ids,
+    std::optional<c10::string_view> group_name) {
   const at::Tensor bq = value_or_undefined(b_q), bk = value_or_undefined(b_k), bv = value_or_undefined(b_v),
                    bo = value_or_undefined(b_o), segments = value_or_undefined(segment_ids);
   check_arguments("attention_block", x, w_q, w_k, w_v, w_o, cos, sin, bq, bk, bv, bo, scale);
-  check_segment_ids("attention_block", segments, x);
+  const Shards shards(group_name);
+  check_segment_ids("attention_block", segments, x, shards.ranks);
   const Layout l(x, w_q, w_k, w_o, cos, scale);
+  const int64_t per_group = kv_heads_per_group("attention_block", l, shards);
   const SegmentRuns runs = segment_runs(segments);
   const int64_t rows = l.batch * l.tokens;
   // The groups' output projections add up in float32 for bf16/fp16 and are rounded once.
@@ -351,11 +391,11 @@ at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tenso
   }
   if (rows > 0) {
     const at::Tensor x_rows = x.reshape({rows, l.h}).contiguous();
-    for (int64_t first = 0; first < l.kv_heads; first += l.kv_heads_per_group) {
-      Group g(l, first, std::min(l.kv_heads_per_group, l.kv_heads - first));
-      project(g, l, x_rows, w_q, w_k, w_v, bq, bk, bv, cos, sin);
+    for (int64_t first = 0; first < l.kv_heads; first += per_group) {
+      Group g(l, first, std::min(per_group, l.kv_heads - first));
+      project(g, l, x_rows, w_q, w_k, w_v, bq, bk, bv, cos, sin, shards);
       const AttentionResult attention = attend(kernels, g.q, g.k, g.v, l.scale, runs);
-      accumulate_mm(out, as_rows(attention.out, l), w_o.narrow(1, g.q_start, g.q_rows).t());
+      accumulate_mm(out, as_rows(shards.to_heads(attention.out), l), w_o.narrow(1, g.q_start, g.q_rows).t());
     }
   }
   return out.to(x.scalar_type()).view({l.batch, l.tokens, l.out_features});
@@ -366,13 +406,15 @@ AttentionBlockGradients attention_block_backward_impl(
     const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
-    std::array<bool, 9> output_mask) {
+    std::array<bool, 9> output_mask, std::optional<c10::string_view> group_name) {
   const char* op = "attention_block_backward";
   const at::Tensor bq = value_or_undefined(b_q), bk = value_or_undefined(b_k), bv = value_or_undefined(b_v),
                    bo = value_or_undefined(b_o), segments = value_or_undefined(segment_ids);
   check_arguments(op, x, w_q, w_k, w_v, w_o, cos, sin, bq, bk, bv, bo, scale);
-  check_segment_ids(op, segments, x);
+  const Shards shards(group_name);
+  check_segment_ids(op, segments, x, shards.ranks);
   const Layout l(x, w_q, w_k, w_o, cos, scale);
+  const int64_t per_group = kv_heads_per_group(op, l, shards);
   check_tensor(op, "grad_out", grad_out, x, "x", x.scalar_type(), {l.batch, l.tokens, l.out_features},
                "[batch, tokens, out_features]");
   const int64_t rows = l.batch * l.tokens;
@@ -406,20 +448,24 @@ AttentionBlockGradients attention_block_backward_impl(
     // float32 on every call, convert it once.
     const bool convert_x = acc_type != x.scalar_type() && !x.is_cuda();
     const at::Tensor x_operand = convert_x ? x_rows.to(acc_type) : x_rows;
-    for (int64_t first = 0; first < l.kv_heads; first += l.kv_heads_per_group) {
-      Group g(l, first, std::min(l.kv_heads_per_group, l.kv_heads - first));
-      project(g, l, x_rows, w_q, w_k, w_v, bq, bk, bv, cos, sin);
+    for (int64_t first = 0; first < l.kv_heads; first += per_group) {
+      Group g(l, first, std::min(per_group, l.kv_heads - first));
+      project(g, l, x_rows, w_q, w_k, w_v, bq, bk, bv, cos, sin, shards);
       const AttentionResult attention = attend(kernels, g.q, g.k, g.v, l.scale, runs);
       const at::Tensor w_o_group = w_o.narrow(1, g.q_start, g.q_rows);
       if (want_w_o) {
-        accumulate_mm(grad_w_o.narrow(1, g.q_start, g.q_rows), grad_rows.t(), as_rows(attention.out, l));
+        accumulate_mm(grad_w_o.narrow(1, g.q_start, g.q_rows), grad_rows.t(),
+                      as_rows(shards.to_heads(attention.out), l));
       }
       if (!want_inner) {
         continue;
       }
-      const at::Tensor grad_attention =
-          at::mm(grad_rows, w_o_group).view({l.batch, l.tokens, -1, l.head_dim}).transpose(1, 2);
+      const at::Tensor grad_attention = shards.to_tokens(
+          at::mm(grad_rows, w_o_group).view({l.batch, l.tokens, -1, l.head_dim}).transpose(1, 2));
       auto [dq, dk, dv] = attend_backward(kernels, grad_attention, g.q, g.k, g.v, attention, l.scale, runs);
+      dq = shards.to_heads(dq);
+      dk = shards.to_heads(dk);
+      dv = shards.to_heads(dv);
       const at::Tensor grad_q = rotary_backward(dq, l, cos, sin);
       const at::Tensor grad_k = rotary_backward(sum_repeats(dk, l), l, cos, sin);
       const at::Tensor grad_v = as_rows(sum_repeats(dv, l), l);
@@ -602,9 +648,10 @@ at::Tensor attention_block_cpu(const at::Tensor& x, const at::Tensor& w_q, const
                                const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                                const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                const std::optional<at::Tensor>& b_o, std::optional<double> scale,
-                               const std::optional<at::Tensor>& segment_ids) {
+                               const std::optional<at::Tensor>& segment_ids,
+    std::optional<c10::string_view> group_name) {
   return attention_block_impl(cpu_attention_kernels, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale,
-                              segment_ids);
+                              segment_ids, group_name);
 }
 
 AttentionBlockGradients attention_block_backward_cpu(
@@ -612,9 +659,9 @@ AttentionBlockGradients attention_block_backward_cpu(
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
-    std::array<bool, 9> output_mask) {
+    std::array<bool, 9> output_mask, std::optional<c10::string_view> group_name) {
   return attention_block_backward_impl(cpu_attention_kernels, grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k,
-                                       b_v, b_o, scale, segment_ids, output_mask);
+                                       b_v, b_o, scale, segment_ids, output_mask, group_name);
 }
 
 // Meta: the same checks (on symbolic shapes), then results shaped like the real ones.
@@ -623,10 +670,12 @@ at::Tensor attention_block_meta(const at::Tensor& x, const at::Tensor& w_q, cons
                                 const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
-                                const std::optional<at::Tensor>& segment_ids) {
+                                const std::optional<at::Tensor>& segment_ids,
+    std::optional<c10::string_view> group_name) {
   check_arguments("attention_block", x, w_q, w_k, w_v, w_o, cos, sin, value_or_undefined(b_q),
                   value_or_undefined(b_k), value_or_undefined(b_v), value_or_undefined(b_o), scale);
-  check_segment_ids("attention_block", value_or_undefined(segment_ids), x);
+  const Shards shards(group_name);
+  check_segment_ids("attention_block", value_or_undefined(segment_ids), x, shards.ranks);
   return at::empty_symint({x.sym_size(0), x.sym_size(1), w_o.sym_size(0)}, x.options());
 }
 
@@ -635,9 +684,10 @@ AttentionBlockGradients attention_block_backward_meta(
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
-    std::array<bool, 9> output_mask) {
+    std::array<bool, 9> output_mask, std::optional<c10::string_view> group_name) {
   const char* op = "attention_block_backward";
-  check_segment_ids(op, value_or_undefined(segment_ids), x);
+  const Shards shards(group_name);
+  check_segment_ids(op, value_or_undefined(segment_ids), x, shards.ranks);
   const std::array<at::Tensor, 9> inputs{x, w_q, w_k, w_v, w_o, value_or_undefined(b_q), value_or_undefined(b_k),
                                          value_or_undefined(b_v), value_or_undefined(b_o)};
   check_arguments(op, x, w_q, w_k, w_v, w_o, cos, sin, inputs[5], inputs[6], inputs[7], inputs[8], scale);

@@ -42,13 +42,14 @@ at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tenso
                                 const at::Tensor& cos, const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
-                                const std::optional<at::Tensor>& segment_ids);
+                                const std::optional<at::Tensor>& segment_ids,
+    std::optional<c10::string_view> group_name);
 AttentionBlockGradients attention_block_backward_impl(
     const AttentionKernels& kernels, const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q,
     const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
-    std::array<bool, 9> output_mask);
+    std::array<bool, 9> output_mask, std::optional<c10::string_view> group_name);
 
 // segment_attention / segment_attention_backward: the attention of attention_block alone, for
 // attention modules it does not replace (their own projections and norms): query, key and value
@@ -70,25 +71,27 @@ at::Tensor attention_block_cpu(const at::Tensor& x, const at::Tensor& w_q, const
                                const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                                const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                const std::optional<at::Tensor>& b_o, std::optional<double> scale,
-                               const std::optional<at::Tensor>& segment_ids);
+                               const std::optional<at::Tensor>& segment_ids,
+    std::optional<c10::string_view> group_name);
 at::Tensor attention_block_meta(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
                                 const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
                                 const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
-                                const std::optional<at::Tensor>& segment_ids);
+                                const std::optional<at::Tensor>& segment_ids,
+    std::optional<c10::string_view> group_name);
 AttentionBlockGradients attention_block_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
-    std::array<bool, 9> output_mask);
+    std::array<bool, 9> output_mask, std::optional<c10::string_view> group_name);
 AttentionBlockGradients attention_block_backward_meta(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
-    std::array<bool, 9> output_mask);
+    std::array<bool, 9> output_mask, std::optional<c10::string_view> group_name);
 
 at::Tensor segment_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& segment_ids, std::optional<double> scale);
@@ -107,13 +110,14 @@ at::Tensor attention_block_cuda(const at::Tensor& x, const at::Tensor& w_q, cons
                                 const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
-                                const std::optional<at::Tensor>& segment_ids);
+                                const std::optional<at::Tensor>& segment_ids,
+    std::optional<c10::string_view> group_name);
 AttentionBlockGradients attention_block_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
-    std::array<bool, 9> output_mask);
+    std::array<bool, 9> output_mask, std::optional<c10::string_view> group_name);
 at::Tensor segment_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& segment_ids, std::optional<double> scale);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_cuda(

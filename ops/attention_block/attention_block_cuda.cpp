@@ -54,10 +54,11 @@ at::Tensor attention_block_cuda(const at::Tensor& x, const at::Tensor& w_q, cons
                                 const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
-                                const std::optional<at::Tensor>& segment_ids) {
+                                const std::optional<at::Tensor>& segment_ids,
+    std::optional<c10::string_view> group_name) {
   check_cuda_support("attention_block", x, cos);
   return attention_block_impl(cuda_attention_kernels, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale,
-                              segment_ids);
+                              segment_ids, group_name);
 }
 
 AttentionBlockGradients attention_block_backward_cuda(
@@ -65,10 +66,10 @@ AttentionBlockGradients attention_block_backward_cuda(
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
-    std::array<bool, 9> output_mask) {
+    std::array<bool, 9> output_mask, std::optional<c10::string_view> group_name) {
   check_cuda_support("attention_block_backward", x, cos);
   return attention_block_backward_impl(cuda_attention_kernels, grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k,
-                                       b_v, b_o, scale, segment_ids, output_mask);
+                                       b_v, b_o, scale, segment_ids, output_mask, group_name);
 }
 
 at::Tensor segment_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
