@@ -176,7 +176,8 @@ def test_shard_batch_pads_splits_and_shifts_labels_across_ranks(ranks):
     glued = {name: torch.cat([p[name] for p in parts], dim=1) for name in ("input_ids", "labels", "shift_labels",
                                                                           "attention_mask", "position_ids")}
     assert glued["input_ids"].shape == (2, padded) and torch.equal(glued["input_ids"][:, :13], batch["input_ids"])
-    assert torch.equal(glued["position_ids"], torch.arange(padded)[None])
+    # The padding's positions start again at 0: a document of its own, within the model's position table.
+    assert torch.equal(glued["position_ids"], torch.cat([torch.arange(13), torch.arange(padded - 13)])[None])
     assert (glued["attention_mask"][:, 13:] == 0).all() and (glued["labels"][:, 13:] == -100).all()
     # Each token's label is the next token's, across rank boundaries; the last real token's is -100.
     assert torch.equal(glued["shift_labels"][:, :12], batch["labels"][:, 1:])
@@ -196,7 +197,7 @@ def test_shard_batch_keeps_packed_positions_and_a_given_count_and_refuses_what_i
                  num_items_in_batch=torch.tensor(40))
     first, second = (torch_offload.sequence_parallel._shard(batch, rank, 2) for rank in range(2))
     assert torch.equal(torch.cat([first["position_ids"], second["position_ids"]], 1),
-                       torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 8]]))
+                       torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 0]]))
     assert first["num_items_in_batch"] == 40
     with pytest.raises(ValueError, match=r"shard_batch: inputs_embeds has shape \[2, 13, 8\]"):
         torch_offload.sequence_parallel._shard(dict(batch, inputs_embeds=torch.zeros(2, 13, 8)), 0, 2)
@@ -360,7 +361,7 @@ def refusals_on_ranks(rank, world_size, path):
     def refused(name, call):
         try:
             call()
-        except (ValueError, TypeError) as error:
+        except (ValueError, TypeError, NotImplementedError) as error:
             messages[name] = f"{type(error).__name__}: {error}"
 
     refused("heads", lambda: torch_offload.apply(make_model("llama", hidden_size=24, num_attention_heads=3,
@@ -369,6 +370,13 @@ def refusals_on_ranks(rank, world_size, path):
     refused("mesh", lambda: torch_offload.apply(make_model("llama"), sequence_parallel=init_device_mesh(
         "cpu", (1, 2), mesh_dim_names=("dp", "sp"))))
     refused("type", lambda: torch_offload.apply(make_model("llama"), sequence_parallel="sp"))
+    refused("rope", lambda: torch_offload.apply(make_model("llama", rope_parameters=dict(rope_type="dynamic",
+                                                                                          factor=2.0)),
+                                                sequence_parallel=group))
+    # A window longer than each rank's 12 tokens but shorter than the whole 24.
+    windowed = make_model("mistral", sliding_window=16)
+    torch_offload.apply(windowed, sequence_parallel=group)
+    refused("window", lambda: windowed(**torch_offload.shard_batch(documents_crossing_ranks(), group)))
     model = make_model("llama")
     handle = torch_offload.apply(model, sequence_parallel=init_device_mesh("cpu", (2,), mesh_dim_names=("sp",)))
     batch = torch_offload.shard_batch(documents_crossing_ranks(), group)
@@ -393,6 +401,10 @@ def test_apply_refuses_what_sequence_parallelism_cannot_compute_and_remove_resto
     assert got["mesh"].startswith("ValueError: torch_offload.apply: sequence_parallel is a 2-D DeviceMesh")
     assert got["type"].startswith("TypeError: torch_offload.apply: sequence_parallel must be a torch.distributed "
                                   "ProcessGroup or DeviceMesh, got str")
+    assert got["rope"].startswith("ValueError: torch_offload.apply: sequence_parallel: LlamaConfig's rotary "
+                                  "embedding ('dynamic') scales with the largest position of a call")
+    assert got["window"] == ("NotImplementedError: torch_offload sequence parallelism: a sliding window (16 tokens) "
+                             "shorter than the sequence (24 tokens over the ranks) is not supported")
     assert "called with labels but no shift_labels; pass torch_offload.shard_batch" in got["no_shift_labels"]
     assert "called without position_ids; pass torch_offload.shard_batch" in got["no_position_ids"]
     assert got["applied"] == (torch_offload.sequence_parallel.IMPLEMENTATION, True)

@@ -302,6 +302,7 @@ class OffloadHandle:
         self.attention: dict[str, str] = {}
         self.loss = "off"
         self.sequence_parallel: str | None = None  # the name of apply()'s sequence-parallel group
+        self._sequence_parallel_ranks = 1
         self._patches: list[_Patch] = []
         # (config, its attention implementation before, the one apply set)
         self._attention_implementations: list[tuple[Any, Any, str]] = []
@@ -394,6 +395,10 @@ def _sequence_parallel_group(sequence_parallel: Any, loss: bool) -> Any:
     return sequence_parallel
 
 
+# Rotary embeddings whose frequencies transformers picks from a call's largest position (dynamic_rope_update).
+_ROPE_OF_THE_CALLS_POSITIONS = ("dynamic", "longrope")
+
+
 def _attend_over_ranks(handle: OffloadHandle, model: nn.Module, names: list[str], layers: nn.ModuleList,
                        group: Any) -> None:
     """The model's attention over ``group``'s ranks: its attention implementation becomes
@@ -413,6 +418,11 @@ def _attend_over_ranks(handle: OffloadHandle, model: nn.Module, names: list[str]
                              f"{', '.join(sorted(_SEGMENT_MASK_MODEL_TYPES))} models with 'sdpa' or 'eager' "
                              f"attention; {type(config).__name__} has model_type "
                              f"{getattr(config, 'model_type', None)!r} and attention {implementation!r}")
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in _ROPE_OF_THE_CALLS_POSITIONS:
+            raise ValueError(f"torch_offload.apply: sequence_parallel: {type(config).__name__}'s rotary embedding "
+                             f"({rope.get('rope_type', rope.get('type'))!r}) scales with the largest position of a "
+                             "call, which differs between ranks")
         heads = getattr(config, "num_attention_heads", None)
         if isinstance(heads, int) and heads % group.size():
             raise ValueError(f"torch_offload.apply: sequence_parallel: {heads} attention heads cannot be split over "
@@ -593,9 +603,9 @@ def _attention_block_problem(attention: nn.Module) -> str | None:
     return None
 
 
-def _attention_block_forward(attention: nn.Module, fallback, group: str | None = None):
+def _attention_block_forward(attention: nn.Module, fallback, group: str | None = None, ranks: int = 1):
     """``attention``'s forward through the op where the call allows, else ``fallback``; with ``group``
-    (sequence parallelism), the op over that group's ranks."""
+    (sequence parallelism, its ``ranks`` each holding a chunk of the rows), the op over that group."""
     layout = _projection_layout(attention)
     signature = inspect.signature(attention.forward)
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
@@ -641,7 +651,7 @@ def _attention_block_forward(attention: nn.Module, fallback, group: str | None =
             and cache is None
             and all(value is None or name in _NEUTRAL_ARGUMENTS for name, value in others.items())
             and not (attention.training and getattr(attention, "attention_dropout", 0.0))
-            and x.dim() == 3 and all(x.shape[1] <= w for w in windows)
+            and x.dim() == 3 and all(x.shape[1] * ranks <= w for w in windows)
             and rotary is not None and not any(t.requires_grad for t in rotary)
             and rotary[0].shape[-1] == attention.head_dim  # a partial rotary embedding is not the op's
             # The op rotates in x's dtype; tables of a wider dtype (OLMo's float32 ones for a bfloat16
@@ -733,7 +743,7 @@ def _fuse_attention(handle: OffloadHandle, name: str, layer: nn.Module, checkpoi
     # would compute its forward twice. Calls the op cannot take get the module's own path.
     fallback = _checkpoint_forward(handle, module, offload=True) if checkpointed else module.forward
     handle._patch(f"{name}.{attention}.forward", module, "forward",
-                  _attention_block_forward(module, fallback, handle.sequence_parallel))
+                  _attention_block_forward(module, fallback, handle.sequence_parallel, handle._sequence_parallel_ranks))
 
 
 # The names a decoder layer's or attention module's key/value cache goes by (transformers from 5.24,
@@ -997,8 +1007,10 @@ def apply(
       is the whole batch's on every rank (``num_items_in_batch``, else the group's count of
       labelled tokens), and after backward the ranks' gradients add up to one process's on the
       whole batch. Needs a model of a tested family with ``"sdpa"`` or ``"eager"`` attention, its
-      loss fused, query heads a multiple of the ranks; no cache, attention dropout or sliding
-      window shorter than the rows.
+      loss fused, query heads a multiple of the ranks; no cache, attention dropout, sliding
+      window shorter than the rows or rotary embedding scaled by a call's largest position
+      ("dynamic", "longrope"). Calls with labels compute the fused loss under ``no_grad`` too
+      (no logits in evaluation).
     - A checkpointed call never carries a key/value cache (backward's recomputation would
       fill it a second time): in training mode a layer handed an empty cache runs without
       it (``use_cache=False``, with a warning), as transformers' gradient checkpointing
@@ -1043,7 +1055,8 @@ def apply(
             disk_wait(disk_spill(torch.zeros(1), directory=options.get("spill_directory"),
                                  allow_tmpfs=options.get("allow_tmpfs", False)))
     handle = OffloadHandle(layer_path, layer_list, offload, context)
-    handle.sequence_parallel = None if group is None else group.group_name
+    if group is not None:
+        handle.sequence_parallel, handle._sequence_parallel_ranks = group.group_name, group.size()
     try:
         recorded = _recorded_outputs(model) if tiled_mlp else {}
         for index, (name, layer) in enumerate(zip(names, layer_list)):

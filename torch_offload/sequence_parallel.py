@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-# Also registers the functional collectives' autograd, which ulysses_attention's gradients go through.
 from torch.distributed import _functional_collectives as funcol
 
 from .attention_block import attention_block_segment_ids
@@ -58,7 +57,8 @@ def shard_batch(batch: dict, group: dist.ProcessGroup | None = None) -> dict:
     ``batch`` is what a collator gives a causal LM: ``input_ids`` ``[batch, T]`` and any of ``labels``,
     ``attention_mask``, ``position_ids`` (``[1 or batch, T]``), ``num_items_in_batch``; every rank passes
     the same batch. T is padded to a multiple of the ranks N (input ids and the mask with 0, labels with
-    -100, positions continued), so the padding comes after every real token and no real token sees it.
+    -100, positions 0, 1, ...: a document of its own, within the model's position table), so the padding
+    comes after every real token and no real token sees it.
     Rank r gets tokens ``[r * T / N, (r + 1) * T / N)`` of each of them, with:
 
     - ``shift_labels``: the labels shifted by one token over the whole rows, so a chunk's last token is
@@ -67,12 +67,16 @@ def shard_batch(batch: dict, group: dist.ProcessGroup | None = None) -> dict:
     - ``position_ids``: the whole rows' positions (0..T-1 if the batch has none), so the rotary embedding
       sees global positions and packed documents stay packed across ranks;
     - ``num_items_in_batch``: the number of labelled tokens of the whole batch (if the batch does not give
-      one already, e.g. counted over accumulation steps): each rank's loss is then its share of the whole
-      batch's, and the ranks' losses add up to it.
+      one already, e.g. counted over accumulation steps; one given must count the whole, unsharded batch
+      once, not a sum over the sequence ranks): the normalisation of the whole batch's loss, which
+      apply(model, sequence_parallel=group) returns on every rank.
     Other entries are passed on as they are; another tensor shaped like the tokens (``inputs_embeds``) is
     refused by name, as it would go unsplit.
     """
-    return _shard(batch, dist.get_rank(group), dist.get_world_size(group))
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("shard_batch: this process is not a rank of the group")
+    return _shard(batch, rank, dist.get_world_size(group))
 
 
 def _shard(batch: dict, rank: int, ranks: int) -> dict:
@@ -105,7 +109,7 @@ def _shard(batch: dict, rank: int, ranks: int) -> dict:
             continue
         value = out[name]
         if name == "position_ids":
-            value = torch.cat([value, value[:, -1:] + torch.arange(1, padding + 1, device=value.device)], dim=1)
+            value = torch.cat([value, torch.arange(padding, device=value.device).expand(value.shape[0], -1)], dim=1)
         elif name != "shift_labels":
             value = torch.nn.functional.pad(value, (0, padding), value=_SEQUENCE_KEYS[name])
         out[name] = value[:, rank * local:(rank + 1) * local].contiguous()  # transformers views them flat
@@ -142,17 +146,21 @@ def whole_rows_segment_ids(real: torch.Tensor | None, position_ids: torch.Tensor
     return attention_block_segment_ids(position_ids=_gathered(position_ids, group), batch=batch)
 
 
+def check_window(window: int | None, tokens: int) -> None:
+    """Sliding-window attention is not computed: refused where the window is shorter than the whole rows."""
+    if isinstance(window, int) and window < tokens:
+        raise NotImplementedError(f"torch_offload sequence parallelism: a sliding window ({window} tokens) shorter "
+                                  f"than the sequence ({tokens} tokens over the ranks) is not supported")
+
+
 def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
          mask_function=None, attention_mask: torch.Tensor | None = None, config=None, **kwargs):
     """The mask function registered for IMPLEMENTATION: this rank's [batch, tokens / ranks] real-token
-    flags (or None: all real); the attention function gathers the whole rows' segments itself."""
+    flags (or None: all real); the attention function gathers the whole rows' segments itself (and
+    checks sliding windows against the whole rows, which this rank's part does not know)."""
     if q_length != kv_length or not isinstance(q_offset, int) or q_offset or kv_offset:
         raise NotImplementedError("torch_offload sequence parallelism: a key/value cache (queries offset from keys) "
                                   "is not supported; call the model with use_cache=False")
-    window = getattr(config, "sliding_window", None)
-    if isinstance(window, int) and window < kv_length:  # the rows are longer still: ranks x kv_length tokens
-        raise NotImplementedError(f"torch_offload sequence parallelism: a sliding window ({window} tokens) "
-                                  "shorter than the sequence is not supported")
     return None if attention_mask is None else attention_mask[:, -kv_length:]
 
 
@@ -169,6 +177,7 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     if kwargs.get("dropout", 0.0):
         raise NotImplementedError("torch_offload sequence parallelism: attention dropout is not supported")
     segment_ids = whole_rows_segment_ids(attention_mask, kwargs.get("position_ids"), query.shape[0], group)
+    check_window(kwargs.get("sliding_window"), segment_ids.shape[1])
     out = ulysses_attention(query, key, value, segment_ids, group, scale=kwargs.get("scaling"))
     return out.transpose(1, 2).contiguous(), None  # [B, T, heads, D], as SDPA's function returns it
 

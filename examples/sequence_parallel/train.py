@@ -68,7 +68,8 @@ def main():
         loss.backward()
         if distributed:  # each rank's gradients are its tokens' share: one process's are their sum
             for p in model.parameters():
-                dist.all_reduce(p.grad, group=group)
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=group)
         optimizer.step()
         losses.append(loss.item())
     handle.remove()

@@ -296,8 +296,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward
 // torch.distributed names it (ProcessGroup.group_name): query [batch, heads, tokens / ranks, head_dim]
 // and key, value [batch, kv_heads, tokens / ranks, head_dim] are this rank's contiguous chunk of the
 // rows, segment_ids [batch, tokens] the whole rows'. heads must be a multiple of the ranks; key/value
-// heads that are not are repeated. Every rank calls it with the same shapes; the gradients need
-// torch.distributed's functional collectives' autograd (registered when Python imports torch.distributed).
+// heads that are not are repeated. Every rank calls it with the same shapes. Differentiable (the
+// exchanges' gradients are the inverse exchanges, in C++).
 inline at::Tensor ulysses_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                     const at::Tensor& segment_ids, const std::string& group_name,
                                     std::optional<double> scale = std::nullopt) {

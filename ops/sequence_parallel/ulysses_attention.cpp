@@ -79,9 +79,20 @@ at::Tensor ulysses_attention_composite(const at::Tensor& query, const at::Tensor
               " ranks; the query heads must be a multiple of the number of ranks");
   TORCH_CHECK_VALUE(kv_heads > 0 && heads % kv_heads == 0 && value.size(1) == kv_heads, op, ": ", heads,
               " query heads are not a multiple of key's ", kv_heads, " heads (value has ", value.size(1), ")");
-  TORCH_CHECK_VALUE(segment_ids.dim() == 2 && segment_ids.sym_size(1) == query.sym_size(2) * ranks, op,
-              ": segment_ids has shape ", segment_ids.sym_sizes(), "; expected the whole rows, [batch, ", ranks,
-              " ranks x ", query.sym_size(2), " tokens]");
+  // Everything checked before the first exchange: a rank that threw after it would leave the others waiting.
+  TORCH_CHECK_VALUE(key.sym_size(0) == query.sym_size(0) && key.sym_size(2) == query.sym_size(2) &&
+                        key.sym_size(3) == query.sym_size(3) && value.sym_sizes() == key.sym_sizes(),
+                    op, ": key and value have shapes ", key.sym_sizes(), " and ", value.sym_sizes(),
+                    "; expected query's batch, tokens and head_dim (", query.sym_sizes(), ") and one shape");
+  TORCH_CHECK_VALUE(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type() &&
+                        key.device() == query.device() && value.device() == query.device(),
+                    op, ": query, key and value must share a dtype and device");
+  TORCH_CHECK_VALUE(segment_ids.dim() == 2 && segment_ids.sym_size(0) == query.sym_size(0) &&
+                        segment_ids.sym_size(1) == query.sym_size(2) * ranks,
+                    op, ": segment_ids has shape ", segment_ids.sym_sizes(), "; expected the whole rows, [batch, ",
+                    ranks, " ranks x ", query.sym_size(2), " tokens]");
+  TORCH_CHECK_VALUE(segment_ids.scalar_type() == at::kLong || segment_ids.scalar_type() == at::kInt, op,
+                    ": segment_ids has dtype ", segment_ids.scalar_type(), "; expected int64 or int32");
   at::Tensor k = key, v = value;
   if (kv_heads % ranks != 0) {  // fewer key/value heads than ranks (or not a multiple): give each query head its own
     k = k.repeat_interleave(heads / kv_heads, 1);
