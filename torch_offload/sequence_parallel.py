@@ -16,7 +16,7 @@ from torch.distributed import _functional_collectives as funcol
 from .attention_block import attention_block_segment_ids
 
 IGNORE_INDEX = -100
-# What shard_batch splits along the tokens, and the value it pads each with (position_ids: continued).
+# What shard_batch splits along the tokens, and the value it pads each with (position_ids: 0, 1, ...).
 _SEQUENCE_KEYS = {"input_ids": 0, "labels": IGNORE_INDEX, "attention_mask": 0, "position_ids": None}
 
 __all__ = ["group_name", "shard_batch", "ulysses_attention"]
