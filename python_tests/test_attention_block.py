@@ -122,12 +122,13 @@ BALANCED_SPLIT_SHAPES = {
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", BALANCED_SPLIT_SHAPES)
 def test_odd_batch_times_heads_at_long_sequences_runs_as_balanced_pieces_and_still_matches(shape, dtype):
-    # An odd batch x heads of 1024 tokens or more is computed as pieces (two flash calls per forward:
-    # the causal halves and the cross block) merged by log-sum-exp; in float64 that must agree with
-    # eager to rounding, in float32 and bfloat16 be as close to float64 as eager is.
+    # An odd batch x heads of 1024 tokens or more is computed as pieces (five flash calls per forward:
+    # the causal halves, and the cross block in 4 chunks of its queries) merged by log-sum-exp; in
+    # float64 that must agree with eager to rounding, in float32 and bfloat16 be as close to float64 as
+    # eager is.
     kwargs = dict(tokens=1024, h=32, head_dim=16, bias=True) | BALANCED_SPLIT_SHAPES[shape]
     inputs = make_inputs(**kwargs, dtype=dtype)
-    assert flash_attention_calls(lambda: call(*inputs)) == 2
+    assert flash_attention_calls(lambda: call(*inputs)) == 5
     inputs64 = [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None for t in inputs]
     grad_out = torch.randn(kwargs["batch"], kwargs["tokens"], 32, generator=torch.Generator().manual_seed(3))
     want, want_grads = output_and_grads(reference, inputs64, grad_out.double())
@@ -141,6 +142,37 @@ def test_odd_batch_times_heads_at_long_sequences_runs_as_balanced_pieces_and_sti
         assert relative_error(got, want) <= max(2 * relative_error(eager, want), 1e-2)
         for name, g, e, w in zip(NAMES, got_grads, eager_grads, want_grads):
             assert relative_error(g, w) <= max(2 * relative_error(e, w), 1e-2), name
+
+
+def peak_allocated_bytes(fn):
+    """The most bytes fn holds allocated at once (CPU allocator, as the profiler records it)."""
+    with torch.profiler.profile(profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    for event in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def test_balanced_pieces_hold_little_more_than_one_flash_call():
+    # The pieces' temporaries are a fraction of a [tokens, head_dim] tensor ("unit"): sequence-parallel
+    # ranks attend one head over the whole rows. Forward holds the output and a chunk's temporaries
+    # (1.7 units; 3.1 when the cross block was one call); backward, which recomputes the output, one
+    # flash backward's own peak, the output and a chunk's (1.8 units over the flash call; 4.0 before).
+    tokens, head_dim = 8192, 64
+    q, k, v, grad_out = torch.randn(4, 1, 1, tokens, head_dim, generator=torch.Generator().manual_seed(0)).unbind(0)
+    segment_ids = torch.zeros(1, tokens, dtype=torch.long)
+    unit = q.nbytes
+    forward = peak_allocated_bytes(lambda: torch.ops.offload.segment_attention(q, k, v, segment_ids))
+    assert forward <= 2 * unit
+    out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    one_call = peak_allocated_bytes(lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, logsumexp, 0.0, True))
+    backward = peak_allocated_bytes(lambda: torch.ops.offload.segment_attention_backward(
+        grad_out, q, k, v, segment_ids, None, [True] * 3))
+    assert backward <= one_call + 2 * unit
 
 
 def test_even_batch_times_heads_and_short_sequences_run_in_one_flash_call():

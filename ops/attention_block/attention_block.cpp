@@ -451,7 +451,7 @@ AttentionBlockGradients attention_block_backward_impl(
     for (int64_t first = 0; first < l.kv_heads; first += per_group) {
       Group g(l, first, std::min(per_group, l.kv_heads - first));
       project(g, l, x_rows, w_q, w_k, w_v, bq, bk, bv, cos, sin, shards);
-      const AttentionResult attention = attend(kernels, g.q, g.k, g.v, l.scale, runs);
+      AttentionResult attention = attend(kernels, g.q, g.k, g.v, l.scale, runs);
       const at::Tensor w_o_group = w_o.narrow(1, g.q_start, g.q_rows);
       if (want_w_o) {
         accumulate_mm(grad_w_o.narrow(1, g.q_start, g.q_rows), grad_rows.t(),
@@ -460,9 +460,12 @@ AttentionBlockGradients attention_block_backward_impl(
       if (!want_inner) {
         continue;
       }
-      const at::Tensor grad_attention = shards.to_tokens(
+      at::Tensor grad_attention = shards.to_tokens(
           at::mm(grad_rows, w_o_group).view({l.batch, l.tokens, -1, l.head_dim}).transpose(1, 2));
       auto [dq, dk, dv] = attend_backward(kernels, grad_attention, g.q, g.k, g.v, attention, l.scale, runs);
+      // Freed before the gradients go back to the rank's tokens: the exchanges allocate their size again.
+      g.q.reset(), g.k.reset(), g.v.reset(), grad_attention.reset();
+      attention = AttentionResult{};
       dq = shards.to_heads(dq);
       dk = shards.to_heads(dk);
       dv = shards.to_heads(dv);
@@ -562,7 +565,11 @@ namespace {
 // queries against its first half's keys (split by key halves in backward). Forward merges the pieces by
 // their log-sum-exp; backward runs each piece with the whole call's output and log-sum-exp, which gives
 // exactly its share of the gradients. The rule depends on shapes only, not on the thread count.
+// The cross piece runs in chunks, kCrossChunks of its queries (by as many of its keys in backward), so
+// that its temporaries (a chunk's output, dq, dk and dv) stay a fraction of one [tokens, head_dim]
+// tensor, where one call held twice that: sequence-parallel ranks attend such a head over whole rows.
 constexpr int64_t kBalancedSplitMinTokens = 1024;
+constexpr int64_t kCrossChunks = 4;
 
 bool split_into_balanced_pieces(const at::Tensor& q) {
   const int64_t tokens = q.size(2);
@@ -596,18 +603,22 @@ AttentionResult cpu_attention_forward(const at::Tensor& q, const at::Tensor& k, 
     auto [out, logsumexp] = flash(q, k, v, causal);
     return {out, logsumexp, {}, {}};
   }
-  const int64_t m = q.size(2) / 2;
+  const int64_t m = q.size(2) / 2, chunk = (m + kCrossChunks - 1) / kCrossChunks;
   const auto [halves_out, halves_lse] =
       flash(halves_as_batch(q), halves_as_batch(k), halves_as_batch(v), /*causal=*/true);
-  const auto [cross_out, cross_lse] = flash(q.narrow(2, m, m), k.narrow(2, 0, m), v.narrow(2, 0, m), /*causal=*/false);
   at::Tensor out = batch_as_halves(halves_out), logsumexp = batch_as_halves(halves_lse);
   // The second half's queries: their own half's keys (causal) and the first half's, merged.
-  at::Tensor second_out = out.narrow(2, m, m), second_lse = logsumexp.narrow(2, m, m);
-  const at::Tensor merged_lse = second_lse.logaddexp(cross_lse);
-  // Merged in the log-sum-exp's precision (float32 for bf16/fp16), the sum rounded once into out.
-  second_out.copy_(second_out * (second_lse - merged_lse).exp().unsqueeze(-1) +
-                   cross_out * (cross_lse - merged_lse).exp().unsqueeze(-1));
-  second_lse.copy_(merged_lse);
+  for (int64_t start = m; start < 2 * m; start += chunk) {
+    const int64_t length = std::min(chunk, 2 * m - start);
+    const auto [cross_out, cross_lse] =
+        flash(q.narrow(2, start, length), k.narrow(2, 0, m), v.narrow(2, 0, m), /*causal=*/false);
+    at::Tensor second_out = out.narrow(2, start, length), second_lse = logsumexp.narrow(2, start, length);
+    const at::Tensor merged_lse = second_lse.logaddexp(cross_lse);
+    // Merged in the log-sum-exp's precision (float32 for bf16/fp16), the sum rounded once into out.
+    second_out.copy_(second_out * (second_lse - merged_lse).exp().unsqueeze(-1) +
+                     cross_out * (cross_lse - merged_lse).exp().unsqueeze(-1));
+    second_lse.copy_(merged_lse);
+  }
   return {out, logsumexp, {}, {}};
 }
 
@@ -622,20 +633,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_attention_backward(const at::
   if (!causal || !split_into_balanced_pieces(q)) {
     return flash_backward(grad_out, q, k, v, result.out, result.logsumexp, causal);
   }
-  const int64_t m = q.size(2) / 2;
+  const int64_t m = q.size(2) / 2, chunk = (m + kCrossChunks - 1) / kCrossChunks;
   const auto [halves_dq, halves_dk, halves_dv] =
       flash_backward(halves_as_batch(grad_out), halves_as_batch(q), halves_as_batch(k), halves_as_batch(v),
                      halves_as_batch(result.out), halves_as_batch(result.logsumexp), /*causal=*/true);
-  // The second half's queries against the first half's keys, as two pieces: one per half of those keys.
-  const auto second = [&](const at::Tensor& t) { return twice_as_batch(t.narrow(2, m, m)); };
-  const auto first = [&](const at::Tensor& t) { return halves_as_batch(t.narrow(2, 0, m)); };
-  const auto [cross_dq, cross_dk, cross_dv] =
-      flash_backward(second(grad_out), second(q), first(k), first(v), second(result.out), second(result.logsumexp),
-                     /*causal=*/false);
   at::Tensor dq = batch_as_halves(halves_dq), dk = batch_as_halves(halves_dk), dv = batch_as_halves(halves_dv);
-  dq.narrow(2, m, m).add_(cross_dq.unflatten(0, {q.size(0), 2}).sum(1));
-  dk.narrow(2, 0, m).add_(batch_as_halves(cross_dk));
-  dv.narrow(2, 0, m).add_(batch_as_halves(cross_dv));
+  // The second half's queries against the first half's keys, chunk by chunk of each, every call as two
+  // pieces: one per half of its keys (key chunks have an even length, as m has).
+  const int64_t key_chunk = (chunk + 1) / 2 * 2;
+  for (int64_t key_start = 0; key_start < m; key_start += key_chunk) {
+    const int64_t key_length = std::min(key_chunk, m - key_start);
+    const auto keys = [&](const at::Tensor& t) { return halves_as_batch(t.narrow(2, key_start, key_length)); };
+    for (int64_t start = m; start < 2 * m; start += chunk) {
+      const int64_t length = std::min(chunk, 2 * m - start);
+      const auto queries = [&](const at::Tensor& t) { return twice_as_batch(t.narrow(2, start, length)); };
+      const auto [cross_dq, cross_dk, cross_dv] =
+          flash_backward(queries(grad_out), queries(q), keys(k), keys(v), queries(result.out),
+                         queries(result.logsumexp), /*causal=*/false);
+      dq.narrow(2, start, length).add_(cross_dq.unflatten(0, {q.size(0), 2}).sum(1));
+      dk.narrow(2, key_start, key_length).add_(batch_as_halves(cross_dk));
+      dv.narrow(2, key_start, key_length).add_(batch_as_halves(cross_dv));
+    }
+  }
   return {dq, dk, dv};
 }
 
