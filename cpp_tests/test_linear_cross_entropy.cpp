@@ -63,6 +63,32 @@ TEST(LinearCrossEntropy, LossAndGradientsMatchAtenWithAutogradFromCpp) {
   }
 }
 
+TEST(LinearCrossEntropy, BothPathsOfTheGradientsMatchAtenFromCpp) {
+  const Head m = make_head();
+  const at::Tensor want = reference(m, 0.1, 0.0, 1e-2);
+  const auto unit_grads = torch::autograd::grad({want}, {m.hidden, m.weight, m.bias});
+  for (const bool in_forward : {true, false}) {
+    const at::Tensor loss = torch_offload::linear_cross_entropy(m.hidden, m.weight, m.bias, m.target, -100, 0.1, 0.0,
+                                                                1e-2, "mean", 4, 5, 0.0, in_forward);
+    expect_close(loss, want);
+    const auto got_grads = torch::autograd::grad({loss * 3}, {m.hidden, m.weight, m.bias});
+    for (size_t i = 0; i < got_grads.size(); ++i) {
+      expect_close(got_grads[i], unit_grads[i] * 3);
+    }
+  }
+  // The op itself: the loss and its gradients for a unit grad_loss, those asked for.
+  const auto [loss, grad_hidden, grad_weight, grad_bias] = torch_offload::linear_cross_entropy_with_gradients(
+      m.hidden.detach(), m.weight.detach(), m.bias.detach(), m.target, -100, 0.1, 0.0, 1e-2, "mean", 4,
+      {false, true, true});
+  expect_close(loss, want);
+  EXPECT_FALSE(grad_hidden.defined());
+  expect_close(grad_weight, unit_grads[1]);
+  expect_close(grad_bias, unit_grads[2]);
+  expect_error([&] { torch_offload::linear_cross_entropy(m.hidden, m.weight, m.bias, m.target, -100, 0.0, 0.0, 0.0,
+                                                         "none", 0, 0, 0.0, true); },
+               "gradients_in_forward is True with reduction \"none\"");
+}
+
 TEST(LinearCrossEntropy, FrozenHeadGetsNoGradientAndTheBackwardOpSkipsIt) {
   Head m = make_head();
   m.weight = m.weight.detach();
@@ -88,7 +114,8 @@ TEST(LinearCrossEntropy, GradientFilteringSkipsTheImprobableVocabularyTiles) {
   m.target = at::where(m.target.ge(0), m.target.remainder(12), m.target);
   const auto grads = [&](double filter_eps) {
     const at::Tensor loss = torch_offload::linear_cross_entropy(m.hidden, m.weight, m.bias, m.target, -100, 0.0, 0.0,
-                                                                0.0, "mean", 4, 6, filter_eps);
+                                                                0.0, "mean", 4, 6, filter_eps,
+                                                                /*gradients_in_forward=*/false);
     return torch::autograd::grad({loss}, {m.hidden, m.weight, m.bias});
   };
   const auto filtered = grads(1e-20);

@@ -8,7 +8,7 @@ from torch.testing._internal.optests import opcheck
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import torch_offload
-from op_recording import RecordBackwardMask
+from op_recording import RecordBackwardMask, peak_allocated_bytes
 
 NAMES = ("x", "w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
 
@@ -142,18 +142,6 @@ def test_odd_batch_times_heads_at_long_sequences_runs_as_balanced_pieces_and_sti
         assert relative_error(got, want) <= max(2 * relative_error(eager, want), 1e-2)
         for name, g, e, w in zip(NAMES, got_grads, eager_grads, want_grads):
             assert relative_error(g, w) <= max(2 * relative_error(e, w), 1e-2), name
-
-
-def peak_allocated_bytes(fn):
-    """The most bytes fn holds allocated at once (CPU allocator, as the profiler records it)."""
-    with torch.profiler.profile(profile_memory=True) as prof:
-        fn()
-    live = peak = 0
-    for event in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                        key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
 
 
 def test_balanced_pieces_hold_little_more_than_one_flash_call():

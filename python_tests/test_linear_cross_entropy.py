@@ -1,6 +1,7 @@
 """linear_cross_entropy: loss and gradients against eager F.cross_entropy(F.linear(...)) with the same
-softcap / z-loss in plain torch, gradcheck, opcheck, torch.compile, TorchScript, autocast, gradients
-that are not needed, memory (no [tokens, V] tensor), errors."""
+softcap / z-loss in plain torch, on both paths (gradients in forward and recompute; the `path` fixture),
+gradcheck, opcheck, torch.compile, TorchScript, autocast, gradients that are not needed, GEMM work, memory
+(no [tokens, V] tensor; the slab's budget), errors."""
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch.testing._internal.optests import opcheck
 
 import torch_offload
-from op_recording import RecordBackwardMask, gemm_count
+from op_recording import RecordBackwardMask, gemm_count, gemm_flops, peak_allocated_bytes
 
 
 def reference(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
@@ -51,8 +52,24 @@ def make_inputs(shape, vocab, bias=False, dtype=torch.float32, seed=0, ignored_e
     return hidden, weight, b, target
 
 
+# The path call() asks for (the `path` fixture sets it): None lets the op choose.
+GRADIENTS_IN_FORWARD = None
+
+
 def call(hidden, weight, b, target, **kwargs):
+    if GRADIENTS_IN_FORWARD is not None and "gradients_in_forward" not in kwargs:
+        # Gradients in forward where they apply (the op refuses them elsewhere), else the recompute.
+        applies = kwargs.get("reduction", "mean") != "none" and not kwargs.get("softcap") and not kwargs.get(
+            "filter_eps")
+        kwargs["gradients_in_forward"] = GRADIENTS_IN_FORWARD and applies
     return torch_offload.linear_cross_entropy(hidden, weight, target, bias=b, **kwargs)
+
+
+@pytest.fixture(params=["in_forward", "recompute"])
+def path(request, monkeypatch):
+    """Runs a test on each path of the gradients."""
+    monkeypatch.setattr(sys.modules[__name__], "GRADIENTS_IN_FORWARD", request.param == "in_forward")
+    return request.param
 
 
 def loss_and_grads(fn, leaves, grad_out=None):
@@ -95,6 +112,7 @@ OPTIONS = {
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("option", OPTIONS, ids=str)
 @pytest.mark.parametrize("shape, vocab, tile_tokens, tile_vocab", SHAPES, ids=[str(s) for s in SHAPES])
+@pytest.mark.usefixtures("path")
 def test_matches_eager_float32(shape, vocab, tile_tokens, tile_vocab, option, reduction):
     kwargs = dict(OPTIONS[option])
     hidden, weight, b, target = make_inputs(shape, vocab, bias=kwargs.pop("bias", False), ignored_every=5)
@@ -114,6 +132,7 @@ def test_matches_eager_float32(shape, vocab, tile_tokens, tile_vocab, option, re
 
 @pytest.mark.parametrize("option", ["plain", "smoothing", "all"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.usefixtures("path")
 def test_all_tokens_ignored_matches_eager(option, reduction):
     kwargs = dict(OPTIONS[option])
     hidden, weight, b, target = make_inputs((6, 16), 20, bias=kwargs.pop("bias", False))
@@ -130,6 +149,7 @@ def test_all_tokens_ignored_matches_eager(option, reduction):
         torch.testing.assert_close(g, w)
 
 
+@pytest.mark.usefixtures("path")
 def test_custom_ignore_index_and_int32_target():
     hidden, weight, _, target = make_inputs((30, 16), 40)
     target[::3] = 7
@@ -138,6 +158,7 @@ def test_custom_ignore_index_and_int32_target():
                           tile_vocab=16), want)
 
 
+@pytest.mark.usefixtures("path")
 def test_gradcheck_float64():
     for kwargs in ({"reduction": "mean"}, {"reduction": "none", "label_smoothing": 0.3, "softcap": 1.5,
                                            "z_loss": 0.1}):
@@ -146,6 +167,7 @@ def test_gradcheck_float64():
             lambda h, w, bb: call(h, w, bb, target, tile_tokens=3, tile_vocab=4, **kwargs), (hidden, weight, b))
 
 
+@pytest.mark.usefixtures("path")
 def test_tied_weight_gets_both_gradients():
     # The head's weight is the embedding matrix: its gradient is the embedding's plus the head's.
     torch.manual_seed(0)
@@ -160,7 +182,7 @@ def test_tied_weight_gets_both_gradients():
         fn(torch.tanh(proj(embedding(ids))), embedding.weight, target).backward()
         return [p.grad.clone() for p in (embedding.weight, proj.weight, proj.bias)]
 
-    got = loss(lambda h, w, t: torch_offload.linear_cross_entropy(h, w, t, tile_tokens=8, tile_vocab=16))
+    got = loss(lambda h, w, t: call(h, w, None, t, tile_tokens=8, tile_vocab=16))
     want = loss(reference)
     for g, w in zip(got, want):
         assert_close_f32(g, w)
@@ -175,12 +197,15 @@ def test_tied_weight_gets_both_gradients():
     ],
     ids=["frozen_head", "head_only", "hidden_and_bias"],
 )
-def test_gradients_not_needed_are_not_computed(trainable, expected_mask):
+def test_gradients_not_needed_are_not_computed(trainable, expected_mask, path):
     names = ["hidden", "weight", "bias"]
     *tensors, target = make_inputs((20, 16), 30, bias=True)
     inputs = [t.detach().requires_grad_(name in trainable) for name, t in zip(names, tensors)]
     leaves = [t for t in inputs if t.requires_grad]
-    with RecordBackwardMask(torch.ops.offload.linear_cross_entropy_backward.default) as mode:
+    # The op that computes the gradients is asked for those needed only.
+    op = (torch.ops.offload.linear_cross_entropy_with_gradients if path == "in_forward"
+          else torch.ops.offload.linear_cross_entropy_backward)
+    with RecordBackwardMask(op.default) as mode:
         grads = torch.autograd.grad(call(*inputs, target, tile_tokens=8, tile_vocab=8), leaves)
     assert mode.masks == [expected_mask]
     for g, w in zip(grads, torch.autograd.grad(reference(inputs[0], inputs[1], target, inputs[2]), leaves)):
@@ -196,6 +221,45 @@ def test_gradients_not_needed_are_not_computed(trainable, expected_mask):
     assert [r is not None for r in backward(expected_mask)] == expected_mask
     assert gemm_count(lambda: backward(expected_mask)) < gemm_count(lambda: backward([True] * 3))
 
+    def in_forward(mask):
+        return torch.ops.offload.linear_cross_entropy_with_gradients(*detached, target, -100, 0.0, 0.0, 0.0, "mean",
+                                                                     8, mask)[1:]
+
+    assert [r is not None for r in in_forward(expected_mask)] == expected_mask
+    assert gemm_count(lambda: in_forward(expected_mask)) < gemm_count(lambda: in_forward([True] * 3))
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_gradients_in_forward_do_three_gemms_of_work_and_recompute_four(bias):
+    # [T, h] x [h, V] is one GEMM's work: the logits, hidden's gradient, the weight's; the recompute adds the
+    # logits again in backward. Whatever the tiles.
+    tokens, vocab, h = 100, 70, 16
+    hidden, weight, b, target = make_inputs((tokens, h), vocab, bias=bias)
+    for gradients_in_forward, gemms in ((True, 3), (False, 4)):
+        for tile_tokens in (0, 16, 33):
+            def step():
+                call(hidden, weight, b, target, tile_tokens=tile_tokens, tile_vocab=24,
+                     gradients_in_forward=gradients_in_forward).backward()
+            assert gemm_flops(step) == gemms * tokens * vocab * h, (gradients_in_forward, tile_tokens)
+
+
+def test_gradients_in_forward_hold_the_slab_budget_and_the_gradients_only():
+    # 2048 tokens x 32000: the whole logits would be 250 MiB; the slab is at most 64 MiB (here 4 of 512
+    # tokens), and besides it forward and backward hold the gradients (hidden's, the weight's) and a few
+    # [tokens] vectors.
+    tokens, vocab, h = 2048, 32000, 8
+    hidden, weight, _, target = make_inputs((tokens, h), vocab)
+    gradients = hidden.nbytes + weight.nbytes
+
+    def step(**kwargs):
+        return lambda: call(hidden, weight, None, target, gradients_in_forward=True, **kwargs).backward()
+
+    slab = 64 << 20
+    peak = peak_allocated_bytes(step())
+    assert slab / 2 < peak <= slab + gradients + (1 << 20)
+    # tile_tokens sets the slab's tokens instead: 64 of them.
+    assert peak_allocated_bytes(step(tile_tokens=64)) <= 64 * vocab * 4 + gradients + (1 << 20)
+
 
 def test_forward_op_returns_the_float32_log_sum_exp():
     hidden, weight, b, target = [t.detach() if t is not None else None for t in make_inputs((2, 7, 16), 33, True)]
@@ -208,6 +272,7 @@ def test_forward_op_returns_the_float32_log_sum_exp():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.usefixtures("path")
 def test_reduced_precision_is_as_close_to_float64_as_eager(dtype):
     # Many tiles: per-tile roundings of bf16/fp16 gradient sums would show here. The float64
     # reference runs on the same (rounded) values, so only the arithmetic's roundings count.
@@ -242,10 +307,12 @@ def check_autocast(hidden, weight, b, target, dtype, **tiles):
         assert relative_error(g, w) < 2e-2
 
 
+@pytest.mark.usefixtures("path")
 def test_autocast_runs_the_gemms_in_the_autocast_dtype_and_returns_a_float32_loss():
     check_autocast(*make_inputs((2, 9, 16), 40, bias=True), torch.bfloat16, tile_tokens=4, tile_vocab=16)
 
 
+@pytest.mark.usefixtures("path")
 def test_autocast_leaves_a_float64_loss_in_float64_as_eager():
     hidden, weight, b, target = make_inputs((9, 16), 40, bias=True, dtype=torch.float64)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast does not cast float64
@@ -256,6 +323,7 @@ def test_autocast_leaves_a_float64_loss_in_float64_as_eager():
 
 
 @pytest.mark.parametrize("tile_vocab", [4, 5, 8, 12], ids=str)
+@pytest.mark.usefixtures("path")
 def test_vocabulary_masked_by_minus_infinity_matches_eager_at_every_tile(tile_vocab):
     # A tile whose every logit is -inf must add nothing to the log-sum-exp (not exp(-inf - -inf) = NaN).
     hidden, weight, b, target = make_inputs((6, 8), 12, bias=True)
@@ -271,6 +339,7 @@ def test_vocabulary_masked_by_minus_infinity_matches_eager_at_every_tile(tile_vo
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.usefixtures("path")
 def test_hidden_size_zero_matches_eager(reduction):
     hidden = torch.randn(2, 3, 0, requires_grad=True)
     weight = torch.randn(11, 0, requires_grad=True)
@@ -303,7 +372,8 @@ def test_gradient_filtering_skips_improbable_tiles_and_still_matches_eager(dtype
     results = {}
     for filter_eps in (None, "auto"):
         results[filter_eps] = loss_and_grads(
-            lambda: call(hidden, weight, b, target, tile_tokens=16, tile_vocab=20, filter_eps=filter_eps, **kwargs),
+            lambda: call(hidden, weight, b, target, tile_tokens=16, tile_vocab=20, filter_eps=filter_eps,
+                         gradients_in_forward=False, **kwargs),
             leaves, grad_out.to(dtype))
     _, (_, unfiltered_weight, unfiltered_bias) = results[None]
     got, got_grads = results["auto"]
@@ -326,7 +396,8 @@ def test_gradient_filtering_keeps_every_tile_that_counts():
             with torch.no_grad():
                 hidden[1, 7, 3] = float("nan")
         results = [loss_and_grads(lambda: call(hidden, weight, b, target, tile_tokens=8, tile_vocab=16,
-                                               filter_eps=filter_eps), [hidden, weight, b])
+                                               filter_eps=filter_eps, gradients_in_forward=False),
+                                  [hidden, weight, b])
                    for filter_eps in (None, "auto", 1e-6)]
         for _, grads in results[1:]:
             for got, want in zip(grads, results[0][1]):
@@ -374,9 +445,15 @@ def test_opcheck(name, inputs):
     opcheck(torch.ops.offload.linear_cross_entropy.default, (*inputs, -100, 0.1, 2.0, 1e-3, "mean", 4, 8))
     opcheck(torch.ops.offload.linear_cross_entropy.default, (*inputs, -100, 0.0, 0.0, 0.0, "none"))
     opcheck(torch.ops.offload.linear_cross_entropy.default, (*inputs, -100, 0.0, 3.0, 0.0, "sum", 4, 8, 1e-3))
+    for gradients_in_forward in (True, False):
+        opcheck(torch.ops.offload.linear_cross_entropy.default,
+                (*inputs, -100, 0.1, 0.0, 1e-3, "mean", 4, 8, 0.0, gradients_in_forward))
     detached = [t.detach() if t is not None else None for t in inputs]
     opcheck(torch.ops.offload.linear_cross_entropy_forward.default,
             (*detached, -100, 0.1, 0.0, 0.0, "sum", 3, 5))
+    for mask in ([True, True, True], [False, True, False]):
+        opcheck(torch.ops.offload.linear_cross_entropy_with_gradients.default,
+                (*detached, -100, 0.1, 0.0, 1e-3, "mean", 3, mask))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -440,7 +517,8 @@ def test_gradient_filtering_compiles_without_graph_break():
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-def test_compiled_backward_calls_the_backward_op():
+@pytest.mark.parametrize("gradients_in_forward", [True, False], ids=["in_forward", "recompute"])
+def test_compiled_graphs_call_the_ops_of_the_path(gradients_in_forward):
     torch._dynamo.reset()
     hidden, weight, b, target = make_inputs((9, 16), 20, bias=True)
     graphs = []
@@ -450,12 +528,23 @@ def test_compiled_backward_calls_the_backward_op():
         return make_boxed_func(graph.forward)
 
     backend = aot_autograd(fw_compiler=record, bw_compiler=record)
-    compiled = torch.compile(lambda h, w, bb, t: call(h, w, bb, t, tile_tokens=4), backend=backend, fullgraph=True,
-                             dynamic=True)
-    compiled(hidden, weight, b, target).backward()
+    compiled = torch.compile(
+        lambda h, w, bb, t: call(h, w, bb, t, tile_tokens=4, gradients_in_forward=gradients_in_forward),
+        backend=backend, fullgraph=True, dynamic=True)
+    loss = compiled(hidden, weight, b, target)
+    (loss * 3).backward()
     assert len(graphs) == 2
-    assert "offload.linear_cross_entropy_forward.default" in graphs[0]
-    assert "offload.linear_cross_entropy_backward.default" in graphs[1]
+    if gradients_in_forward:
+        assert "offload.linear_cross_entropy_with_gradients.default" in graphs[0]
+        assert "offload.linear_cross_entropy" not in graphs[1]  # backward only scales
+    else:
+        assert "offload.linear_cross_entropy_forward.default" in graphs[0]
+        assert "offload.linear_cross_entropy_backward.default" in graphs[1]
+    want_loss = reference(hidden, weight, target, b)
+    want = torch.autograd.grad(want_loss * 3, [hidden, weight, b])
+    assert_close_f32(loss.detach(), want_loss.detach())
+    for got, w in zip((hidden.grad, weight.grad, b.grad), want):
+        assert_close_f32(got, w)
 
 
 def test_torchscript_calls_the_op():
@@ -484,6 +573,11 @@ def test_meta_tensors_give_shapes_only():
                                                             torch.empty(10, device="meta"), -100, 0.0, 0.0, 0.0,
                                                             "mean", 0, 0, [False, True, True])
     assert [g.shape if g is not None else None for g in grads] == [None, (30, 16), (30,)]
+    loss, *grads = torch.ops.offload.linear_cross_entropy_with_gradients(
+        hidden.bfloat16(), weight.bfloat16(), b.bfloat16(), target, -100, 0.0, 0.0, 0.0, "sum", 0, [True, False, True])
+    assert loss.shape == () and loss.is_meta and loss.dtype == torch.float32
+    assert [(g.shape, g.dtype) if g is not None else None for g in grads] == [
+        ((2, 5, 16), torch.float32), None, ((30,), torch.float32)]
 
 
 @pytest.mark.parametrize(
@@ -508,7 +602,10 @@ T, V, h = 4096, 8192, 32
 hidden = torch.randn(T, h, requires_grad=True)
 weight = torch.randn(V, h, requires_grad=True)
 target = torch.randint(0, V, (T,))
-loss = torch_offload.linear_cross_entropy if sys.argv[1] == "fused" else lambda h, w, t: F.cross_entropy(h @ w.t(), t)
+if sys.argv[1] == "eager":
+    loss = lambda h, w, t: F.cross_entropy(h @ w.t(), t)
+else:
+    loss = lambda h, w, t: torch_offload.linear_cross_entropy(h, w, t, gradients_in_forward=sys.argv[1] == "in_forward")
 loss(hidden[:8], weight, target[:8]).backward()  # warm up allocator and thread pool
 hidden.grad = weight.grad = None
 open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM to the current RSS
@@ -518,9 +615,24 @@ print(rss("VmHWM") - before)
 """
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(reduction="none"), r"gradients_in_forward is True with reduction \"none\".*it needs a scalar loss"),
+    (dict(filter_eps=1e-3), r"gradients_in_forward is True .* filter_eps 0.001 .*; it needs .* filter_eps 0"),
+    (dict(softcap=2.0), r"gradients_in_forward is True .* softcap 2; it needs .* softcap 0"),
+], ids=["reduction_none", "filter_eps", "softcap"])
+def test_gradients_in_forward_where_they_do_not_apply_are_refused_by_name(kwargs, message):
+    hidden, weight, _, target = make_inputs((3, 16), 10)
+    with pytest.raises(ValueError, match=f"linear_cross_entropy: {message}"):
+        torch_offload.linear_cross_entropy(hidden, weight, target, gradients_in_forward=True, **kwargs)
+    with pytest.raises(ValueError, match="linear_cross_entropy: reduction is \"none\"; gradients computed in forward"):
+        torch.ops.offload.linear_cross_entropy_with_gradients(hidden, weight, None, target, -100, 0.0, 0.0, 0.0, "none",
+                                                              0, [True] * 3)
+
+
 def test_no_tokens_by_vocabulary_tensor_is_allocated():
     # Peak resident growth of forward + backward in a fresh process: the [4096, 8192] float32
-    # logits are 128 MiB; the fused loss stays near its 8 MiB tile, eager holds several copies.
+    # logits are 128 MiB; the recompute stays near its 8 MiB tile, gradients in forward near their
+    # 64 MiB slab (the gradients are 1.5 MiB), eager holds several copies.
     def peak(mode):
         result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, mode], capture_output=True, text=True,
                                 timeout=300, env=dict(os.environ, OMP_NUM_THREADS="2"))
@@ -528,7 +640,8 @@ def test_no_tokens_by_vocabulary_tensor_is_allocated():
         return int(result.stdout)
 
     logits_bytes = 4096 * 8192 * 4
-    assert peak("fused") < logits_bytes / 8
+    assert peak("recompute") < logits_bytes / 8
+    assert peak("in_forward") < (64 + 8) << 20
     assert peak("eager") > 2 * logits_bytes  # the measurement sees what it should
 
 
@@ -563,6 +676,12 @@ def test_bad_inputs_raise_errors_naming_the_argument(name, kwargs, message):
     hidden, weight, target = kwargs.pop("hidden"), kwargs.pop("weight"), kwargs.pop("target")
     with pytest.raises(RuntimeError, match=f"linear_cross_entropy: {message}"):
         torch_offload.linear_cross_entropy(hidden, weight, target, **kwargs)
+    # So do both paths of a call with a gradient to compute.
+    if hidden.is_floating_point():
+        for gradients_in_forward in (None, False):
+            with pytest.raises(RuntimeError, match=f"linear_cross_entropy: {message}"):
+                torch_offload.linear_cross_entropy(hidden.detach().requires_grad_(), weight, target,
+                                                   gradients_in_forward=gradients_in_forward, **kwargs)
     # The backward op checks the same.
     args = [hidden, weight, kwargs.get("bias"), target, torch.zeros(3), -100, kwargs.get("label_smoothing", 0.0),
             kwargs.get("softcap", 0.0), kwargs.get("z_loss", 0.0), kwargs.get("reduction", "sum"), 0, 0, [True] * 3]
@@ -604,7 +723,8 @@ def test_every_cpu_kernel_variant_matches_eager(capability):
         "    h, w, b, target = t.improbable_tail_inputs(dtype)\n"
         "    _, (gh, gw, gb) = t.loss_and_grads(lambda: t.call(h, w, b, target, tile_tokens=16, tile_vocab=20,\n"
         "                                                      filter_eps='auto'), [h, w, b])\n"
-        "    _, (uh, uw, ub) = t.loss_and_grads(lambda: t.call(h, w, b, target, tile_tokens=16, tile_vocab=20),\n"
+        "    _, (uh, uw, ub) = t.loss_and_grads(lambda: t.call(h, w, b, target, tile_tokens=16, tile_vocab=20,\n"
+        "                                                      gradients_in_forward=False),\n"
         "                                       [h, w, b])\n"
         "    assert (gw[40:] == 0).all() and (uw[40:] != 0).all() and torch.equal(gw[:40], uw[:40])\n"
         "print(torch.backends.cpu.get_cpu_capability())\n"

@@ -44,13 +44,14 @@ at::Tensor linear_cross_entropy_autocast(const at::Tensor& hidden, const at::Ten
                                          const std::optional<at::Tensor>& bias, const at::Tensor& target,
                                          int64_t ignore_index, double label_smoothing, double softcap, double z_loss,
                                          c10::string_view reduction, c10::SymInt tile_tokens,
-                                         c10::SymInt tile_vocab, double filter_eps) {
+                                         c10::SymInt tile_vocab, double filter_eps,
+                                         std::optional<bool> gradients_in_forward) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
   const auto cast = [&](const auto& t) { return at::autocast::cached_cast(dtype, t, kDevice); };
   at::Tensor loss = linear_cross_entropy(cast(hidden), cast(weight), cast(bias), target, ignore_index, label_smoothing,
                                         softcap, z_loss, reduction, std::move(tile_tokens), std::move(tile_vocab),
-                                        filter_eps);
+                                        filter_eps, gradients_in_forward);
   return loss.scalar_type() == at::kDouble ? loss : loss.to(at::kFloat);  // autocast leaves float64 alone
 }
 

@@ -3,6 +3,7 @@
 // so higher-order gradients work as well.
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 
 #include "ops/attention_block/attention_block.h"
@@ -124,56 +125,118 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// linear_cross_entropy saves its inputs and each token's log-sum-exp ([tokens],
-// float32) from linear_cross_entropy_forward; its backward is one node computed by
-// the linear_cross_entropy_backward op, which AOTAutograd traces like any other op.
-// Gradients nobody needs are not computed. No double backward.
+// linear_cross_entropy takes one of two paths when a gradient is needed:
+// - gradients in forward (linear_cross_entropy_with_gradients, 3 GEMMs): forward keeps the loss's
+//   gradients for a unit grad_loss, and backward hands them out scaled by grad_loss;
+// - recompute (4 GEMMs): forward saves its inputs and each token's log-sum-exp ([tokens], float32) from
+//   linear_cross_entropy_forward, and backward is the linear_cross_entropy_backward op.
+// Either way AOTAutograd traces the ops like any other. Gradients nobody needs are not computed. No
+// double backward.
 class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, const at::Tensor& target, int64_t ignore_index,
                             double label_smoothing, double softcap, double z_loss, c10::string_view reduction,
-                            c10::SymInt tile_tokens, c10::SymInt tile_vocab, double filter_eps) {
-    check_filter_eps("linear_cross_entropy", filter_eps, label_smoothing);  // before the work, not in backward
+                            c10::SymInt tile_tokens, c10::SymInt tile_vocab, double filter_eps,
+                            std::optional<std::array<bool, 3>> gradients_in_forward) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto& d = ctx->saved_data;
+    d["gradients_in_forward"] = gradients_in_forward.has_value();
+    if (gradients_in_forward.has_value()) {
+      auto [loss, grad_hidden, grad_weight, grad_bias] = linear_cross_entropy_with_gradients(
+          hidden, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, tile_tokens,
+          *gradients_in_forward);
+      d["grad_hidden"] = grad_hidden;
+      d["grad_weight"] = grad_weight;
+      d["grad_bias"] = grad_bias;
+      d["dtype"] = hidden.scalar_type();
+      return loss;
+    }
     auto [loss, lse] = linear_cross_entropy_forward(hidden, weight, bias, target, ignore_index, label_smoothing,
                                                     softcap, z_loss, reduction, tile_tokens, tile_vocab);
     ctx->save_for_backward({hidden, weight, bias.value_or(at::Tensor()), target, lse});
-    ctx->saved_data["ignore_index"] = ignore_index;
-    ctx->saved_data["label_smoothing"] = label_smoothing;
-    ctx->saved_data["softcap"] = softcap;
-    ctx->saved_data["z_loss"] = z_loss;
-    ctx->saved_data["reduction"] = std::string(reduction);
-    ctx->saved_data["tile_tokens"] = tile_tokens;
-    ctx->saved_data["tile_vocab"] = tile_vocab;
-    ctx->saved_data["filter_eps"] = filter_eps;
+    d["ignore_index"] = ignore_index;
+    d["label_smoothing"] = label_smoothing;
+    d["softcap"] = softcap;
+    d["z_loss"] = z_loss;
+    d["reduction"] = std::string(reduction);
+    d["tile_tokens"] = tile_tokens;
+    d["tile_vocab"] = tile_vocab;
+    d["filter_eps"] = filter_eps;
     return loss;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto& d = ctx->saved_data;
+    if (d.at("gradients_in_forward").toBool()) {
+      // The last backward through the node scales the kept gradients in place; one that keeps the graph
+      // (retain_graph=True) scales copies.
+      const bool last = !torch::autograd::get_current_graph_task_keep_graph();
+      const auto dtype = d.at("dtype").toScalarType();
+      const auto scaled = [&](const char* key) {
+        at::Tensor gradient = d.at(key).toTensor();
+        if (last) {
+          d.erase(key);
+        }
+        if (!gradient.defined()) {
+          return gradient;
+        }
+        return (last ? gradient.mul_(grads[0]) : gradient.mul(grads[0])).to(dtype);
+      };
+      const at::Tensor grad_hidden = scaled("grad_hidden"), grad_weight = scaled("grad_weight"),
+                       grad_bias = scaled("grad_bias");
+      return {grad_hidden, grad_weight, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+              at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
     const variable_list saved = ctx->get_saved_variables();
     const bool has_bias = saved[2].defined();
     // Absent optional inputs have no autograd edge: bias takes one only when given.
     const std::array<bool, 3> output_mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                           has_bias && ctx->needs_input_grad(2)};
-    const auto& d = ctx->saved_data;
     const auto [grad_hidden, grad_weight, grad_bias] = linear_cross_entropy_backward(
         grads[0], saved[0], saved[1], has_bias ? std::optional<at::Tensor>(saved[2]) : std::nullopt, saved[3],
         saved[4], d.at("ignore_index").toInt(), d.at("label_smoothing").toDouble(), d.at("softcap").toDouble(),
         d.at("z_loss").toDouble(), d.at("reduction").toStringRef(), d.at("tile_tokens").toSymInt(),
         d.at("tile_vocab").toSymInt(), output_mask, d.at("filter_eps").toDouble());
-    return {grad_hidden, grad_weight, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(),
+    return {grad_hidden, grad_weight, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+
+// Whether a call computes its gradients in forward: asked (gradients_in_forward), or by default wherever
+// that path serves the call and is the faster: a scalar loss, no gradient filtering and no softcap (the
+// recompute path's), float32/float64 or a GPU (on a CPU, bf16/fp16 GEMM operands are converted to
+// float32, the whole weight at once on this path).
+bool computes_gradients_in_forward(const at::Tensor& hidden, double softcap, c10::string_view reduction,
+                                   double filter_eps, std::optional<bool> gradients_in_forward) {
+  const bool scalar = reduction != "none";
+  if (gradients_in_forward.has_value()) {
+    TORCH_CHECK_VALUE(!*gradients_in_forward || (scalar && filter_eps == 0.0 && softcap == 0.0),
+                      "linear_cross_entropy: gradients_in_forward is True with reduction \"", reduction,
+                      "\", filter_eps ", filter_eps, " and softcap ", softcap,
+                      "; it needs a scalar loss (\"mean\" or \"sum\"), filter_eps 0 and softcap 0");
+    return *gradients_in_forward;
+  }
+  const bool float_type = hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kDouble;
+  return scalar && filter_eps == 0.0 && softcap == 0.0 && (float_type || hidden.is_cuda());
+}
 
 at::Tensor linear_cross_entropy_autograd(const at::Tensor& hidden, const at::Tensor& weight,
                                          const std::optional<at::Tensor>& bias, const at::Tensor& target,
                                          int64_t ignore_index, double label_smoothing, double softcap, double z_loss,
                                          c10::string_view reduction, c10::SymInt tile_tokens,
-                                         c10::SymInt tile_vocab, double filter_eps) {
+                                         c10::SymInt tile_vocab, double filter_eps,
+                                         std::optional<bool> gradients_in_forward) {
+  check_filter_eps("linear_cross_entropy", filter_eps, label_smoothing);  // before the work, not in backward
+  const std::array<bool, 3> wanted{hidden.requires_grad(), weight.requires_grad(),
+                                   bias.has_value() && bias->requires_grad()};
+  const bool any_wanted = at::GradMode::is_enabled() && (wanted[0] || wanted[1] || wanted[2]);
+  std::optional<std::array<bool, 3>> in_forward;
+  if (computes_gradients_in_forward(hidden, softcap, reduction, filter_eps, gradients_in_forward) && any_wanted) {
+    in_forward = wanted;
+  }
   return LinearCrossEntropyFunction::apply(hidden, weight, bias, target, ignore_index, label_smoothing, softcap,
                                            z_loss, reduction, std::move(tile_tokens), std::move(tile_vocab),
-                                           filter_eps);
+                                           filter_eps, in_forward);
 }
 
 }  // namespace
@@ -184,6 +247,7 @@ TORCH_LIBRARY_IMPL(offload, Autograd, m) {
   // Called by the formula above below autograd; gradients of gradients are not supported.
   m.impl("linear_cross_entropy_forward", torch::autograd::autogradNotImplementedFallback());
   m.impl("linear_cross_entropy_backward", torch::autograd::autogradNotImplementedFallback());
+  m.impl("linear_cross_entropy_with_gradients", torch::autograd::autogradNotImplementedFallback());
 }
 
 namespace torch_offload {

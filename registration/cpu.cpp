@@ -22,6 +22,7 @@ TORCH_LIBRARY_IMPL(offload, CPU, m) {
   m.impl("linear_cross_entropy", &torch_offload::linear_cross_entropy_cpu);
   m.impl("linear_cross_entropy_forward", &torch_offload::linear_cross_entropy_forward_cpu);
   m.impl("linear_cross_entropy_backward", &torch_offload::linear_cross_entropy_backward_cpu);
+  m.impl("linear_cross_entropy_with_gradients", &torch_offload::linear_cross_entropy_with_gradients_cpu);
 }
 
 TORCH_LIBRARY_IMPL(offload, CPU, m) {

@@ -18,6 +18,7 @@ TORCH_LIBRARY_IMPL(offload, CUDA, m) {
   m.impl("linear_cross_entropy", &torch_offload::linear_cross_entropy_cuda);
   m.impl("linear_cross_entropy_forward", &torch_offload::linear_cross_entropy_forward_cuda);
   m.impl("linear_cross_entropy_backward", &torch_offload::linear_cross_entropy_backward_cuda);
+  m.impl("linear_cross_entropy_with_gradients", &torch_offload::linear_cross_entropy_with_gradients_cuda);
 }
 
 TORCH_LIBRARY_IMPL(offload, CUDA, m) {

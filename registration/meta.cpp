@@ -25,6 +25,7 @@ TORCH_LIBRARY_IMPL(offload, Meta, m) {
   m.impl("linear_cross_entropy", &torch_offload::linear_cross_entropy_meta);
   m.impl("linear_cross_entropy_forward", &torch_offload::linear_cross_entropy_forward_meta);
   m.impl("linear_cross_entropy_backward", &torch_offload::linear_cross_entropy_backward_meta);
+  m.impl("linear_cross_entropy_with_gradients", &torch_offload::linear_cross_entropy_with_gradients_meta);
 }
 
 TORCH_LIBRARY_IMPL(offload, Meta, m) {

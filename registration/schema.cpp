@@ -68,7 +68,7 @@ TORCH_LIBRARY(offload, m) {
   m.def(
       "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, int ignore_index=-100, "
       "float label_smoothing=0.0, float softcap=0.0, float z_loss=0.0, str reduction=\"mean\", "
-      "SymInt tile_tokens=0, SymInt tile_vocab=0, float filter_eps=0.0) -> Tensor");
+      "SymInt tile_tokens=0, SymInt tile_vocab=0, float filter_eps=0.0, bool? gradients_in_forward=None) -> Tensor");
   m.def(
       "linear_cross_entropy_forward(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, int ignore_index, "
       "float label_smoothing, float softcap, float z_loss, str reduction, SymInt tile_tokens, SymInt tile_vocab) "
@@ -77,6 +77,14 @@ TORCH_LIBRARY(offload, m) {
       "linear_cross_entropy_backward(Tensor grad_loss, Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
       "Tensor lse, int ignore_index, float label_smoothing, float softcap, float z_loss, str reduction, "
       "SymInt tile_tokens, SymInt tile_vocab, bool[3] output_mask, float filter_eps=0.0) -> (Tensor, Tensor, Tensor)");
+  // For a scalar loss ("mean", "sum"): the loss and its gradients by (hidden, weight, bias) for a unit
+  // grad_loss, those output_mask asks for (undefined otherwise), in the loss's dtype, computed in forward
+  // (3 GEMMs; the autograd formula then only scales them). tile_tokens: the tokens of a whole-vocabulary
+  // slab of logits, <= 0 for a 64 MiB budget.
+  m.def(
+      "linear_cross_entropy_with_gradients(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
+      "int ignore_index, float label_smoothing, float softcap, float z_loss, str reduction, SymInt tile_tokens, "
+      "bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");
   // The automatic tile [tokens, vocabulary columns]; takes no tensor, so one kernel serves every backend.
   m.def("linear_cross_entropy_tile(int tokens, int vocab, ScalarType dtype) -> int[]",
         &torch_offload::linear_cross_entropy_tile_kernel);

@@ -23,6 +23,7 @@ def linear_cross_entropy(
     tile_tokens: int = 0,
     tile_vocab: int = 0,
     filter_eps: float | str | None = None,
+    gradients_in_forward: bool | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` without the logits (differentiable).
 
@@ -35,11 +36,23 @@ def linear_cross_entropy(
     or ``"none"`` (``target``'s shape, 0 where ignored). The loss is float32 for bf16/fp16
     inputs (as transformers' loss, which upcasts the logits), else ``hidden``'s dtype.
 
-    Forward streams over tiles of ``tile_tokens`` tokens x ``tile_vocab`` vocabulary
-    rows with an online log-sum-exp and saves only the inputs and a float32 log-sum-exp
-    per token; backward recomputes each tile's logits and computes only the gradients
-    that are needed (a frozen head gets none), bf16/fp16 ones added up in float32.
-    ``tile_* <= 0`` picks the tile from a memory budget (see ``linear_cross_entropy_tile``).
+    When a gradient is needed it takes one of two paths, each computing only the gradients
+    that are needed (a frozen head gets none), bf16/fp16 ones added up in float32:
+
+    - gradients in forward (3 GEMMs): for each tile of tokens, its logits over the whole
+      vocabulary go into one reused slab of at most 64 MiB (``tile_tokens`` tokens when
+      given), become the loss's gradient by them on the spot, and give hidden's and the
+      weight's gradients; backward only scales those by the incoming gradient.
+    - recompute (4 GEMMs): forward streams over tiles of ``tile_tokens`` tokens x
+      ``tile_vocab`` vocabulary rows with an online log-sum-exp and saves the inputs and a
+      float32 log-sum-exp per token; backward recomputes each tile's logits.
+      ``tile_* <= 0`` picks the tile from a memory budget (see ``linear_cross_entropy_tile``).
+
+    ``gradients_in_forward=None`` takes the first wherever it applies: ``reduction`` "mean"
+    or "sum", no ``filter_eps``, no ``softcap``, and float32/float64 (or a GPU; on a CPU,
+    bf16/fp16 operands would be converted to float32 whole). ``True`` asks for it (an error
+    where it does not apply), ``False`` for the recompute. Without a gradient to compute,
+    only the forward runs.
 
     ``filter_eps`` turns on gradient filtering (Cut Cross-Entropy's), an approximation that
     is off by default: backward skips the two gradient GEMMs of every tile in which each
@@ -54,7 +67,7 @@ def linear_cross_entropy(
         _require_tensor(value, "linear_cross_entropy", arg)
     return torch.ops.offload.linear_cross_entropy(
         hidden, weight, bias, target, ignore_index, label_smoothing, softcap or 0.0, z_loss, reduction,
-        tile_tokens, tile_vocab, _filter_threshold(filter_eps, hidden.dtype))
+        tile_tokens, tile_vocab, _filter_threshold(filter_eps, hidden.dtype), gradients_in_forward)
 
 
 def _filter_threshold(filter_eps: float | str | None, dtype: torch.dtype) -> float:

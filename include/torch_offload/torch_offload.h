@@ -149,19 +149,40 @@ inline int64_t tiled_mlp_num_shards(int64_t tokens, int64_t intermediate, bool g
 // the tiles where every gradient entry is at most filter_eps times the token's weight
 // in the reduction (plain cross-entropy: every softmax probability <= filter_eps), an
 // approximation that saves two of a tile's three GEMMs there; 0 computes every tile.
+// gradients_in_forward: with a gradient to compute and a scalar loss, true computes the
+// gradients in forward (linear_cross_entropy_with_gradients: 3 GEMMs, backward scales
+// them), false recomputes the logits in backward (4 GEMMs, and what filter_eps needs);
+// nullopt picks the former where it is faster, the rule in docs (README: Fused loss).
 inline at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
                                        const std::optional<at::Tensor>& bias, const at::Tensor& target,
                                        int64_t ignore_index = -100, double label_smoothing = 0.0,
                                        double softcap = 0.0, double z_loss = 0.0,
                                        std::string_view reduction = "mean", c10::SymInt tile_tokens = 0,
-                                       c10::SymInt tile_vocab = 0, double filter_eps = 0.0) {
+                                       c10::SymInt tile_vocab = 0, double filter_eps = 0.0,
+                                       std::optional<bool> gradients_in_forward = std::nullopt) {
   TORCH_CHECK(hidden.defined(), "linear_cross_entropy: hidden is an undefined tensor; expected a defined tensor");
   static const auto handle =
       detail::op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
-                            int64_t, double, double, double, std::string_view, c10::SymInt, c10::SymInt, double)>(
-          "offload::linear_cross_entropy");
+                            int64_t, double, double, double, std::string_view, c10::SymInt, c10::SymInt, double,
+                            std::optional<bool>)>("offload::linear_cross_entropy");
   return handle.call(hidden, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction,
-                     std::move(tile_tokens), std::move(tile_vocab), filter_eps);
+                     std::move(tile_tokens), std::move(tile_vocab), filter_eps, gradients_in_forward);
+}
+
+// The loss and its gradients (hidden, weight, bias; those output_mask asks for) for a unit
+// grad_loss, computed in forward from whole-vocabulary slabs of tile_tokens tokens (<= 0:
+// a 64 MiB slab); reduction "mean" or "sum". The gradients are in the loss's dtype.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_with_gradients(
+    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& target, int64_t ignore_index, double label_smoothing, double softcap, double z_loss,
+    std::string_view reduction, c10::SymInt tile_tokens, std::array<bool, 3> output_mask) {
+  TORCH_CHECK(hidden.defined(), "linear_cross_entropy: hidden is an undefined tensor; expected a defined tensor");
+  static const auto handle = detail::op<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, int64_t, double,
+      double, double, std::string_view, c10::SymInt, std::array<bool, 3>)>(
+      "offload::linear_cross_entropy_with_gradients");
+  return handle.call(hidden, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction,
+                     std::move(tile_tokens), output_mask);
 }
 
 // The forward that the autograd formula uses: (loss, log-sum-exp of each token

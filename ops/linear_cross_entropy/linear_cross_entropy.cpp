@@ -15,6 +15,7 @@
 #include <ATen/ops/full.h>
 #include <ATen/ops/log.h>
 #include <ATen/ops/nonzero.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
@@ -36,6 +37,10 @@ constexpr int64_t kTileBytes = int64_t{8} << 20;
 constexpr int64_t kMaxTileTokens = 1024;
 constexpr int64_t kMinTileVocab = 256;
 constexpr int64_t kMaxTileVocab = 4096;
+// The 3-GEMM path (linear_cross_entropy_with_gradients): each tile of tokens has its logits over the whole
+// vocabulary in one reused slab of at most kSlabBytes, which forward turns into d loss / d logits on the
+// spot; the gradients' GEMMs read it there, so backward needs no second logits GEMM.
+constexpr int64_t kSlabBytes = int64_t{64} << 20;
 
 namespace {
 
@@ -153,6 +158,66 @@ at::Tensor narrow_or_undefined(const at::Tensor& t, int64_t start, int64_t lengt
   return t.defined() ? t.narrow(0, start, length) : t;
 }
 
+// The 3-GEMM path's slab of logits over the whole vocabulary: at most kSlabBytes (at least one row),
+// its token rows split evenly, or tile_tokens rows when given.
+int64_t slab_tokens(int64_t tokens, int64_t vocab, c10::ScalarType dtype, const c10::SymInt& tile_tokens) {
+  const int64_t asked = tile_tokens.expect_int();
+  if (asked > 0) {
+    return std::min(asked, std::max<int64_t>(tokens, 1));
+  }
+  const int64_t row_bytes = std::max<int64_t>(vocab, 1) * static_cast<int64_t>(c10::elementSize(dtype));
+  return even_split(tokens, std::max<int64_t>(kSlabBytes / row_bytes, 1));
+}
+
+void check_scalar_reduction(const char* op, Reduction parsed) {
+  TORCH_CHECK_VALUE(parsed != Reduction::kNone, op,
+                    ": reduction is \"none\"; gradients computed in forward need a scalar loss (\"mean\" or \"sum\")");
+}
+
+// Per token: the running max and sum of exp(z - max), z of the target, sum of z, folded tile by tile.
+struct TokenSums {
+  at::Tensor max, sum_exp, target_z, sum_z;
+
+  TokenSums(int64_t tokens, const at::TensorOptions& acc_options)
+      : max(at::full({tokens}, -std::numeric_limits<double>::infinity(), acc_options)),
+        sum_exp(at::zeros({tokens}, acc_options)),
+        target_z(at::zeros({tokens}, acc_options)),
+        sum_z(at::zeros({tokens}, acc_options)) {}
+  // Folds a tile of the rows [start, start + logits.size(0)) and columns [col0, col0 + logits.size(1)).
+  void fold(const CrossEntropyTileKernels& kernels, const CrossEntropyOptions& options, const at::Tensor& logits,
+            const at::Tensor& target_tile, int64_t col0, int64_t start) const {
+    const int64_t rows = logits.size(0);
+    kernels.forward(options, logits, target_tile, col0, max.narrow(0, start, rows), sum_exp.narrow(0, start, rows),
+                    target_z.narrow(0, start, rows), sum_z.narrow(0, start, rows));
+  }
+  at::Tensor lse() const { return max + at::log(sum_exp); }
+};
+
+// The loss from the tokens' sums and log-sum-exp: 0 for ignored tokens, then reduced.
+at::Tensor reduced_loss(const TokenSums& sums, const at::Tensor& lse, const at::Tensor& valid, Reduction parsed,
+                        const CrossEntropyOptions& options, const at::Tensor& target) {
+  at::Tensor per_token = lse - (1.0 - options.label_smoothing) * sums.target_z;
+  if (options.label_smoothing > 0) {
+    per_token -= (options.label_smoothing / static_cast<double>(options.vocab)) * sums.sum_z;
+  }
+  if (options.z_loss > 0) {
+    per_token += options.z_loss * lse * lse;
+  }
+  per_token = at::where(valid, per_token, at::zeros({}, lse.options()));
+  // The loss stays in the accumulation type: float32 for a bf16/fp16 head, as transformers'
+  // loss (which upcasts the logits) and F.cross_entropy under autocast.
+  switch (parsed) {
+    case Reduction::kNone:
+      return per_token.view(target.sizes());
+    case Reduction::kSum:
+      return per_token.sum();
+    case Reduction::kMean:
+      break;
+  }
+  // No counted token gives 0 / 0 = nan, as F.cross_entropy.
+  return per_token.sum() / valid.sum();
+}
+
 }  // namespace
 
 void check_filter_eps(const char* op, double filter_eps, double label_smoothing) {
@@ -177,11 +242,7 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_impl(
   const auto dtype = hidden.scalar_type();
   const auto acc_options = hidden.options().dtype(at::toOpMathType(dtype));
 
-  // Per token: the running max and sum of exp(z - max), z of the target, sum of z.
-  const at::Tensor max = at::full({f.tokens}, -std::numeric_limits<double>::infinity(), acc_options);
-  const at::Tensor sum_exp = at::zeros({f.tokens}, acc_options);
-  const at::Tensor target_z = at::zeros({f.tokens}, acc_options);
-  const at::Tensor sum_z = at::zeros({f.tokens}, acc_options);
+  TokenSums sums(f.tokens, acc_options);
   const CrossEntropyOptions options{softcap, label_smoothing, z_loss, f.vocab, /*filter_eps=*/0.0};
   if (f.tokens > 0 && f.vocab > 0) {
     const auto [tile_rows, tile_cols] = tile_shape(f.tokens, f.vocab, dtype, tile_tokens, tile_vocab);
@@ -194,38 +255,75 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_impl(
         const int64_t cols = std::min(tile_cols, f.vocab - col0);
         const at::Tensor logits = tile_view(buffer, rows, cols);
         linear_into(logits, hidden_tile, weight.narrow(0, col0, cols), narrow_or_undefined(bias, col0, cols));
-        kernels.forward(options, logits, target_tile, col0, max.narrow(0, start, rows),
-                        sum_exp.narrow(0, start, rows), target_z.narrow(0, start, rows),
-                        sum_z.narrow(0, start, rows));
+        sums.fold(kernels, options, logits, target_tile, col0, start);
       }
     }
   }
-  const at::Tensor lse = max + at::log(sum_exp);
-  at::Tensor per_token = lse - (1.0 - label_smoothing) * target_z;
-  if (label_smoothing > 0) {
-    per_token -= (label_smoothing / static_cast<double>(f.vocab)) * sum_z;
-  }
-  if (z_loss > 0) {
-    per_token += z_loss * lse * lse;
-  }
+  const at::Tensor lse = sums.lse();
+  return {reduced_loss(sums, lse, f.target.ne(ignore_index), parsed, options, target), lse};
+}
+
+LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_impl(
+    const CrossEntropyTileKernels& kernels, const at::Tensor& hidden, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias_opt, const at::Tensor& target, int64_t ignore_index, double label_smoothing,
+    double softcap, double z_loss, std::string_view reduction, const c10::SymInt& tile_tokens,
+    std::array<bool, 3> output_mask) {
+  const char* op = "linear_cross_entropy";  // the op users call, as linear_cross_entropy_forward's errors
+  const at::Tensor bias = value_or_undefined(bias_opt);
+  const Reduction parsed =
+      check_arguments(op, hidden, weight, bias, target, label_smoothing, softcap, z_loss, reduction);
+  check_scalar_reduction(op, parsed);
+  const Flat f = flatten(hidden, weight, target);
+  check_target_values(op, f.target, f.vocab, ignore_index);
+  const auto dtype = hidden.scalar_type();
+  const auto acc_type = at::toOpMathType(dtype);
+  const auto acc_options = hidden.options().dtype(acc_type);
+  const bool want_hidden = output_mask[0], want_weight = output_mask[1], want_bias = output_mask[2] && bias.defined();
+
+  // Each token's weight in the reduction for a unit grad_loss: 1 ("sum") or 1 / count ("mean"), 0 if ignored.
   const at::Tensor valid = f.target.ne(ignore_index);
-  per_token = at::where(valid, per_token, at::zeros({}, acc_options));
-  // The loss stays in the accumulation type: float32 for a bf16/fp16 head, as transformers'
-  // loss (which upcasts the logits) and F.cross_entropy under autocast.
-  at::Tensor loss;
-  switch (parsed) {
-    case Reduction::kNone:
-      loss = per_token.view(target.sizes());
-      break;
-    case Reduction::kSum:
-      loss = per_token.sum();
-      break;
-    case Reduction::kMean:
-      // No counted token gives 0 / 0 = nan, as F.cross_entropy.
-      loss = per_token.sum() / valid.sum();
-      break;
+  at::Tensor unit = at::ones({}, acc_options);
+  if (parsed == Reduction::kMean) {
+    unit = unit / valid.sum();
   }
-  return {loss, lse};
+  const at::Tensor grad_scale = at::where(valid, unit, at::zeros({}, acc_options)).expand({f.tokens}).contiguous();
+  const int64_t h = hidden.size(-1);
+  at::Tensor grad_hidden = want_hidden ? at::zeros({f.tokens, h}, acc_options) : at::Tensor();
+  at::Tensor grad_weight = want_weight ? at::zeros({f.vocab, h}, acc_options) : at::Tensor();
+  at::Tensor grad_bias = want_bias ? at::zeros({f.vocab}, acc_options) : at::Tensor();
+
+  TokenSums sums(f.tokens, acc_options);
+  const CrossEntropyOptions options{softcap, label_smoothing, z_loss, f.vocab, /*filter_eps=*/0.0};
+  if (f.tokens > 0 && f.vocab > 0) {
+    const int64_t rows_per_slab = slab_tokens(f.tokens, f.vocab, dtype, tile_tokens);
+    const at::Tensor slab = at::empty({rows_per_slab * f.vocab}, hidden.options());
+    // Off CUDA, bf16/fp16 GEMM operands are converted to float32 (the weight once).
+    const bool convert = acc_type != dtype && !hidden.is_cuda();
+    const at::Tensor weight_operand = convert && want_hidden ? weight.to(acc_type) : weight;
+    for (int64_t start = 0; start < f.tokens; start += rows_per_slab) {
+      const int64_t rows = std::min(rows_per_slab, f.tokens - start);
+      const at::Tensor hidden_tile = f.hidden.narrow(0, start, rows);
+      const at::Tensor target_tile = f.target.narrow(0, start, rows);
+      const at::Tensor logits = tile_view(slab, rows, f.vocab);
+      linear_into(logits, hidden_tile, weight, bias);
+      sums.fold(kernels, options, logits, target_tile, /*col0=*/0, start);
+      // The slab holds whole rows: their log-sum-exp is final, and the slab becomes d loss / d logits.
+      const at::Tensor lse = sums.lse().narrow(0, start, rows);
+      kernels.backward(options, logits, target_tile, /*col0=*/0, lse, grad_scale.narrow(0, start, rows));
+      const at::Tensor d_logits = convert ? logits.to(acc_type) : logits;
+      if (want_hidden) {
+        accumulate_mm(grad_hidden.narrow(0, start, rows), d_logits, weight_operand);
+      }
+      if (want_weight) {
+        accumulate_mm(grad_weight, d_logits.t(), convert ? hidden_tile.to(acc_type) : hidden_tile);
+      }
+      if (want_bias) {
+        grad_bias.add_(at::sum(d_logits, {0}, false, acc_type));
+      }
+    }
+  }
+  return {reduced_loss(sums, sums.lse(), valid, parsed, options, target),
+          want_hidden ? grad_hidden.view(hidden.sizes()) : grad_hidden, grad_weight, grad_bias};
 }
 
 LinearCrossEntropyGradients linear_cross_entropy_backward_impl(
@@ -334,8 +432,10 @@ const CrossEntropyTileKernels& cpu_cross_entropy_kernels() {
 #endif
 }
 
-at::Tensor linear_cross_entropy_cpu(TORCH_OFFLOAD_LCE_ARGS, double filter_eps) {
-  check_filter_eps("linear_cross_entropy", filter_eps, label_smoothing);  // used by backward only
+at::Tensor linear_cross_entropy_cpu(TORCH_OFFLOAD_LCE_ARGS, double filter_eps, std::optional<bool> gradients_in_forward) {
+  // filter_eps and gradients_in_forward choose how gradients are computed: the autograd kernel's business.
+  check_filter_eps("linear_cross_entropy", filter_eps, label_smoothing);
+  (void)gradients_in_forward;
   return std::get<0>(linear_cross_entropy_forward_impl(cpu_cross_entropy_kernels(), hidden, weight, bias, target,
                                                        ignore_index, label_smoothing, softcap, z_loss, reduction,
                                                        tile_tokens, tile_vocab));
@@ -344,6 +444,12 @@ at::Tensor linear_cross_entropy_cpu(TORCH_OFFLOAD_LCE_ARGS, double filter_eps) {
 std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_cpu(TORCH_OFFLOAD_LCE_ARGS) {
   return linear_cross_entropy_forward_impl(cpu_cross_entropy_kernels(), hidden, weight, bias, target, ignore_index,
                                            label_smoothing, softcap, z_loss, reduction, tile_tokens, tile_vocab);
+}
+
+LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_cpu(TORCH_OFFLOAD_LCE_WITH_GRADIENTS_ARGS) {
+  return linear_cross_entropy_with_gradients_impl(cpu_cross_entropy_kernels(), hidden, weight, bias, target,
+                                                  ignore_index, label_smoothing, softcap, z_loss, reduction,
+                                                  tile_tokens, output_mask);
 }
 
 LinearCrossEntropyGradients linear_cross_entropy_backward_cpu(TORCH_OFFLOAD_LCE_BACKWARD_ARGS) {
@@ -364,10 +470,25 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_meta(TORCH_OFFLO
   return {loss, lse};
 }
 
-at::Tensor linear_cross_entropy_meta(TORCH_OFFLOAD_LCE_ARGS, double filter_eps) {
+at::Tensor linear_cross_entropy_meta(TORCH_OFFLOAD_LCE_ARGS, double filter_eps, std::optional<bool> gradients_in_forward) {
   check_filter_eps("linear_cross_entropy", filter_eps, label_smoothing);
+  (void)gradients_in_forward;
   return std::get<0>(linear_cross_entropy_forward_meta(hidden, weight, bias, target, ignore_index, label_smoothing,
                                                        softcap, z_loss, reduction, tile_tokens, tile_vocab));
+}
+
+LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_meta(TORCH_OFFLOAD_LCE_WITH_GRADIENTS_ARGS) {
+  const char* op = "linear_cross_entropy";
+  const at::Tensor b = value_or_undefined(bias);
+  const Reduction parsed = check_arguments(op, hidden, weight, b, target, label_smoothing, softcap, z_loss, reduction);
+  check_scalar_reduction(op, parsed);
+  (void)ignore_index, (void)tile_tokens;
+  const auto acc_options = hidden.options().dtype(at::toOpMathType(hidden.scalar_type()));
+  const auto like = [&](bool want, const at::Tensor& t) {
+    return want && t.defined() ? at::empty_symint(t.sym_sizes(), acc_options) : at::Tensor();
+  };
+  return {at::empty({}, acc_options), like(output_mask[0], hidden), like(output_mask[1], weight),
+          like(output_mask[2], b)};
 }
 
 LinearCrossEntropyGradients linear_cross_entropy_backward_meta(TORCH_OFFLOAD_LCE_BACKWARD_ARGS) {

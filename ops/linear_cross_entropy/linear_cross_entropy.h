@@ -57,6 +57,16 @@ LinearCrossEntropyGradients linear_cross_entropy_backward_impl(
     const c10::SymInt& tile_tokens, const c10::SymInt& tile_vocab, std::array<bool, 3> output_mask,
     double filter_eps);
 
+// The 3-GEMM path for a scalar loss ("mean" or "sum"): (loss, and the gradients output_mask asks for with
+// respect to hidden, weight and bias, for a unit grad_loss, in the accumulation type; undefined where not
+// asked), computed in forward from one slab of whole-vocabulary logits per tile of tokens.
+using LinearCrossEntropyWithGradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_impl(
+    const CrossEntropyTileKernels& kernels, const at::Tensor& hidden, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& target, int64_t ignore_index, double label_smoothing,
+    double softcap, double z_loss, std::string_view reduction, const c10::SymInt& tile_tokens,
+    std::array<bool, 3> output_mask);
+
 // filter_eps (gradient filtering's threshold) is finite and >= 0, and 0 with label
 // smoothing, whose gradient reaches every logit. Errors name the argument.
 void check_filter_eps(const char* op, double filter_eps, double label_smoothing);
@@ -75,15 +85,22 @@ std::vector<int64_t> linear_cross_entropy_tile_kernel(int64_t tokens, int64_t vo
       const std::optional<at::Tensor>&bias, const at::Tensor &target, const at::Tensor &lse, int64_t ignore_index, \
       double label_smoothing, double softcap, double z_loss, c10::string_view reduction, c10::SymInt tile_tokens, \
       c10::SymInt tile_vocab, std::array<bool, 3> output_mask, double filter_eps
+#define TORCH_OFFLOAD_LCE_WITH_GRADIENTS_ARGS                                                                    \
+  const at::Tensor &hidden, const at::Tensor &weight, const std::optional<at::Tensor>&bias,                      \
+      const at::Tensor &target, int64_t ignore_index, double label_smoothing, double softcap, double z_loss,     \
+      c10::string_view reduction, c10::SymInt tile_tokens, std::array<bool, 3> output_mask
 
-at::Tensor linear_cross_entropy_cpu(TORCH_OFFLOAD_LCE_ARGS, double filter_eps);
+at::Tensor linear_cross_entropy_cpu(TORCH_OFFLOAD_LCE_ARGS, double filter_eps, std::optional<bool> gradients_in_forward);
+LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_cpu(TORCH_OFFLOAD_LCE_WITH_GRADIENTS_ARGS);
 std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_cpu(TORCH_OFFLOAD_LCE_ARGS);
 LinearCrossEntropyGradients linear_cross_entropy_backward_cpu(TORCH_OFFLOAD_LCE_BACKWARD_ARGS);
-at::Tensor linear_cross_entropy_meta(TORCH_OFFLOAD_LCE_ARGS, double filter_eps);
+at::Tensor linear_cross_entropy_meta(TORCH_OFFLOAD_LCE_ARGS, double filter_eps, std::optional<bool> gradients_in_forward);
+LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_meta(TORCH_OFFLOAD_LCE_WITH_GRADIENTS_ARGS);
 std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_meta(TORCH_OFFLOAD_LCE_ARGS);
 LinearCrossEntropyGradients linear_cross_entropy_backward_meta(TORCH_OFFLOAD_LCE_BACKWARD_ARGS);
 #ifdef TORCH_OFFLOAD_WITH_CUDA
-at::Tensor linear_cross_entropy_cuda(TORCH_OFFLOAD_LCE_ARGS, double filter_eps);
+at::Tensor linear_cross_entropy_cuda(TORCH_OFFLOAD_LCE_ARGS, double filter_eps, std::optional<bool> gradients_in_forward);
+LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_cuda(TORCH_OFFLOAD_LCE_WITH_GRADIENTS_ARGS);
 std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_cuda(TORCH_OFFLOAD_LCE_ARGS);
 LinearCrossEntropyGradients linear_cross_entropy_backward_cuda(TORCH_OFFLOAD_LCE_BACKWARD_ARGS);
 #endif

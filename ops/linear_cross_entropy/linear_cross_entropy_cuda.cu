@@ -177,8 +177,10 @@ const CrossEntropyTileKernels kCudaKernels{&forward_tile_cuda, &backward_tile_cu
 
 }  // namespace
 
-at::Tensor linear_cross_entropy_cuda(TORCH_OFFLOAD_LCE_ARGS, double filter_eps) {
+at::Tensor linear_cross_entropy_cuda(TORCH_OFFLOAD_LCE_ARGS, double filter_eps,
+                                     std::optional<bool> gradients_in_forward) {
   check_filter_eps("linear_cross_entropy", filter_eps, label_smoothing);
+  (void)gradients_in_forward;  // the autograd kernel's choice
   const c10::cuda::CUDAGuard device_guard(hidden.device());
   return std::get<0>(linear_cross_entropy_forward_impl(kCudaKernels, hidden, weight, bias, target, ignore_index,
                                                        label_smoothing, softcap, z_loss, reduction, tile_tokens,
@@ -189,6 +191,13 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_cuda(TORCH_OFFLO
   const c10::cuda::CUDAGuard device_guard(hidden.device());
   return linear_cross_entropy_forward_impl(kCudaKernels, hidden, weight, bias, target, ignore_index, label_smoothing,
                                            softcap, z_loss, reduction, tile_tokens, tile_vocab);
+}
+
+LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_cuda(TORCH_OFFLOAD_LCE_WITH_GRADIENTS_ARGS) {
+  const c10::cuda::CUDAGuard device_guard(hidden.device());
+  return linear_cross_entropy_with_gradients_impl(kCudaKernels, hidden, weight, bias, target, ignore_index,
+                                                  label_smoothing, softcap, z_loss, reduction, tile_tokens,
+                                                  output_mask);
 }
 
 LinearCrossEntropyGradients linear_cross_entropy_backward_cuda(TORCH_OFFLOAD_LCE_BACKWARD_ARGS) {
