@@ -257,8 +257,20 @@ def test_gradients_in_forward_hold_the_slab_budget_and_the_gradients_only():
     slab = 64 << 20
     peak = peak_allocated_bytes(step())
     assert slab / 2 < peak <= slab + gradients + (1 << 20)
-    # tile_tokens sets the slab's tokens instead: 64 of them.
+    # tile_tokens sets the slab's tokens instead, 64 of them; never past the budget (here all 2048 asked for).
     assert peak_allocated_bytes(step(tile_tokens=64)) <= 64 * vocab * 4 + gradients + (1 << 20)
+    assert peak_allocated_bytes(step(tile_tokens=tokens)) <= slab + gradients + (1 << 20)
+
+
+def test_gradients_in_forward_refuse_a_second_backward_and_double_backward():
+    hidden, weight, _, target = make_inputs((6, 8), 11)
+    loss = call(hidden, weight, None, target, gradients_in_forward=True)
+    loss.backward()
+    with pytest.raises(RuntimeError, match="linear_cross_entropy: trying to backward through the graph a second time"):
+        loss.backward()
+    loss = call(hidden, weight, None, target, gradients_in_forward=True)
+    with pytest.raises(RuntimeError, match=r"linear_cross_entropy: double backward \(create_graph=True\)"):
+        torch.autograd.grad(loss, hidden, create_graph=True)
 
 
 def test_forward_op_returns_the_float32_log_sum_exp():
@@ -624,12 +636,17 @@ def test_gradients_in_forward_where_they_do_not_apply_are_refused_by_name(kwargs
     hidden, weight, _, target = make_inputs((3, 16), 10)
     with pytest.raises(ValueError, match=f"linear_cross_entropy: {message}"):
         torch_offload.linear_cross_entropy(hidden, weight, target, gradients_in_forward=True, **kwargs)
+    # Alike without a gradient to compute.
+    with torch.inference_mode(), pytest.raises(ValueError, match=f"linear_cross_entropy: {message}"):
+        torch_offload.linear_cross_entropy(hidden, weight, target, gradients_in_forward=True, **kwargs)
+    op = torch.ops.offload.linear_cross_entropy_with_gradients
     with pytest.raises(ValueError, match="linear_cross_entropy: reduction is \"none\"; gradients computed in forward"):
-        torch.ops.offload.linear_cross_entropy_with_gradients(hidden, weight, None, target, -100, 0.0, 0.0, 0.0, "none",
-                                                              0, [True] * 3)
+        op(hidden, weight, None, target, -100, 0.0, 0.0, 0.0, "none", 0, [True] * 3)
+    with pytest.raises(ValueError, match="linear_cross_entropy: softcap is 2; gradients computed in forward need"):
+        op(hidden, weight, None, target, -100, 0.0, 2.0, 0.0, "mean", 0, [True] * 3)
 
 
-def test_no_tokens_by_vocabulary_tensor_is_allocated():
+def test_peak_is_a_tile_or_the_slab_never_the_logits():
     # Peak resident growth of forward + backward in a fresh process: the [4096, 8192] float32
     # logits are 128 MiB; the recompute stays near its 8 MiB tile, gradients in forward near their
     # 64 MiB slab (the gradients are 1.5 MiB), eager holds several copies.

@@ -168,6 +168,12 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto& d = ctx->saved_data;
     if (d.at("gradients_in_forward").toBool()) {
+      TORCH_CHECK(d.count("grad_hidden"), "linear_cross_entropy: trying to backward through the graph a second "
+                  "time; the gradients its forward computed were handed out by the first backward (specify "
+                  "retain_graph=True if you need to backward through the graph a second time)");
+      // The kept gradients are constants: a gradient of them would be silently wrong.
+      TORCH_CHECK(!at::GradMode::is_enabled(), "linear_cross_entropy: double backward (create_graph=True) is not "
+                  "supported");
       // The last backward through the node scales the kept gradients in place; one that keeps the graph
       // (retain_graph=True) scales copies.
       const bool last = !torch::autograd::get_current_graph_task_keep_graph();
@@ -202,24 +208,6 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
   }
 };
 
-// Whether a call computes its gradients in forward: asked (gradients_in_forward), or by default wherever
-// that path serves the call and is the faster: a scalar loss, no gradient filtering and no softcap (the
-// recompute path's), float32/float64 or a GPU (on a CPU, bf16/fp16 GEMM operands are converted to
-// float32, the whole weight at once on this path).
-bool computes_gradients_in_forward(const at::Tensor& hidden, double softcap, c10::string_view reduction,
-                                   double filter_eps, std::optional<bool> gradients_in_forward) {
-  const bool scalar = reduction != "none";
-  if (gradients_in_forward.has_value()) {
-    TORCH_CHECK_VALUE(!*gradients_in_forward || (scalar && filter_eps == 0.0 && softcap == 0.0),
-                      "linear_cross_entropy: gradients_in_forward is True with reduction \"", reduction,
-                      "\", filter_eps ", filter_eps, " and softcap ", softcap,
-                      "; it needs a scalar loss (\"mean\" or \"sum\"), filter_eps 0 and softcap 0");
-    return *gradients_in_forward;
-  }
-  const bool float_type = hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kDouble;
-  return scalar && filter_eps == 0.0 && softcap == 0.0 && (float_type || hidden.is_cuda());
-}
-
 at::Tensor linear_cross_entropy_autograd(const at::Tensor& hidden, const at::Tensor& weight,
                                          const std::optional<at::Tensor>& bias, const at::Tensor& target,
                                          int64_t ignore_index, double label_smoothing, double softcap, double z_loss,
@@ -231,7 +219,9 @@ at::Tensor linear_cross_entropy_autograd(const at::Tensor& hidden, const at::Ten
                                    bias.has_value() && bias->requires_grad()};
   const bool any_wanted = at::GradMode::is_enabled() && (wanted[0] || wanted[1] || wanted[2]);
   std::optional<std::array<bool, 3>> in_forward;
-  if (computes_gradients_in_forward(hidden, softcap, reduction, filter_eps, gradients_in_forward) && any_wanted) {
+  const bool by_default =
+      gradients_in_forward_by_default("linear_cross_entropy", hidden, softcap, reduction, filter_eps, gradients_in_forward);
+  if (gradients_in_forward.value_or(by_default) && any_wanted) {
     in_forward = wanted;
   }
   return LinearCrossEntropyFunction::apply(hidden, weight, bias, target, ignore_index, label_smoothing, softcap,

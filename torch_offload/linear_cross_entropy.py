@@ -41,7 +41,7 @@ def linear_cross_entropy(
 
     - gradients in forward (3 GEMMs): for each tile of tokens, its logits over the whole
       vocabulary go into one reused slab of at most 64 MiB (``tile_tokens`` tokens when
-      given), become the loss's gradient by them on the spot, and give hidden's and the
+      fewer), become the loss's gradient by them on the spot, and give hidden's and the
       weight's gradients; backward only scales those by the incoming gradient.
     - recompute (4 GEMMs): forward streams over tiles of ``tile_tokens`` tokens x
       ``tile_vocab`` vocabulary rows with an online log-sum-exp and saves the inputs and a
@@ -49,10 +49,11 @@ def linear_cross_entropy(
       ``tile_* <= 0`` picks the tile from a memory budget (see ``linear_cross_entropy_tile``).
 
     ``gradients_in_forward=None`` takes the first wherever it applies: ``reduction`` "mean"
-    or "sum", no ``filter_eps``, no ``softcap``, and float32/float64 (or a GPU; on a CPU,
-    bf16/fp16 operands would be converted to float32 whole). ``True`` asks for it (an error
+    or "sum", no ``filter_eps``, no ``softcap``, and float32/float64 or bfloat16 on a GPU
+    (float16's small gradients would underflow in the slab before the loss scale; on a CPU
+    bf16/fp16 operands are converted to float32). ``True`` asks for it (a ``ValueError``
     where it does not apply), ``False`` for the recompute. Without a gradient to compute,
-    only the forward runs.
+    only the forward runs. Neither path has a double backward.
 
     ``filter_eps`` turns on gradient filtering (Cut Cross-Entropy's), an approximation that
     is off by default: backward skips the two gradient GEMMs of every tile in which each

@@ -137,9 +137,10 @@ inline int64_t tiled_mlp_num_shards(int64_t tokens, int64_t intermediate, bool g
 }
 
 // The LM head's cross-entropy, cross_entropy(hidden @ weight^T + bias, target),
-// computed in tiles of tokens x vocabulary so that no [tokens, V] logits tensor
-// exists: forward keeps a running log-sum-exp per token, backward recomputes each
-// tile's logits. hidden [..., h], weight [V, h], bias [V], target [...] int64
+// computed in tiles so that no [tokens, V] logits tensor exists: either forward
+// computes the gradients too from whole-vocabulary slabs of at most 64 MiB, or it
+// keeps a running log-sum-exp per token and backward recomputes each tile's logits
+// (gradients_in_forward, below). hidden [..., h], weight [V, h], bias [V], target [...] int64
 // (int32 accepted). softcap > 0 caps the logits to softcap * tanh(logits /
 // softcap); z_loss > 0 adds z_loss * logsumexp^2 per token; label_smoothing and
 // ignore_index are F.cross_entropy's; reduction "mean" (over the tokens not
@@ -151,8 +152,9 @@ inline int64_t tiled_mlp_num_shards(int64_t tokens, int64_t intermediate, bool g
 // approximation that saves two of a tile's three GEMMs there; 0 computes every tile.
 // gradients_in_forward: with a gradient to compute and a scalar loss, true computes the
 // gradients in forward (linear_cross_entropy_with_gradients: 3 GEMMs, backward scales
-// them), false recomputes the logits in backward (4 GEMMs, and what filter_eps needs);
-// nullopt picks the former where it is faster, the rule in docs (README: Fused loss).
+// them; not with softcap or filter_eps), false recomputes the logits in backward (4
+// GEMMs); nullopt picks the former for float32/float64, and bfloat16 on CUDA (README,
+// "Fused linear cross-entropy").
 inline at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
                                        const std::optional<at::Tensor>& bias, const at::Tensor& target,
                                        int64_t ignore_index = -100, double label_smoothing = 0.0,

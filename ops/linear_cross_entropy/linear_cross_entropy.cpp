@@ -1,7 +1,7 @@
-// The tiling loop of linear_cross_entropy, the same on every device: GEMMs through
-// ATen into one reused [tile_tokens, tile_vocab] buffer, the per-tile elementwise
-// steps by the device's fused kernels, per-token bookkeeping by ATen on [tokens]
-// vectors.
+// The tiling loops of linear_cross_entropy, the same on every device: GEMMs through
+// ATen into one reused buffer ([tile_tokens, tile_vocab] for the recompute path, a
+// whole-vocabulary slab for gradients in forward), the per-tile elementwise steps by
+// the device's fused kernels, per-token bookkeeping by ATen on [tokens] vectors.
 #include "ops/linear_cross_entropy/linear_cross_entropy.h"
 
 #include <algorithm>
@@ -158,20 +158,25 @@ at::Tensor narrow_or_undefined(const at::Tensor& t, int64_t start, int64_t lengt
   return t.defined() ? t.narrow(0, start, length) : t;
 }
 
-// The 3-GEMM path's slab of logits over the whole vocabulary: at most kSlabBytes (at least one row),
-// its token rows split evenly, or tile_tokens rows when given.
-int64_t slab_tokens(int64_t tokens, int64_t vocab, c10::ScalarType dtype, const c10::SymInt& tile_tokens) {
+// The 3-GEMM path's slab of logits over the whole vocabulary: at most kSlabBytes (at least one row), with
+// the float32 copy a CPU makes of bf16/fp16 ones, its token rows split evenly; tile_tokens rows when
+// fewer.
+int64_t slab_tokens(int64_t tokens, int64_t vocab, c10::ScalarType dtype, bool float_copy,
+                    const c10::SymInt& tile_tokens) {
+  const int64_t row_bytes =
+      std::max<int64_t>(vocab, 1) * (static_cast<int64_t>(c10::elementSize(dtype)) + (float_copy ? 4 : 0));
+  const int64_t budget_rows = even_split(tokens, std::max<int64_t>(kSlabBytes / row_bytes, 1));
   const int64_t asked = tile_tokens.expect_int();
-  if (asked > 0) {
-    return std::min(asked, std::max<int64_t>(tokens, 1));
-  }
-  const int64_t row_bytes = std::max<int64_t>(vocab, 1) * static_cast<int64_t>(c10::elementSize(dtype));
-  return even_split(tokens, std::max<int64_t>(kSlabBytes / row_bytes, 1));
+  return asked > 0 ? std::min(asked, budget_rows) : budget_rows;
 }
 
-void check_scalar_reduction(const char* op, Reduction parsed) {
+// What linear_cross_entropy_with_gradients computes: a scalar loss, without softcap (the forward kernel
+// leaves the capped logits in the slab, where the backward kernel expects raw ones).
+void check_gradients_in_forward_apply(const char* op, Reduction parsed, double softcap) {
   TORCH_CHECK_VALUE(parsed != Reduction::kNone, op,
                     ": reduction is \"none\"; gradients computed in forward need a scalar loss (\"mean\" or \"sum\")");
+  TORCH_CHECK_VALUE(softcap == 0.0, op, ": softcap is ", softcap,
+                    "; gradients computed in forward need softcap 0 (the recompute path takes softcap)");
 }
 
 // Per token: the running max and sum of exp(z - max), z of the target, sum of z, folded tile by tile.
@@ -191,6 +196,9 @@ struct TokenSums {
                     target_z.narrow(0, start, rows), sum_z.narrow(0, start, rows));
   }
   at::Tensor lse() const { return max + at::log(sum_exp); }
+  at::Tensor lse(int64_t start, int64_t rows) const {
+    return max.narrow(0, start, rows) + at::log(sum_exp.narrow(0, start, rows));
+  }
 };
 
 // The loss from the tokens' sums and log-sum-exp: 0 for ignored tokens, then reduced.
@@ -219,6 +227,17 @@ at::Tensor reduced_loss(const TokenSums& sums, const at::Tensor& lse, const at::
 }
 
 }  // namespace
+
+bool gradients_in_forward_by_default(const char* op, const at::Tensor& hidden, double softcap,
+                                     std::string_view reduction, double filter_eps,
+                                     std::optional<bool> gradients_in_forward) {
+  const bool applies = reduction != "none" && filter_eps == 0.0 && softcap == 0.0;
+  TORCH_CHECK_VALUE(!gradients_in_forward.value_or(false) || applies, op, ": gradients_in_forward is True with reduction \"",
+                    reduction, "\", filter_eps ", filter_eps, " and softcap ", softcap,
+                    "; it needs a scalar loss (\"mean\" or \"sum\"), filter_eps 0 and softcap 0");
+  const auto dtype = hidden.scalar_type();
+  return applies && (dtype == at::kFloat || dtype == at::kDouble || (dtype == at::kBFloat16 && hidden.is_cuda()));
+}
 
 void check_filter_eps(const char* op, double filter_eps, double label_smoothing) {
   TORCH_CHECK(filter_eps >= 0.0 && filter_eps < std::numeric_limits<double>::infinity(), op, ": filter_eps is ",
@@ -272,7 +291,7 @@ LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_impl(
   const at::Tensor bias = value_or_undefined(bias_opt);
   const Reduction parsed =
       check_arguments(op, hidden, weight, bias, target, label_smoothing, softcap, z_loss, reduction);
-  check_scalar_reduction(op, parsed);
+  check_gradients_in_forward_apply(op, parsed, softcap);
   const Flat f = flatten(hidden, weight, target);
   check_target_values(op, f.target, f.vocab, ignore_index);
   const auto dtype = hidden.scalar_type();
@@ -295,10 +314,10 @@ LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_impl(
   TokenSums sums(f.tokens, acc_options);
   const CrossEntropyOptions options{softcap, label_smoothing, z_loss, f.vocab, /*filter_eps=*/0.0};
   if (f.tokens > 0 && f.vocab > 0) {
-    const int64_t rows_per_slab = slab_tokens(f.tokens, f.vocab, dtype, tile_tokens);
-    const at::Tensor slab = at::empty({rows_per_slab * f.vocab}, hidden.options());
     // Off CUDA, bf16/fp16 GEMM operands are converted to float32 (the weight once).
     const bool convert = acc_type != dtype && !hidden.is_cuda();
+    const int64_t rows_per_slab = slab_tokens(f.tokens, f.vocab, dtype, convert, tile_tokens);
+    const at::Tensor slab = at::empty({rows_per_slab * f.vocab}, hidden.options());
     const at::Tensor weight_operand = convert && want_hidden ? weight.to(acc_type) : weight;
     for (int64_t start = 0; start < f.tokens; start += rows_per_slab) {
       const int64_t rows = std::min(rows_per_slab, f.tokens - start);
@@ -308,7 +327,7 @@ LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_impl(
       linear_into(logits, hidden_tile, weight, bias);
       sums.fold(kernels, options, logits, target_tile, /*col0=*/0, start);
       // The slab holds whole rows: their log-sum-exp is final, and the slab becomes d loss / d logits.
-      const at::Tensor lse = sums.lse().narrow(0, start, rows);
+      const at::Tensor lse = sums.lse(start, rows);
       kernels.backward(options, logits, target_tile, /*col0=*/0, lse, grad_scale.narrow(0, start, rows));
       const at::Tensor d_logits = convert ? logits.to(acc_type) : logits;
       if (want_hidden) {
@@ -433,9 +452,10 @@ const CrossEntropyTileKernels& cpu_cross_entropy_kernels() {
 }
 
 at::Tensor linear_cross_entropy_cpu(TORCH_OFFLOAD_LCE_ARGS, double filter_eps, std::optional<bool> gradients_in_forward) {
-  // filter_eps and gradients_in_forward choose how gradients are computed: the autograd kernel's business.
+  // filter_eps and gradients_in_forward choose how gradients are computed (the autograd kernel's business),
+  // checked alike when there are none.
   check_filter_eps("linear_cross_entropy", filter_eps, label_smoothing);
-  (void)gradients_in_forward;
+  gradients_in_forward_by_default("linear_cross_entropy", hidden, softcap, reduction, filter_eps, gradients_in_forward);
   return std::get<0>(linear_cross_entropy_forward_impl(cpu_cross_entropy_kernels(), hidden, weight, bias, target,
                                                        ignore_index, label_smoothing, softcap, z_loss, reduction,
                                                        tile_tokens, tile_vocab));
@@ -472,7 +492,7 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_meta(TORCH_OFFLO
 
 at::Tensor linear_cross_entropy_meta(TORCH_OFFLOAD_LCE_ARGS, double filter_eps, std::optional<bool> gradients_in_forward) {
   check_filter_eps("linear_cross_entropy", filter_eps, label_smoothing);
-  (void)gradients_in_forward;
+  gradients_in_forward_by_default("linear_cross_entropy", hidden, softcap, reduction, filter_eps, gradients_in_forward);
   return std::get<0>(linear_cross_entropy_forward_meta(hidden, weight, bias, target, ignore_index, label_smoothing,
                                                        softcap, z_loss, reduction, tile_tokens, tile_vocab));
 }
@@ -481,7 +501,7 @@ LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_meta(TORCH_O
   const char* op = "linear_cross_entropy";
   const at::Tensor b = value_or_undefined(bias);
   const Reduction parsed = check_arguments(op, hidden, weight, b, target, label_smoothing, softcap, z_loss, reduction);
-  check_scalar_reduction(op, parsed);
+  check_gradients_in_forward_apply(op, parsed, softcap);
   (void)ignore_index, (void)tile_tokens;
   const auto acc_options = hidden.options().dtype(at::toOpMathType(hidden.scalar_type()));
   const auto like = [&](bool want, const at::Tensor& t) {

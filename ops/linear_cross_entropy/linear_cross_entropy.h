@@ -1,7 +1,8 @@
 #pragma once
 // linear_cross_entropy kernels: the LM head's cross-entropy computed in tiles of
-// tokens x vocabulary, so that no [tokens, V] (nor [tile_tokens, V]) logits tensor
-// exists. The tiling loop (linear_cross_entropy.cpp) is the same on every device;
+// tokens x vocabulary, so that no [tokens, V] logits tensor exists: tiles of a few MiB
+// (the recompute path) or whole-vocabulary slabs of at most 64 MiB (gradients in
+// forward). The tiling loops (linear_cross_entropy.cpp) are the same on every device;
 // each device brings its fused per-tile kernels. Registration lives in registration/.
 #include <array>
 #include <optional>
@@ -66,6 +67,15 @@ LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_impl(
     const std::optional<at::Tensor>& bias, const at::Tensor& target, int64_t ignore_index, double label_smoothing,
     double softcap, double z_loss, std::string_view reduction, const c10::SymInt& tile_tokens,
     std::array<bool, 3> output_mask);
+
+// gradients_in_forward, when given, asks for the 3-GEMM path or the recompute; true is
+// refused (ValueError) for reduction "none", filter_eps > 0 or softcap > 0. Returns
+// whether the path applies by default: a scalar loss without filter_eps or softcap, in
+// float32/float64, or bfloat16 on CUDA (float16's small gradients would underflow in the
+// slab, which holds d loss / d logits before the loss scale multiplies them).
+bool gradients_in_forward_by_default(const char* op, const at::Tensor& hidden, double softcap,
+                                     std::string_view reduction, double filter_eps,
+                                     std::optional<bool> gradients_in_forward);
 
 // filter_eps (gradient filtering's threshold) is finite and >= 0, and 0 with label
 // smoothing, whose gradient reaches every logit. Errors name the argument.

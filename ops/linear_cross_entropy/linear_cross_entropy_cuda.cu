@@ -180,7 +180,7 @@ const CrossEntropyTileKernels kCudaKernels{&forward_tile_cuda, &backward_tile_cu
 at::Tensor linear_cross_entropy_cuda(TORCH_OFFLOAD_LCE_ARGS, double filter_eps,
                                      std::optional<bool> gradients_in_forward) {
   check_filter_eps("linear_cross_entropy", filter_eps, label_smoothing);
-  (void)gradients_in_forward;  // the autograd kernel's choice
+  gradients_in_forward_by_default("linear_cross_entropy", hidden, softcap, reduction, filter_eps, gradients_in_forward);
   const c10::cuda::CUDAGuard device_guard(hidden.device());
   return std::get<0>(linear_cross_entropy_forward_impl(kCudaKernels, hidden, weight, bias, target, ignore_index,
                                                        label_smoothing, softcap, z_loss, reduction, tile_tokens,
