@@ -52,6 +52,8 @@ def parse_args():
     gpu = args.device.startswith("cuda")
     default = "2048,4096,8192,16384" if gpu else "1024,2048,4096,8192"
     args.seq_lens = [int(t) for t in (args.seq_lens or default).split(",")]
+    if not args.run and len(set(args.seq_lens)) < 2:
+        parser.error("--seq-lens: at least two different lengths (the table fits a line through them)")
     args.configs = args.configs.split(",")
     if "baseline" not in args.configs or not set(args.configs) <= set(CONFIGS):
         parser.error(f"--configs: baseline and any of {CONFIGS}")
