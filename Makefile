@@ -17,7 +17,7 @@ CUDA_TORCH_VERSION ?= 2.14.1
 CUDA_HOME ?= /usr/local/cuda
 CUDA_BUILD_DIR := build/cuda
 
-.PHONY: demo test build gtest example-cpp cuda-check gpu-check clean
+.PHONY: demo test build gtest example-cpp cuda-check gpu-check bench-deps clean
 
 demo: build
 	$(PY) examples/demo.py
@@ -52,6 +52,12 @@ gtest:
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libgtest-dev; \
 	fi
+
+# Bench-only: Cut Cross-Entropy (bench/linear_cross_entropy.py compares against it) and the triton it imports,
+# in their own directory so that .venv, which the tests run in, stays as it is.
+BENCH_DEPS := build/bench-deps
+bench-deps: $(VENV)/.ready
+	$(PY) -m pip install -q --no-deps --target $(BENCH_DEPS) cut-cross-entropy==25.1.1 triton==3.9.0
 
 # scikit-build-core reuses $(BUILD_DIR), so a second build only recompiles what changed.
 build: $(VENV)/.ready gtest
