@@ -1,6 +1,6 @@
 """Disk tier bandwidth, side by side in one run on one directory.
 
-    python bench/disk_spill.py [--dir DIR] [--tensors 8] [--mib 256]
+    python bench/disk_spill.py [--dir DIR] [--tensors 8] [--mib 256] [--repeats 5] [--gap SECONDS]
 
 Measures, on DIR's file system:
   raw     dd with oflag=direct / iflag=direct: the disk's own sequential bandwidth;
@@ -8,8 +8,10 @@ Measures, on DIR's file system:
           disk_restore of each as backward does it: newest first, two tensors
           prefetched ahead, each let go once used, so its buffer serves a later
           restore (restore_cache_bytes);
-  all at once  disk_prefetch of all, then disk_restore of all, all kept: every
-          restore lands in fresh memory, which the kernel must fault in and zero;
+  no cache  the same with restore_cache_bytes=0: every restore into fresh memory;
+  all at once  disk_prefetch of all, then disk_restore of all, all kept: beyond the
+          restore_cache_bytes kept since the last round, every restore lands in fresh
+          memory, which the kernel (and a VM's hypervisor) must fault in and zero;
   save    torch.save / torch.load of one file per tensor from a 4-thread pool, the
           method in use today; fsync'd, and evicted from the page cache before loading,
           so both sides are measured against the disk, not RAM.
@@ -56,11 +58,14 @@ def spill_all(directory, tensors):
     return tickets
 
 
-def spill_round(directory, tensors, window=2, verify=False):
-    """Spill all, then restore as backward does: newest first, `window` tensors
-    prefetched ahead, each let go once used (its buffer serves a later restore)."""
+def spill_round(directory, tensors, gap=0.0, window=2, verify=False):
+    """Spill all, wait `gap` seconds (the rest of forward, untimed), then restore as backward
+    does: newest first, `window` tensors prefetched ahead, each let go once used (its buffer
+    serves a later restore)."""
     start = time.perf_counter()
     tickets = spill_all(directory, tensors)
+    spill_seconds = time.perf_counter() - start
+    time.sleep(gap)
     spilled = time.perf_counter()
     order = list(reversed(range(len(tensors))))
     for i in order[:window]:
@@ -72,12 +77,21 @@ def spill_round(directory, tensors, window=2, verify=False):
         if position + window < len(order):
             torch_offload.disk_prefetch(tickets[order[position + window]])
     end = time.perf_counter()
-    return spilled - start, end - spilled
+    return spill_seconds, end - spilled
 
 
-def restore_all_at_once(directory, tensors):
+def spill_round_without_cache(directory, tensors, gap):
+    torch_offload.configure_disk_spill(restore_cache_bytes=0)
+    try:
+        return spill_round(directory, tensors, gap)
+    finally:
+        torch_offload.configure_disk_spill()
+
+
+def restore_all_at_once(directory, tensors, gap):
     """Prefetch everything, then restore and keep everything: every restore needs fresh memory."""
     tickets = spill_all(directory, tensors)
+    time.sleep(gap)
     start = time.perf_counter()
     for ticket in tickets:
         torch_offload.disk_prefetch(ticket)
@@ -134,20 +148,25 @@ def main():
     parser.add_argument("--tensors", type=int, default=8)
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--gap", type=float, default=0.0,
+                        help="seconds between the spills and the restores, as the rest of forward takes in training: "
+                             "long enough for a VM to hand freed memory back to its hypervisor")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         tensors = [torch.randn(args.mib << 18) for _ in range(args.tensors)]  # float32: mib MiB each
         gb = sum(t.numel() * 4 for t in tensors) / 1e9
         spill_round(directory, tensors, verify=True)  # warm up (file, threads) and check every byte
-        runs = {"raw": [], "spill": [], "save": [], "all_at_once": []}
+        runs = {"raw": [], "spill": [], "no_cache": [], "save": [], "all_at_once": []}
         for _ in range(args.repeats):
             runs["raw"].append(raw_disk(directory, args.tensors * args.mib))
-            runs["spill"].append(spill_round(directory, tensors))
-            runs["all_at_once"].append((restore_all_at_once(directory, tensors),))
+            runs["spill"].append(spill_round(directory, tensors, args.gap))
+            runs["no_cache"].append(spill_round_without_cache(directory, tensors, args.gap))
+            runs["all_at_once"].append((restore_all_at_once(directory, tensors, args.gap),))
             runs["save"].append(save_round(directory, tensors))
         median = {k: [statistics.median(column) for column in zip(*v)] for k, v in runs.items()}
         raw_write, raw_read = median["raw"]
         spill_write, spill_read = median["spill"]
+        _, no_cache_read = median["no_cache"]
         save_write, save_read = median["save"]
         (all_at_once_read,) = median["all_at_once"]
         cpu_with = cpu_seconds_per_gb(directory, tensors, True)
@@ -156,21 +175,25 @@ def main():
         ("raw disk (dd, O_DIRECT)", raw_write, raw_read),
         (f"disk_spill / disk_restore ({args.tensors} x {args.mib} MiB, backward order)", gb / spill_write,
          gb / spill_read),
+        ("the same with restore_cache_bytes=0 (every restore into fresh memory)", None, gb / no_cache_read),
         ("disk_restore of all at once into fresh memory", None, gb / all_at_once_read),
         ("torch.save / torch.load, 4 threads, 1 file per tensor", gb / save_write, gb / save_read),
     ]
     print(f"directory: {args.dir or tempfile.gettempdir()}, {gb:.2f} GB per direction, "
-          f"median of {args.repeats} interleaved runs\n")
+          f"median of {args.repeats} interleaved runs, {args.gap:g} s between spills and restores\n")
     print("| method | write GB/s | read GB/s |")
     print("| --- | --- | --- |")
     for name, write, read in rows:
         print(f"| {name} | {'' if write is None else f'{write:.2f}'} | {read:.2f} |")
     print()
-    print(f"spill vs raw disk: write {gb / spill_write / raw_write:.2f}x, read {gb / spill_read / raw_read:.2f}x")
+    print(f"spill vs raw disk: write {gb / spill_write / raw_write:.2f}x, read {gb / spill_read / raw_read:.2f}x, "
+          f"spill + restore {(gb / raw_write + gb / raw_read) / (spill_write + spill_read):.2f}x")
     print(f"spill vs torch.save baseline: write {save_write / spill_write:.2f}x, read {save_read / spill_read:.2f}x")
+    print(f"restore cache off: read {gb / no_cache_read / raw_read:.2f}x raw disk")
     print(f"all at once into fresh memory: read {gb / all_at_once_read / raw_read:.2f}x raw disk, "
           f"{save_read / all_at_once_read:.2f}x torch.load")
     print(f"CPU-seconds per GB moved: {cpu_with:.3f} with checksums, {cpu_without:.3f} without")
+    print(f"restores that reused a kept buffer: {torch_offload.disk_spill_stats()['restore_cache_hits']}")
 
 
 if __name__ == "__main__":

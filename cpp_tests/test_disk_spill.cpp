@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <random>
 #include <string>
@@ -78,6 +79,39 @@ TEST(RestoreBuffers, ReusesTheSameSizeWithinCapacityOldestDroppedFirst) {
   buffers.recycle(fresh, 8192);
   buffers.recycle(b, 8192);
   buffers.recycle(c, 4096);
+  buffers.clear();
+  EXPECT_EQ(buffers.kept_bytes(), 0u);
+}
+
+// LazyFree of /proc/self/smaps_rollup, in kB: pages given back to the kernel with MADV_FREE and not yet taken.
+int64_t lazy_free_kb() {
+  std::ifstream rollup("/proc/self/smaps_rollup");
+  std::string line;
+  while (std::getline(rollup, line)) {
+    if (line.rfind("LazyFree:", 0) == 0) {
+      return std::stoll(line.substr(9));
+    }
+  }
+  return -1;
+}
+
+TEST(RestoreBuffers, KeptBuffersAreLazilyFreedAndStillServeTheirSize) {
+  const size_t bytes = size_t{8} << 20;
+  RestoreBuffers buffers;
+  buffers.set_capacity(bytes);  // a buffer for exactly the capacity's data is kept
+  auto* buffer = static_cast<char*>(buffers.take(bytes));
+  ASSERT_NE(buffer, nullptr);
+  std::memset(buffer, 1, bytes + 4096);  // resident, the offset block too
+  const int64_t before = lazy_free_kb();
+  ASSERT_GE(before, 0) << "no LazyFree in /proc/self/smaps_rollup (Linux 4.14+)";
+  buffers.recycle(buffer, bytes);
+  EXPECT_GE(lazy_free_kb() - before, static_cast<int64_t>(bytes / 1024));
+  EXPECT_EQ(buffers.kept_bytes(), bytes);
+  EXPECT_EQ(buffers.take(bytes), buffer);  // still served, writable as any buffer
+  EXPECT_EQ(buffers.hits(), 1);
+  std::memset(buffer, 2, bytes + 4096);
+  EXPECT_LT(lazy_free_kb() - before, static_cast<int64_t>(bytes / 1024));  // written: no longer free
+  buffers.recycle(buffer, bytes);
   buffers.clear();
   EXPECT_EQ(buffers.kept_bytes(), 0u);
 }

@@ -167,8 +167,28 @@ def test_a_freed_restore_buffer_is_reused_for_the_next_restore_of_that_size(spil
     assert after["restore_cache_hits"] == before["restore_cache_hits"] + 1
     assert torch.equal(back, second)  # the new data, none of the old
     del back
-    torch_offload.disk_spill(torch.ones(3), directory=spill_dir)  # a spill frees what is kept
-    assert torch_offload.disk_spill_stats()["restore_cache_kept_bytes"] == 0
+
+
+def test_restore_buffers_outlive_a_spill_and_serve_the_next_backward(spill_dir):
+    """Kept buffers (lazily freed) outlive a spill: the next backward's restore of that size reuses one.
+    A buffer of exactly restore_cache_bytes is kept (its extra block for the data's offset is not counted)."""
+    t = sample((256, 1024), torch.float32)  # 1 MiB
+    torch_offload.configure_disk_spill(restore_cache_bytes=t.numel() * 4)
+    try:
+        first = torch_offload.disk_spill(t, directory=spill_dir)
+        back = torch_offload.disk_restore(first, t.shape, t.dtype, "cpu")
+        address = back.data_ptr()
+        del back
+        assert torch_offload.disk_spill_stats()["restore_cache_kept_bytes"] == t.numel() * 4
+        second = torch_offload.disk_spill(t + 1, directory=spill_dir)  # the next forward
+        assert torch_offload.disk_spill_stats()["restore_cache_kept_bytes"] == t.numel() * 4
+        hits = torch_offload.disk_spill_stats()["restore_cache_hits"]
+        back = torch_offload.disk_restore(second, t.shape, t.dtype, "cpu")
+        assert torch_offload.disk_spill_stats()["restore_cache_hits"] == hits + 1
+        assert back.data_ptr() // 4096 == address // 4096
+        assert torch.equal(back, t + 1)
+    finally:
+        torch_offload.configure_disk_spill()
 
 
 def test_configure_waits_for_io_in_flight(spill_dir):

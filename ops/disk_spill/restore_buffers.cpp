@@ -14,9 +14,14 @@ namespace {
 
 constexpr size_t kHugePage = size_t{2} << 20;
 
-// What take() and recycle() count a buffer of `bytes` as: whole blocks, at least one.
+// What take() and recycle() count a buffer for `bytes` of data as: whole blocks, at least one.
 size_t block_bytes(size_t bytes) {
   return round_up(std::max<size_t>(bytes, 1), SpillFile::kBlock);
+}
+
+// A buffer counted as `counted` bytes: one block more, for data that start inside the first.
+size_t allocated_bytes(size_t counted) {
+  return counted + SpillFile::kBlock;
 }
 
 void* allocate(size_t bytes) {
@@ -39,28 +44,39 @@ void* RestoreBuffers::take(size_t bytes) {
   bytes = block_bytes(bytes);
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    const auto newest = std::find_if(kept_.rbegin(), kept_.rend(), [&](const auto& kept) { return kept.first == bytes; });
+    const auto newest = std::find_if(kept_.rbegin(), kept_.rend(), [&](const Kept& kept) { return kept.bytes == bytes; });
     if (newest != kept_.rend()) {
-      void* buffer = newest->second;
+      void* buffer = newest->buffer;
       kept_.erase(std::next(newest).base());
       kept_bytes_ -= bytes;
       ++hits_;
       return buffer;
     }
   }
-  return allocate(bytes);
+  return allocate(allocated_bytes(bytes));
 }
 
 void RestoreBuffers::recycle(void* buffer, size_t bytes) {
   bytes = block_bytes(bytes);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (bytes > capacity_) {
+      std::free(buffer);
+      return;
+    }
+  }
+  // Before it is kept, where another restore may take it: the kernel may take the pages back from here
+  // on (they read as zeros then), and a write cancels that, so no restore's data is ever dropped. A hint:
+  // where the kernel refuses, the buffer stays as it was.
+  ::madvise(buffer, allocated_bytes(bytes), MADV_FREE);
   std::lock_guard<std::mutex> lock(mutex_);
-  if (bytes > capacity_) {
+  if (bytes > capacity_) {  // set_capacity() ran meanwhile
     std::free(buffer);
     return;
   }
   free_until_locked(capacity_ - bytes);
   try {
-    kept_.emplace_back(bytes, buffer);
+    kept_.push_back(Kept{bytes, buffer});
   } catch (const std::bad_alloc&) {  // called from tensor deleters, which must not throw
     std::free(buffer);
     return;
@@ -82,8 +98,8 @@ void RestoreBuffers::clear() {
 void RestoreBuffers::free_until_locked(size_t limit) {
   size_t dropped = 0;
   while (dropped < kept_.size() && kept_bytes_ > limit) {
-    kept_bytes_ -= kept_[dropped].first;
-    std::free(kept_[dropped].second);
+    kept_bytes_ -= kept_[dropped].bytes;
+    std::free(kept_[dropped].buffer);
     ++dropped;
   }
   kept_.erase(kept_.begin(), kept_.begin() + static_cast<std::ptrdiff_t>(dropped));

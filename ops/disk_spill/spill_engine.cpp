@@ -248,7 +248,6 @@ void SpillEngine::configure(const SpillConfig& config) {
 
 int64_t SpillEngine::spill(const at::Tensor& source, std::shared_ptr<SpillFile> file,
                            std::function<void()> source_ready, bool bounce_source) {
-  restore_buffers_.clear();  // a spill means a forward pass: idle restore buffers must not add to its peak
   auto ticket = std::make_shared<Ticket>();
   ticket->file = std::move(file);
   ticket->nbytes = static_cast<int64_t>(source.numel()) * source.element_size();
@@ -308,10 +307,10 @@ void SpillEngine::wait_written(int64_t id) {
 
 void SpillEngine::start_reads_locked(const std::shared_ptr<Ticket>& ticket) {
   // The data starts at the source's offset within a block, so that the bulk of
-  // every extent is read in place (ExtentLayout). A whole block is set aside for
-  // that offset: buffers of one tensor size are interchangeable, whatever it is.
+  // every extent is read in place (ExtentLayout); buffers for one tensor size
+  // hold it at any such offset, so they are interchangeable.
   const size_t offset = ticket->memory_offset;
-  const size_t bytes = static_cast<size_t>(ticket->nbytes) + SpillFile::kBlock;
+  const size_t bytes = static_cast<size_t>(ticket->nbytes);
   char* memory = static_cast<char*>(restore_buffers_.take(bytes));
   TORCH_CHECK(memory != nullptr, "disk_restore: cannot allocate ", ticket->nbytes, " bytes for ticket ", ticket->id);
   ticket->reading = true;
