@@ -262,6 +262,17 @@ def test_gradients_in_forward_hold_the_slab_budget_and_the_gradients_only():
     assert peak_allocated_bytes(step(tile_tokens=tokens)) <= slab + gradients + (1 << 20)
 
 
+def test_a_large_vocabulary_gets_slabs_of_512_tokens():
+    # V = 70000 in float32: 64 MiB would hold 239 tokens, too few to amortize reading and writing the [V, h]
+    # weight gradient once per slab; the slab holds 512 (of 1024) instead, and no more.
+    tokens, vocab, h = 1024, 70000, 4
+    hidden, weight, _, target = make_inputs((tokens, h), vocab)
+    gradients = hidden.nbytes + weight.nbytes
+    slab = 512 * vocab * 4
+    peak = peak_allocated_bytes(lambda: call(hidden, weight, None, target, gradients_in_forward=True).backward())
+    assert slab < peak <= slab + gradients + (1 << 20)
+
+
 def test_gradients_in_forward_refuse_a_second_backward_and_double_backward():
     hidden, weight, _, target = make_inputs((6, 8), 11)
     loss = call(hidden, weight, None, target, gradients_in_forward=True)

@@ -80,7 +80,7 @@ TORCH_LIBRARY(offload, m) {
   // For a scalar loss ("mean", "sum"): the loss and its gradients by (hidden, weight, bias) for a unit
   // grad_loss, those output_mask asks for (undefined otherwise), in the loss's dtype, computed in forward
   // (3 GEMMs; the autograd formula then only scales them). tile_tokens: the tokens of a whole-vocabulary
-  // slab of logits, <= 0 for a 64 MiB budget.
+  // slab of logits, <= 0 for a 64 MiB budget (at least 512 tokens).
   m.def(
       "linear_cross_entropy_with_gradients(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
       "int ignore_index, float label_smoothing, float softcap, float z_loss, str reduction, SymInt tile_tokens, "

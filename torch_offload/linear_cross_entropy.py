@@ -40,8 +40,8 @@ def linear_cross_entropy(
     that are needed (a frozen head gets none), bf16/fp16 ones added up in float32:
 
     - gradients in forward (3 GEMMs): for each tile of tokens, its logits over the whole
-      vocabulary go into one reused slab of at most 64 MiB (``tile_tokens`` tokens when
-      fewer), become the loss's gradient by them on the spot, and give hidden's and the
+      vocabulary go into one reused slab of at most 64 MiB or 512 tokens, whichever is
+      more (``tile_tokens`` tokens when fewer), become the loss's gradient by them on the spot, and give hidden's and the
       weight's gradients; backward only scales those by the incoming gradient.
     - recompute (4 GEMMs): forward streams over tiles of ``tile_tokens`` tokens x
       ``tile_vocab`` vocabulary rows with an online log-sum-exp and saves the inputs and a

@@ -138,7 +138,7 @@ inline int64_t tiled_mlp_num_shards(int64_t tokens, int64_t intermediate, bool g
 
 // The LM head's cross-entropy, cross_entropy(hidden @ weight^T + bias, target),
 // computed in tiles so that no [tokens, V] logits tensor exists: either forward
-// computes the gradients too from whole-vocabulary slabs of at most 64 MiB, or it
+// computes the gradients too from whole-vocabulary slabs (64 MiB or 512 tokens), or it
 // keeps a running log-sum-exp per token and backward recomputes each tile's logits
 // (gradients_in_forward, below). hidden [..., h], weight [V, h], bias [V], target [...] int64
 // (int32 accepted). softcap > 0 caps the logits to softcap * tanh(logits /
@@ -173,7 +173,7 @@ inline at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tenso
 
 // The loss and its gradients (hidden, weight, bias; those output_mask asks for) for a unit
 // grad_loss, computed in forward from whole-vocabulary slabs of tile_tokens tokens (<= 0:
-// a 64 MiB slab); reduction "mean" or "sum". The gradients are in the loss's dtype.
+// 64 MiB or 512 tokens, whichever is more); reduction "mean" or "sum". The gradients are in the loss's dtype.
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_with_gradients(
     const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const at::Tensor& target, int64_t ignore_index, double label_smoothing, double softcap, double z_loss,

@@ -1,8 +1,8 @@
 #pragma once
 // linear_cross_entropy kernels: the LM head's cross-entropy computed in tiles of
 // tokens x vocabulary, so that no [tokens, V] logits tensor exists: tiles of a few MiB
-// (the recompute path) or whole-vocabulary slabs of at most 64 MiB (gradients in
-// forward). The tiling loops (linear_cross_entropy.cpp) are the same on every device;
+// (the recompute path) or whole-vocabulary slabs of 64 MiB or 512 tokens (gradients
+// in forward). The tiling loops (linear_cross_entropy.cpp) are the same on every device;
 // each device brings its fused per-tile kernels. Registration lives in registration/.
 #include <array>
 #include <optional>
