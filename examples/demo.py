@@ -14,7 +14,8 @@ peak is its own:
                         offloaded checkpointing (disk tier on the CPU, pinned host memory on a GPU);
   torch_offload_packed  the same on the same tokens as 4 packed documents (position_ids restarting
                         at 0, as TRL's padding-free packing gives them): attention per document, no
-                        [T, T] mask (its loss is its own: the documents do not see each other).
+                        [T, T] mask (its loss is its own: the documents do not see each other);
+  apply_*               on request: apply() with its defaults and with each alternative (APPLY_CHOICES).
 Peak training memory is the peak above what the process held before the step (VmHWM on
 the CPU, allocated memory on a GPU). The demo fits bytes per token for each configuration,
 prints their ratio to the baseline's (the context multiplier) and the longest context
@@ -32,6 +33,16 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = ("baseline", "checkpointing", "torch_offload", "torch_offload_packed")
+# apply()'s choices side by side, for BENCHMARKS.md's table of defaults (--configs baseline,apply_default,...):
+# the options of each. All tile the MLPs and fuse the loss; the disk tier writes to $TORCH_OFFLOAD_SPILL_DIR,
+# a temporary directory.
+APPLY_CHOICES = {
+    "apply_default": {},
+    "apply_layer": dict(offload=None, checkpoint="layer"),
+    "apply_no_checkpoint": dict(offload=None, checkpoint=False),
+    "apply_disk_attention": dict(offload="disk", checkpoint="attention"),
+    "apply_disk_layer": dict(offload="disk", checkpoint="layer"),
+}
 PACKED_DOCUMENTS = 4
 
 
@@ -45,7 +56,7 @@ def parse_args():
     parser.add_argument("--layers", type=int, help="decoder layers (default 4 CPU, 8 GPU)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="demo_out")
-    parser.add_argument("--run", choices=CONFIGS, help=argparse.SUPPRESS)  # one point, in a child process
+    parser.add_argument("--run", choices=CONFIGS + tuple(APPLY_CHOICES), help=argparse.SUPPRESS)  # one point, in a child
     parser.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -55,8 +66,8 @@ def parse_args():
     if not args.run and len(set(args.seq_lens)) < 2:
         parser.error("--seq-lens: at least two different lengths (the table fits a line through them)")
     args.configs = args.configs.split(",")
-    if "baseline" not in args.configs or not set(args.configs) <= set(CONFIGS):
-        parser.error(f"--configs: baseline and any of {CONFIGS}")
+    if "baseline" not in args.configs or not set(args.configs) <= set(CONFIGS) | set(APPLY_CHOICES):
+        parser.error(f"--configs: baseline and any of {CONFIGS + tuple(APPLY_CHOICES)}")
     args.hidden = args.hidden or (1024 if gpu else 256)
     args.intermediate = args.intermediate or (2816 if gpu else 704)
     args.layers = args.layers or (8 if gpu else 4)
@@ -106,11 +117,13 @@ def run_one(args):
     model = transformers.LlamaForCausalLM(model_config(args, args.seq_len)).to(args.device).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)  # no optimizer state: the step's own memory
     spill = tempfile.TemporaryDirectory(dir=args.out)
-    if args.run == "checkpointing":
+    os.environ["TORCH_OFFLOAD_SPILL_DIR"] = spill.name
+    if args.run in APPLY_CHOICES:
+        torch_offload.apply(model, **APPLY_CHOICES[args.run])
+    elif args.run == "checkpointing":
         torch_offload.apply(model, tiled_mlp=False, checkpoint=True, offload=None, loss=False)
     elif args.run in ("torch_offload", "torch_offload_packed"):
-        tier = dict(offload="cpu") if gpu else dict(offload="disk", spill_directory=spill.name)
-        torch_offload.apply(model, min_bytes=1 << 16, **tier)
+        torch_offload.apply(model, min_bytes=1 << 16, offload="cpu" if gpu else "disk")
     def step(ids, update):
         # Packed: documents of equal length, each restarting its positions at 0.
         packing = (dict(position_ids=torch.arange(ids.shape[1], device=ids.device).remainder(

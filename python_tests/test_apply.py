@@ -140,7 +140,7 @@ def test_compiled_patched_model_matches_eager(offload, use_cache, tmp_path):
     handle.remove()
 
 
-def test_bad_inputs_are_explained(tmp_path):
+def test_bad_inputs_are_explained(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="found no decoder layers in Sequential: looked for an nn.ModuleList"):
         torch_offload.apply(nn.Sequential(nn.Linear(4, 4)))
     model = make_model("llama")
@@ -161,7 +161,9 @@ def test_bad_inputs_are_explained(tmp_path):
         torch_offload.apply(model, offload="disk", max_host_byte=1, x=2)
     with pytest.raises(TypeError, match="unknown option 'max_host_byte'"):  # checked before the tier's options
         torch_offload.apply(model, max_host_byte=1)
-    with pytest.raises(ValueError, match=r"'min_bytes' would be ignored with offload='auto', which is None for a model"):
+    with monkeypatch.context() as env, pytest.raises(
+            ValueError, match=r"'min_bytes' would be ignored with offload='auto', which is None for a model in host"):
+        env.setenv("TORCH_OFFLOAD_SPILL_DIR", "/dev/shm")  # a RAM file system: no disk tier
         torch_offload.apply(model, min_bytes=0)
     with pytest.raises(ValueError, match=r"'prefetch_bytes' would be ignored with offload=None"):
         torch_offload.apply(model, offload=None, prefetch_bytes=0)
@@ -364,12 +366,25 @@ def test_apply_twice_is_refused_and_remove_is_idempotent():
     torch_offload.apply(model, offload=None).remove()  # after remove() it applies again
 
 
-def test_offload_default_on_a_cpu_model_says_what_it_does():
-    model = make_model("llama")
+def test_offload_default_on_a_cpu_model_says_what_it_does(tmp_path, monkeypatch):
+    model, ids = make_model("llama"), batch()
+    want = loss_and_grads(model, ids)
+    monkeypatch.setenv("TORCH_OFFLOAD_SPILL_DIR", str(tmp_path))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        handle = torch_offload.apply(model)  # "auto": nothing to move from host memory, so plain checkpointing
-    assert handle.offload is None and handle.stats() == {}
+        # "auto": the disk tier, attention recomputed (the measured best); min_bytes=0 for a model this small
+        handle = torch_offload.apply(model, min_bytes=0)
+    assert handle.offload == "disk" and set(handle.checkpointing.values()) <= {"attention", "layer"}
+    assert_close_runs(want, loss_and_grads(model, ids))
+    assert handle.stats()["disk_bytes"] > 0
+    handle.remove()
+    # A spill directory in RAM would hold what the tier is meant to free: plain checkpointing instead.
+    monkeypatch.setenv("TORCH_OFFLOAD_SPILL_DIR", "/dev/shm")
+    handle = torch_offload.apply(model)
+    assert handle.offload is None and set(handle.checkpointing.values()) == {"layer"} and handle.stats() == {}
+    handle.remove()
+    handle = torch_offload.apply(model, allow_tmpfs=True)  # unless asked for
+    assert handle.offload == "disk"
     handle.remove()
     with pytest.warns(UserWarning, match="offload='cpu' moves nothing while the model is in host memory"):
         handle = torch_offload.apply(model, offload="cpu")

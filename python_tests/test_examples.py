@@ -37,6 +37,18 @@ def test_demo_measures_every_configuration_and_their_losses_agree(tmp_path):
         assert json.loads((tmp_path / "out" / f"{name}-256.json").read_text())["training_bytes"] > 0
 
 
+def test_demo_runs_apply_defaults_and_alternatives_with_equal_losses(tmp_path):
+    # BENCHMARKS.md's table of apply()'s defaults comes from these configurations.
+    demo = os.path.join(ROOT, "examples", "demo.py")
+    configs = ["baseline", "apply_default", "apply_layer", "apply_no_checkpoint", "apply_disk_layer"]
+    result = run([sys.executable, demo, "--seq-lens", "128,256", "--configs", ",".join(configs),
+                  "--out", str(tmp_path / "out")], tmp_path)
+    assert "losses agree across the 5 configurations on one sequence at every length" in result.stdout
+    rows = [line.split(" | ")[0] for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert rows[2:] == [f"| {name}" for name in configs]
+    assert not list((tmp_path / "out").glob("tmp*")), "a spill directory was left behind"
+
+
 def test_sequence_parallel_example_with_torchrun_matches_one_process(tmp_path):
     script = os.path.join(ROOT, "examples", "sequence_parallel", "train.py")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]

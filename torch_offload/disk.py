@@ -8,6 +8,8 @@ file systems (tmpfs, ramfs) are refused unless ``allow_tmpfs=True``.
 """
 from __future__ import annotations
 
+import os
+import tempfile
 from typing import Sequence
 
 import torch
@@ -25,6 +27,25 @@ _STATS = (
     "restore_cache_hits",
     "restore_cache_kept_bytes",
 )
+
+
+_RAM_FILE_SYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")
+
+
+def spill_directory_in_ram(directory: str | None = None) -> bool:
+    """Whether the spill file would go to a RAM file system (what disk_spill refuses without
+    allow_tmpfs): ``directory``, else ``$TORCH_OFFLOAD_SPILL_DIR``, else the temp directory,
+    by the longest mount point of /proc/self/mounts above it."""
+    path = os.path.realpath(directory or os.environ.get("TORCH_OFFLOAD_SPILL_DIR") or tempfile.gettempdir())
+    mount_point, file_system = "", None
+    with open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            _, point, kind = line.split()[:3]
+            point = point.replace("\\040", " ")  # the table escapes spaces
+            inside = path == point or path.startswith(point.rstrip("/") + "/")
+            if inside and len(point) >= len(mount_point):
+                mount_point, file_system = point, kind
+    return file_system in _RAM_FILE_SYSTEMS
 
 
 def disk_spill(src: torch.Tensor, *, directory: str | None = None, allow_tmpfs: bool = False) -> torch.Tensor:

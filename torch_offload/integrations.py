@@ -29,7 +29,7 @@ from . import masking, sequence_parallel
 from .activations import checkpoint as offloaded_checkpoint
 from .attention_block import attention_block as attention_block_op
 from .activations import offload_activations
-from .disk import disk_spill, disk_wait
+from .disk import disk_spill, disk_wait, spill_directory_in_ram
 from .causal_lm_loss import fuse_causal_lm_loss
 from .compiled_offload import graph_hooks
 from .masking import is_segment_ids
@@ -882,9 +882,15 @@ def _offload_in_compiled_graphs(handle: OffloadHandle, model: nn.Module, offload
     handle._patch("forward", model, "forward", forward)
 
 
-def _resolve_offload(model: nn.Module, offload: str | None) -> str | None:
+def _resolve_offload(model: nn.Module, offload: str | None, options: dict[str, Any]) -> str | None:
     if offload == "auto":
-        return "cpu" if _on_accelerator(model) else None
+        # On a CPU the disk tier with attention-only recompute measured both smaller and faster than
+        # whole-layer checkpointing in place (BENCHMARKS.md, "apply()'s defaults"); a RAM file system
+        # would hold the "disk" in the memory it is meant to free.
+        if _on_accelerator(model):
+            return "cpu"
+        in_ram = spill_directory_in_ram(options.get("spill_directory")) and not options.get("allow_tmpfs")
+        return None if in_ram else "disk"
     if offload == "cpu" and not _on_accelerator(model):
         warnings.warn("torch_offload.apply: offload='cpu' moves nothing while the model is in host memory (its "
                       "activations are already there), so this is plain checkpointing until it moves to a GPU; "
@@ -906,7 +912,8 @@ def _check_offload_options(options: dict[str, Any], offload: str | None, request
         raise TypeError(f"torch_offload.apply: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; "
                         f"apply's own options and those of offload_activations: {', '.join(sorted(known))}")
     if offload is None and options:
-        why = "offload=None" if requested is None else "offload='auto', which is None for a model in host memory"
+        why = ("offload=None" if requested is None else
+               "offload='auto', which is None for a model in host memory whose spill directory is in RAM")
         raise ValueError(f"torch_offload.apply: {', '.join(map(repr, options))} would be ignored with {why}: "
                          "without a tier nothing is offloaded (offload='disk' or 'cpu' uses them)")
     disk_only = [name for name in ("spill_directory", "allow_tmpfs") if name in options]
@@ -966,8 +973,9 @@ def apply(
       attention child module (class name ending in ``Attention``) is checkpointed whole.
     - ``offload``: "cpu" sends saved activations of device tensors to host memory,
       "disk" sends every saved activation (CPU tensors included) to the disk tier,
-      None keeps them in place; "auto" is "cpu" for a model on an accelerator and None
-      for a model in host memory (where "cpu" would move nothing). The last ``keep_last``
+      None keeps them in place; "auto" is "cpu" for a model on an accelerator and "disk"
+      for a model in host memory (where "cpu" would move nothing), None there if the spill
+      directory is on a RAM file system and ``allow_tmpfs`` is not set. The last ``keep_last``
       layers keep theirs on the device: backward needs them first.
     - ``loss``: a call with ``labels`` and gradients computes the loss with the
       ``linear_cross_entropy`` op from the final hidden states, never materializing the
@@ -1044,7 +1052,7 @@ def apply(
             raise ValueError(f"torch_offload.apply: {name} is already changed by an earlier apply(); "
                              "call that handle's remove() first")
     group = _sequence_parallel_group(sequence_parallel, loss)
-    requested, offload = offload, _resolve_offload(model, offload)
+    requested, offload = offload, _resolve_offload(model, offload, offload_options)
     _check_offload_options(offload_options, offload, requested)
     recompute = _resolve_checkpoint(checkpoint, offload)
     context = None
