@@ -1,6 +1,6 @@
 """apply() under the trainers users run: transformers' Trainer and TRL's SFTTrainer, with packed
 (padding-free) and padded batches, 4 steps on a tiny model: the losses of every step equal the
-un-applied model's."""
+un-applied model's; the same through TorchOffloadCallback."""
 import datasets
 import pytest
 import tokenizers
@@ -84,3 +84,70 @@ def test_sft_trainer_losses_equal_step_by_step(packing, tmp_path):
     plain, applied = with_and_without_apply(make_trainer)
     assert len(plain) == 4
     torch.testing.assert_close(applied, plain, rtol=1e-4, atol=1e-5)
+
+
+def patches(model):
+    """Each module's instance attributes that replace class ones (a patched forward, apply's __getstate__), by
+    what they are: the trainers' own (accelerate's, TRL's) and, while applied, apply's."""
+    return {(name, key): getattr(value, "__qualname__", type(value).__qualname__)
+            for name, module in model.named_modules() for key, value in vars(module).items()
+            if key in ("forward", "__getstate__")}
+
+
+def with_and_without_callback(make_trainer, **apply_options):
+    """Losses of training without and with TorchOffloadCallback; after training, the model carries the same
+    patches either way (the callback removed apply's)."""
+    runs, after, tiled_during = [], [], []
+
+    class Probe(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            tiled_during.append(isinstance(model.model.layers[0].mlp, torch_offload.TiledMLP))
+
+    for applied in (False, True):
+        model = make_model("llama", max_position_embeddings=256)
+        model.config.use_cache = False
+        callback = torch_offload.TorchOffloadCallback(num_shards=2, **apply_options)
+        runs.append(losses(make_trainer(model, [callback, Probe()] if applied else [Probe()])))
+        after.append(patches(model))
+        assert callback.handle is None
+    assert tiled_during == [False] * 4 + [True] * 4  # applied for every step of training, and only then
+    assert after[1] == after[0]
+    return runs
+
+
+def test_trainer_callback_applies_for_training_only_with_equal_losses(tmp_path):
+    tok = tokenizer()
+    dataset = datasets.Dataset.from_dict({"text": texts()}).map(lambda row: tok(row["text"]), remove_columns=["text"])
+    collator = transformers.DataCollatorWithFlattening()
+
+    def make_trainer(model, callbacks):
+        return transformers.Trainer(model=model, args=arguments(tmp_path), train_dataset=dataset,
+                                    data_collator=collator, callbacks=callbacks)
+
+    plain, applied = with_and_without_callback(make_trainer)
+    assert len(plain) == 4
+    torch.testing.assert_close(applied, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_sft_trainer_callback_losses_equal(tmp_path):
+    tok = tokenizer()
+    dataset = datasets.Dataset.from_dict({"text": texts()})
+
+    def make_trainer(model, callbacks):
+        config = arguments(tmp_path, trl.SFTConfig, packing=True, padding_free=True, max_length=64,
+                           gradient_checkpointing=False, dataset_text_field="text")
+        return trl.SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok,
+                              callbacks=callbacks)
+
+    plain, applied = with_and_without_callback(make_trainer)
+    assert len(plain) == 4
+    torch.testing.assert_close(applied, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_trainer_callback_refuses_unknown_options_at_once():
+    with pytest.raises(TypeError, match=r"TorchOffloadCallback: unknown option 'max_host_byte' \(did you mean "
+                                        r"'max_host_bytes'\?\)"):
+        torch_offload.TorchOffloadCallback(max_host_byte=1)
+    with pytest.raises(TypeError, match="unknown option 'model'"):  # apply's model comes from the trainer
+        torch_offload.TorchOffloadCallback(model=None)
+    torch_offload.TorchOffloadCallback(offload="disk", min_bytes=0, checkpoint="layer")  # apply's and the tier's

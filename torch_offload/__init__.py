@@ -35,6 +35,7 @@ __all__ = [
     "shard_batch",
     "pinned_arena_stats",
     "TiledMLP",
+    "TorchOffloadCallback",
     "tiled_apply",
     "tiled_mlp",
     "tiled_mlp_num_shards",
@@ -139,3 +140,12 @@ from .integrations import OffloadHandle, apply  # noqa: E402
 from .linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_tile  # noqa: E402
 from .attention_block import attention_block, attention_block_segment_ids, segment_attention  # noqa: E402
 from .sequence_parallel import shard_batch, ulysses_attention  # noqa: E402
+
+
+def __getattr__(name: str):
+    # Imported on first use: it needs transformers, which the ops do not.
+    if name == "TorchOffloadCallback":
+        from .trainer_callback import TorchOffloadCallback
+
+        return TorchOffloadCallback
+    raise AttributeError(f"module 'torch_offload' has no attribute {name!r}")

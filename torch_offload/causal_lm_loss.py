@@ -150,10 +150,11 @@ def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath, group:
         if router_logits is None:  # as transformers' mixture-of-experts models: the call's, else the config's
             router_logits = getattr(getattr(owner, "config", None), "output_router_logits", False)
         if (arguments.get("labels") is None or not (isinstance(keep, int) and keep == 0) or router_logits
-                or owner.get_output_embeddings() is not head):
+                or owner.get_output_embeddings() is not head or extra.get("fused_lm_head")):
             # No loss asked for, or logits asked for; a mixture of experts' router loss, which the
             # model adds only to a loss of its own; an output layer replaced since apply
-            # (resize_token_embeddings): the model's own path.
+            # (resize_token_embeddings); TRL's own fused LM head, patched in before apply (its
+            # SFTTrainer, then TorchOffloadCallback), which computes the loss itself: the model's own path.
             return original(*args, **kwargs)
         request = _LossRequest(arguments["labels"], extra.get("shift_labels"), extra.get("ignore_index", -100),
                                extra.get("num_items_in_batch"), group)

@@ -902,15 +902,21 @@ def _resolve_offload(model: nn.Module, offload: str | None, options: dict[str, A
 _SET_BY_APPLY = frozenset({"tier", "module"})
 
 
-def _check_offload_options(options: dict[str, Any], offload: str | None, requested: str | None) -> None:
-    """A misspelt option, or one the chosen configuration would ignore, is an error: never silently dropped."""
-    known = [name for name in inspect.signature(offload_activations).parameters if name not in _SET_BY_APPLY]
-    unknown = [name for name in options if name not in known]
+def check_option_names(names: Any, caller: str, own: tuple[str, ...] = ()) -> None:
+    """TypeError naming each of ``names`` that is neither in ``own`` nor an option of offload_activations
+    that apply passes on (with the closest known name): a typo must never be dropped without a word."""
+    known = [*own, *(name for name in inspect.signature(offload_activations).parameters if name not in _SET_BY_APPLY)]
+    unknown = [name for name in names if name not in known]
     if unknown:
         hints = [f"{name!r}" + "".join(f" (did you mean {m!r}?)" for m in difflib.get_close_matches(name, known, 1))
                  for name in unknown]
-        raise TypeError(f"torch_offload.apply: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; "
+        raise TypeError(f"{caller}: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; "
                         f"apply's own options and those of offload_activations: {', '.join(sorted(known))}")
+
+
+def _check_offload_options(options: dict[str, Any], offload: str | None, requested: str | None) -> None:
+    """A misspelt option, or one the chosen configuration would ignore, is an error: never silently dropped."""
+    check_option_names(options, "torch_offload.apply")
     if offload is None and options:
         why = ("offload=None" if requested is None else
                "offload='auto', which is None for a model in host memory whose spill directory is in RAM")
