@@ -105,12 +105,13 @@ TEST(RestoreBuffers, KeptBuffersAreLazilyFreedAndStillServeTheirSize) {
   const int64_t before = lazy_free_kb();
   ASSERT_GE(before, 0) << "no LazyFree in /proc/self/smaps_rollup (Linux 4.14+)";
   buffers.recycle(buffer, bytes);
-  EXPECT_GE(lazy_free_kb() - before, static_cast<int64_t>(bytes / 1024));
+  // Small pages are counted in batches of up to 31 per CPU: allow that much short of the whole buffer.
+  const int64_t slack_kb = 31 * 4;
+  EXPECT_GE(lazy_free_kb() - before, static_cast<int64_t>(bytes / 1024) - slack_kb);
   EXPECT_EQ(buffers.kept_bytes(), bytes);
-  EXPECT_EQ(buffers.take(bytes), buffer);  // still served, writable as any buffer
+  EXPECT_EQ(buffers.take(bytes), buffer);  // still served, and already the process's again: take() wrote to it
   EXPECT_EQ(buffers.hits(), 1);
-  std::memset(buffer, 2, bytes + 4096);
-  EXPECT_LT(lazy_free_kb() - before, static_cast<int64_t>(bytes / 1024));  // written: no longer free
+  EXPECT_LT(lazy_free_kb() - before, slack_kb);
   buffers.recycle(buffer, bytes);
   buffers.clear();
   EXPECT_EQ(buffers.kept_bytes(), 0u);

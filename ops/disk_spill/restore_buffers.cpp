@@ -38,22 +38,37 @@ void* allocate(size_t bytes) {
   return memory;
 }
 
+// A kept buffer's pages are lazily freed: a CPU write takes them back for good (the page tables mark them
+// dirty), but a device's write through O_DIRECT does not on every kernel (before the 2024 fix "block: Remove
+// special-casing of compound pages", huge pages read into were never marked dirty), and reclaim would then
+// drop a restored tensor's data. So one CPU write per page, before any read lands there.
+void redirty(void* buffer, size_t bytes) {
+  auto* page = static_cast<volatile char*>(buffer);
+  for (size_t offset = 0; offset < bytes; offset += SpillFile::kBlock) {
+    page[offset] = 0;
+  }
+}
+
 }  // namespace
 
 void* RestoreBuffers::take(size_t bytes) {
   bytes = block_bytes(bytes);
+  void* kept = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    const auto newest = std::find_if(kept_.rbegin(), kept_.rend(), [&](const Kept& kept) { return kept.bytes == bytes; });
+    const auto newest = std::find_if(kept_.rbegin(), kept_.rend(), [&](const Kept& k) { return k.bytes == bytes; });
     if (newest != kept_.rend()) {
-      void* buffer = newest->buffer;
+      kept = newest->buffer;
       kept_.erase(std::next(newest).base());
       kept_bytes_ -= bytes;
       ++hits_;
-      return buffer;
     }
   }
-  return allocate(allocated_bytes(bytes));
+  if (kept == nullptr) {
+    return allocate(allocated_bytes(bytes));
+  }
+  redirty(kept, allocated_bytes(bytes));
+  return kept;
 }
 
 void RestoreBuffers::recycle(void* buffer, size_t bytes) {
@@ -65,9 +80,9 @@ void RestoreBuffers::recycle(void* buffer, size_t bytes) {
       return;
     }
   }
-  // Before it is kept, where another restore may take it: the kernel may take the pages back from here
-  // on (they read as zeros then), and a write cancels that, so no restore's data is ever dropped. A hint:
-  // where the kernel refuses, the buffer stays as it was.
+  // Before it is kept, where another restore may take it: the kernel may take the pages back from here on
+  // (they read as zeros then) until take() writes to each. A hint: where the kernel refuses, the buffer
+  // stays as it was.
   ::madvise(buffer, allocated_bytes(bytes), MADV_FREE);
   std::lock_guard<std::mutex> lock(mutex_);
   if (bytes > capacity_) {  // set_capacity() ran meanwhile

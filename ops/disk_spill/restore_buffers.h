@@ -10,7 +10,8 @@
 // byte capacity, for the next restore of the same size, in this backward or the
 // next. Kept buffers are lazily freed (MADV_FREE): the kernel takes their pages
 // first when memory runs short, so they never hold memory anything else needs;
-// until then a restore writes into pages that are already there.
+// until then a restore writes into pages that are already there (take() writes
+// one byte per page first, which makes them the process's again).
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
