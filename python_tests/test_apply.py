@@ -386,10 +386,28 @@ def test_offload_default_on_a_cpu_model_says_what_it_does(tmp_path, monkeypatch)
     handle = torch_offload.apply(model, allow_tmpfs=True)  # unless asked for
     assert handle.offload == "disk"
     handle.remove()
+    # The spill directory as the library finds it: no usable default, no disk tier, with a warning.
+    monkeypatch.delenv("TORCH_OFFLOAD_SPILL_DIR")
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "missing"))
+    assert torch_offload.disk.default_spill_directory() == str(tmp_path / "missing")
+    with pytest.warns(UserWarning, match=r"offload='auto' keeps this CPU model's activations in memory: the "
+                                         r"default spill directory '.*missing' is not a writable directory"):
+        handle = torch_offload.apply(model)
+    assert handle.offload is None
+    handle.remove()
+    handle = torch_offload.apply(model, spill_directory=str(tmp_path))  # named: the disk tier there
+    assert handle.offload == "disk"
+    handle.remove()
     with pytest.warns(UserWarning, match="offload='cpu' moves nothing while the model is in host memory"):
         handle = torch_offload.apply(model, offload="cpu")
     assert handle.offload == "cpu"
     handle.remove()
+
+
+def test_ram_file_systems_are_known_from_the_mount_table(tmp_path):
+    assert torch_offload.disk.spill_directory_in_ram("/dev/shm")
+    assert torch_offload.disk.spill_directory_in_ram("/dev/shm/not/made/yet")  # by the mount above it
+    assert not torch_offload.disk.spill_directory_in_ram(str(tmp_path))
 
 
 class GatedMLP(nn.Module):

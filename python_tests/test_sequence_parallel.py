@@ -253,11 +253,12 @@ APPLIED = {
     "phi3": ("phi3", {}, lambda: [documents_crossing_ranks()], {}),
     "gpt2": ("gpt2", {}, lambda: [documents_crossing_ranks()], {}),
     "gemma": ("gemma", {}, lambda: [documents_crossing_ranks()], {}),
+    # Whole layers checkpointed in place (the default on a CPU is the disk tier, as in the cases above).
     "tokens_1001": ("llama", dict(max_position_embeddings=1024),
-                    lambda: [documents_crossing_ranks(1001, (300, 500, 201))], {}),
-    "right_padded": ("llama", {}, lambda: [padded("right")], {}),
-    "left_padded": ("llama", {}, lambda: [padded("left")], {}),
-    "accumulation_num_items": ("llama", {}, accumulation_steps, {}),
+                    lambda: [documents_crossing_ranks(1001, (300, 500, 201))], dict(offload=None)),
+    "right_padded": ("llama", {}, lambda: [padded("right")], dict(offload=None)),
+    "left_padded": ("llama", {}, lambda: [padded("left")], dict(offload=None)),
+    "accumulation_num_items": ("llama", {}, accumulation_steps, dict(offload=None)),
     "disk_tier": ("llama", {}, lambda: [documents_crossing_ranks()], dict(offload="disk", min_bytes=0)),
 }
 # Families whose attention attention_block does not compute (per-head norms, Conv1D): their own forwards, the core

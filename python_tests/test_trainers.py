@@ -45,8 +45,9 @@ def with_and_without_apply(make_trainer):
     for applied in (False, True):
         model = make_model("llama", max_position_embeddings=256)
         model.config.use_cache = False
-        # TRL's SFTTrainer then wraps model.forward with its own fused LM head, around apply's.
-        handle = torch_offload.apply(model, num_shards=2) if applied else None
+        # TRL's SFTTrainer then wraps model.forward with its own fused LM head, around apply's. Whole layers
+        # checkpointed in place here; TorchOffloadCallback's tests below take the default (the disk tier).
+        handle = torch_offload.apply(model, offload=None, num_shards=2) if applied else None
         runs.append(losses(make_trainer(model)))
     assert handle.attention_blocks == 3 and handle.mask_fallbacks == {}  # every batch took the segment ids
     return runs

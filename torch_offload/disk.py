@@ -9,7 +9,7 @@ file systems (tmpfs, ramfs) are refused unless ``allow_tmpfs=True``.
 from __future__ import annotations
 
 import os
-import tempfile
+import re
 from typing import Sequence
 
 import torch
@@ -32,16 +32,25 @@ _STATS = (
 _RAM_FILE_SYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")
 
 
-def spill_directory_in_ram(directory: str | None = None) -> bool:
-    """Whether the spill file would go to a RAM file system (what disk_spill refuses without
-    allow_tmpfs): ``directory``, else ``$TORCH_OFFLOAD_SPILL_DIR``, else the temp directory,
-    by the longest mount point of /proc/self/mounts above it."""
-    path = os.path.realpath(directory or os.environ.get("TORCH_OFFLOAD_SPILL_DIR") or tempfile.gettempdir())
+def default_spill_directory() -> str:
+    """Where disk_spill writes when given no directory: ``$TORCH_OFFLOAD_SPILL_DIR``, else the temp
+    directory as the library finds it (``std::filesystem::temp_directory_path``: the first of TMPDIR,
+    TMP, TEMP and TEMPDIR that is set, else /tmp)."""
+    spill_dir = os.environ.get("TORCH_OFFLOAD_SPILL_DIR")
+    if spill_dir:
+        return spill_dir
+    return next((os.environ[name] for name in ("TMPDIR", "TMP", "TEMP", "TEMPDIR") if name in os.environ), "/tmp")
+
+
+def spill_directory_in_ram(directory: str) -> bool:
+    """Whether ``directory`` is on a RAM file system (what disk_spill refuses without allow_tmpfs), by
+    the longest mount point of /proc/self/mounts above it."""
+    path = os.path.realpath(directory)
     mount_point, file_system = "", None
     with open("/proc/self/mounts") as mounts:
         for line in mounts:
             _, point, kind = line.split()[:3]
-            point = point.replace("\\040", " ")  # the table escapes spaces
+            point = re.sub(r"\\([0-7]{3})", lambda escape: chr(int(escape.group(1), 8)), point)  # e.g. \040
             inside = path == point or path.startswith(point.rstrip("/") + "/")
             if inside and len(point) >= len(mount_point):
                 mount_point, file_system = point, kind

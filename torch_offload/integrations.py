@@ -16,6 +16,7 @@ import difflib
 import functools
 import inspect
 import itertools
+import os
 import warnings
 import weakref
 from typing import Any
@@ -29,7 +30,7 @@ from . import masking, sequence_parallel
 from .activations import checkpoint as offloaded_checkpoint
 from .attention_block import attention_block as attention_block_op
 from .activations import offload_activations
-from .disk import disk_spill, disk_wait, spill_directory_in_ram
+from .disk import default_spill_directory, disk_spill, disk_wait, spill_directory_in_ram
 from .causal_lm_loss import fuse_causal_lm_loss
 from .compiled_offload import graph_hooks
 from .masking import is_segment_ids
@@ -889,8 +890,16 @@ def _resolve_offload(model: nn.Module, offload: str | None, options: dict[str, A
         # would hold the "disk" in the memory it is meant to free.
         if _on_accelerator(model):
             return "cpu"
-        in_ram = spill_directory_in_ram(options.get("spill_directory")) and not options.get("allow_tmpfs")
-        return None if in_ram else "disk"
+        directory = options.get("spill_directory")
+        if directory is None:
+            directory = default_spill_directory()
+            if not (os.path.isdir(directory) and os.access(directory, os.W_OK | os.X_OK)):
+                warnings.warn(f"torch_offload.apply: offload='auto' keeps this CPU model's activations in memory: "
+                              f"the default spill directory {directory!r} is not a writable directory (set "
+                              "spill_directory or $TORCH_OFFLOAD_SPILL_DIR for the disk tier)", UserWarning,
+                              stacklevel=3)
+                return None
+        return None if spill_directory_in_ram(directory) and not options.get("allow_tmpfs") else "disk"
     if offload == "cpu" and not _on_accelerator(model):
         warnings.warn("torch_offload.apply: offload='cpu' moves nothing while the model is in host memory (its "
                       "activations are already there), so this is plain checkpointing until it moves to a GPU; "
@@ -919,7 +928,8 @@ def _check_offload_options(options: dict[str, Any], offload: str | None, request
     check_option_names(options, "torch_offload.apply")
     if offload is None and options:
         why = ("offload=None" if requested is None else
-               "offload='auto', which is None for a model in host memory whose spill directory is in RAM")
+               "offload='auto', which is None for a model in host memory whose spill directory is in RAM "
+               "(allow_tmpfs=True spills there all the same)")
         raise ValueError(f"torch_offload.apply: {', '.join(map(repr, options))} would be ignored with {why}: "
                          "without a tier nothing is offloaded (offload='disk' or 'cpu' uses them)")
     disk_only = [name for name in ("spill_directory", "allow_tmpfs") if name in options]
