@@ -38,9 +38,9 @@ constexpr int64_t kMaxTileTokens = 1024;
 constexpr int64_t kMinTileVocab = 256;
 constexpr int64_t kMaxTileVocab = 4096;
 // The 3-GEMM path (linear_cross_entropy_with_gradients): each tile of tokens has its logits over the whole
-// vocabulary in one reused slab of at most kSlabBytes, which forward turns into d loss / d logits on the
-// spot; the gradients' GEMMs read it there, so backward needs no second logits GEMM. A slab holds at least
-// kMinSlabTokens rows (the budget grows with the vocabulary, never with the tokens): the weight gradient,
+// vocabulary in one reused slab (kSlabBytes or kMinSlabTokens rows), which forward turns into d loss / d logits on the
+// spot; the gradients' GEMMs read it there, so backward needs no second logits GEMM. A slab has room for at
+// least kMinSlabTokens rows (the budget grows with the vocabulary, never with the tokens): the weight gradient,
 // [V, h], is read and written once per slab, and 128-row slabs at V = 128K took 1.15x CCE's time.
 constexpr int64_t kSlabBytes = int64_t{64} << 20;
 constexpr int64_t kMinSlabTokens = 512;
