@@ -253,6 +253,12 @@ def test_bad_arguments_are_named():
         torch_offload.offload_activations(prefetch_bytes=-1)
     with pytest.raises(ValueError, match="use_reentrant"):
         torch_offload.checkpoint(torch.sin, torch.randn(2), use_reentrant=True)
+    # A typo, or an option the tier would ignore, never changes what runs without a word.
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_host_byte'"):
+        torch_offload.offload_activations(max_host_byte=1)
+    for ignored in (dict(spill_directory="/tmp"), dict(allow_tmpfs=True)):
+        with pytest.raises(ValueError, match="spill_directory and allow_tmpfs would be ignored with tier='cpu'"):
+            torch_offload.offload_activations(tier="cpu", **ignored)
 
 
 def test_checkpoint_offload_false_keeps_inputs_inside_an_offload_context():
