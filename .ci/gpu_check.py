@@ -8,6 +8,7 @@ where GoogleTest is installed) and the GPU variant of the benches, and print one
 It needs no package index: packages the machine lacks (expecttest, for opcheck) can be put as
 wheels in .whl/, which is installed into build/gpu-check/site first. Exits non-zero if a step fails.
 """
+
 import argparse
 import glob
 import os
@@ -33,11 +34,15 @@ def run(step, command, env=None, results=None):
 def cuda_toolkit():
     """$CUDA_HOME, else the toolkit of the nvcc on PATH, else /usr/local/cuda: the first holding nvcc and headers."""
     nvcc = shutil.which("nvcc")
-    candidates = [os.environ.get("CUDA_HOME"), nvcc and os.path.dirname(os.path.dirname(os.path.realpath(nvcc))),
-                  "/usr/local/cuda"]
+    candidates = [
+        os.environ.get("CUDA_HOME"),
+        nvcc and os.path.dirname(os.path.dirname(os.path.realpath(nvcc))),
+        "/usr/local/cuda",
+    ]
     for home in filter(None, candidates):
         if os.path.exists(os.path.join(home, "bin", "nvcc")) and os.path.exists(
-                os.path.join(home, "include", "cuda_runtime.h")):
+            os.path.join(home, "include", "cuda_runtime.h")
+        ):
             return home
     sys.exit(f"gpu-check: no CUDA toolkit (nvcc and its headers) in {[c for c in candidates if c]}; set CUDA_HOME")
 
@@ -95,22 +100,38 @@ def main():
     wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", "*.whl")))
     results = []
     if wheels:
-        run("carried wheels", [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--upgrade",
-                               "--target", site, *wheels], env, results)
+        run(
+            "carried wheels",
+            [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--upgrade", "--target", site, *wheels],
+            env,
+            results,
+        )
     env["PYTHONPATH"] = os.pathsep.join([ROOT, site, env.get("PYTHONPATH", "")])
 
     with_gtest = os.path.exists("/usr/include/gtest/gtest.h")
     cmake = cmake_binary()
-    configure = [cmake, "-S", ".", "-B", BUILD, "-G", "Ninja", f"-DPython3_EXECUTABLE={python}",
-                 "-DCMAKE_BUILD_TYPE=Release", "-DTORCH_OFFLOAD_CUDA=ON",
-                 f"-DTORCH_OFFLOAD_BUILD_TESTS={'ON' if with_gtest else 'OFF'}"]
+    configure = [
+        cmake,
+        "-S",
+        ".",
+        "-B",
+        BUILD,
+        "-G",
+        "Ninja",
+        f"-DPython3_EXECUTABLE={python}",
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DTORCH_OFFLOAD_CUDA=ON",
+        f"-DTORCH_OFFLOAD_BUILD_TESTS={'ON' if with_gtest else 'OFF'}",
+    ]
     cuda_home = cuda_toolkit()
     configure += [f"-DCMAKE_CUDA_COMPILER={cuda_home}/bin/nvcc", f"-DCUDA_TOOLKIT_ROOT_DIR={cuda_home}"]
     nvrtc = nvrtc_library(python, cuda_home)
     if nvrtc:
         configure.append(f"-DCUDA_nvrtc_LIBRARY={nvrtc}")
-    built = (run("configure", configure, env, results) == 0 and
-             run("build", [cmake, "--build", BUILD, "--parallel", str(args.jobs)], env, results) == 0)
+    built = (
+        run("configure", configure, env, results) == 0
+        and run("build", [cmake, "--build", BUILD, "--parallel", str(args.jobs)], env, results) == 0
+    )
     if built:
         env["TORCH_OFFLOAD_LIBRARY"] = os.path.join(BUILD, "libtorch_offload.so")
         if with_gtest:
@@ -118,10 +139,24 @@ def main():
             run("C++ *Cuda tests", [ctest, "--test-dir", BUILD, "-R", "Cuda", "--output-on-failure"], env, results)
         report = os.path.join(BUILD, "pytest.xml")
         tests = sorted(glob.glob(os.path.join("python_tests", "test_*_cuda.py")))
-        run("pytest", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *tests], env,
-            results)
-        bench = [python, "bench/compile.py", "--device", "cuda", "--tokens", "2048", "--rounds", "1",
-                 "--offload", "none,cpu"]
+        run(
+            "pytest",
+            [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *tests],
+            env,
+            results,
+        )
+        bench = [
+            python,
+            "bench/compile.py",
+            "--device",
+            "cuda",
+            "--tokens",
+            "2048",
+            "--rounds",
+            "1",
+            "--offload",
+            "none,cpu",
+        ]
         if gpu is not None:
             run("bench/compile.py (GPU)", bench, env, results)
 

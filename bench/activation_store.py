@@ -13,6 +13,7 @@ The same per-tensor cost at 1K and 10K tensors means pack and unpack do not grow
 with the number of saved tensors. Modes take turns; each cell is the median.
 Prints a Markdown table.
 """
+
 import argparse
 import statistics
 import time
@@ -62,8 +63,10 @@ def main():
                     times[name].append(round_trip_seconds(make_hooks, tensors))
             cost = {name: statistics.median(seconds[1:]) / count * 1e6 for name, seconds in times.items()}
             for name in MODES:
-                print(f"| {count:,} | {elements * 4:,} | {name} | {cost[name]:.1f} | "
-                      f"{cost[name] / cost['save_on_cpu']:.2f} |")
+                print(
+                    f"| {count:,} | {elements * 4:,} | {name} | {cost[name]:.1f} | "
+                    f"{cost[name] / cost['save_on_cpu']:.2f} |"
+                )
 
 
 if __name__ == "__main__":

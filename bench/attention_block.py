@@ -10,6 +10,7 @@ of the resident set over that run (VmHWM after it, with the high-water mark rese
 before it; x, the rotary tables and grad_out already allocated); a second fwd+bwd gives the
 time. The methods take turns, round after round; each cell is the median over the rounds.
 """
+
 import argparse
 import statistics
 import subprocess
@@ -64,8 +65,9 @@ def worker(method, tokens):
 
 
 def run(method, tokens):
-    out = subprocess.run([sys.executable, __file__, "--worker", method, str(tokens)], check=True, capture_output=True,
-                         text=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, __file__, "--worker", method, str(tokens)], check=True, capture_output=True, text=True
+    ).stdout.split()
     return int(out[0]), float(out[1])
 
 
@@ -85,32 +87,37 @@ def main():
         for _ in range(args.rounds):
             for m in METHODS:
                 runs[m].append(run(m, tokens))
-        (em, et), (cm, ct), (am, at) = ((statistics.median(r[0] for r in runs[m]),
-                                         statistics.median(r[1] for r in runs[m])) for m in METHODS)
+        (em, et), (cm, ct), (am, at) = (
+            (statistics.median(r[0] for r in runs[m]), statistics.median(r[1] for r in runs[m])) for m in METHODS
+        )
         mib = 1 << 20
-        rows.append(f"| {tokens} | {em / mib:.0f} | {cm / mib:.0f} | {am / mib:.0f} | **{am / em:.2f}** "
-                    f"| **{am / cm:.2f}** | {et:.2f} | {ct:.2f} | {at:.2f} | **{at / et:.2f}** | **{at / ct:.2f}** |")
+        rows.append(
+            f"| {tokens} | {em / mib:.0f} | {cm / mib:.0f} | {am / mib:.0f} | **{am / em:.2f}** "
+            f"| **{am / cm:.2f}** | {et:.2f} | {ct:.2f} | {at:.2f} | **{at / et:.2f}** | **{at / ct:.2f}** |"
+        )
         print(rows[-1], flush=True)
-    text = "\n".join([
-        "## attention_block",
-        "",
-        f"`{' '.join(['.venv/bin/python', 'bench/attention_block.py', *sys.argv[1:]])}` — CPU float32, batch 1, "
-        f"h={HIDDEN}, {HEADS} heads of {HEAD_DIM} (no grouped-query), no biases, fwd+bwd (x and the four weights "
-        f"need gradients). {machine()}.",
-        "",
-        "(a) eager: the projections, transformers' apply_rotary_pos_emb and F.scaled_dot_product_attention "
-        "(its CPU flash kernels), as LlamaAttention computes them; (c) (a) under non-reentrant "
-        "torch.utils.checkpoint, what apply() did before the op; (b) `torch_offload.attention_block` (automatic "
-        "head groups). Peak: growth of the resident set (VmHWM over VmRSS) during one fwd+bwd in a fresh process, "
-        "inputs and grad_out allocated before; time: the next fwd+bwd in that process. Methods take turns for "
-        f"{args.rounds} rounds; each cell is the median.",
-        "",
-        "| tokens | peak (a) MiB | peak (c) MiB | peak (b) MiB | peak (b)/(a) | peak (b)/(c) | time (a) s "
-        "| time (c) s | time (b) s | time (b)/(a) | time (b)/(c) |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        *rows,
-        "",
-    ])
+    text = "\n".join(
+        [
+            "## attention_block",
+            "",
+            f"`{' '.join(['.venv/bin/python', 'bench/attention_block.py', *sys.argv[1:]])}` — CPU float32, batch 1, "
+            f"h={HIDDEN}, {HEADS} heads of {HEAD_DIM} (no grouped-query), no biases, fwd+bwd (x and the four weights "
+            f"need gradients). {machine()}.",
+            "",
+            "(a) eager: the projections, transformers' apply_rotary_pos_emb and F.scaled_dot_product_attention "
+            "(its CPU flash kernels), as LlamaAttention computes them; (c) (a) under non-reentrant "
+            "torch.utils.checkpoint, what apply() did before the op; (b) `torch_offload.attention_block` (automatic "
+            "head groups). Peak: growth of the resident set (VmHWM over VmRSS) during one fwd+bwd in a fresh process, "
+            "inputs and grad_out allocated before; time: the next fwd+bwd in that process. Methods take turns for "
+            f"{args.rounds} rounds; each cell is the median.",
+            "",
+            "| tokens | peak (a) MiB | peak (c) MiB | peak (b) MiB | peak (b)/(a) | peak (b)/(c) | time (a) s "
+            "| time (c) s | time (b) s | time (b)/(a) | time (b)/(c) |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            *rows,
+            "",
+        ]
+    )
     if not args.no_write:
         write_section("attention_block", text)
     print(text)

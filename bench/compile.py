@@ -16,6 +16,7 @@ threshold fixed at 1 MiB; on a GPU max_memory_allocated over memory_allocated be
 tier's unwritten bytes are capped at 32 MiB and it keeps no restore buffers, as in real_batches.py.
 Eager and compiled take turns, round after round; each cell is the median over the rounds.
 """
+
 import argparse
 import json
 import os
@@ -42,9 +43,18 @@ def worker(method, tokens, offload, device, kind):
     hidden, intermediate, layers = (1024, 2816, 8) if gpu else (256, 704, 4)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, max_position_embeddings=tokens,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        max_position_embeddings=tokens,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="sdpa",
+    )
     model = transformers.LlamaForCausalLM(config).to(device).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     spill = tempfile.TemporaryDirectory()
@@ -82,8 +92,20 @@ def worker(method, tokens, offload, device, kind):
 
 
 def measure(method, tokens, offload, device, kind):
-    command = [sys.executable, __file__, "--worker", method, "--tokens", str(tokens), "--offload", offload,
-               "--device", device, "--batches", kind]
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        method,
+        "--tokens",
+        str(tokens),
+        "--offload",
+        offload,
+        "--device",
+        device,
+        "--batches",
+        kind,
+    ]
     out = subprocess.run(command, check=True, capture_output=True, text=True, env=worker_env()).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -92,7 +114,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="2048,4096")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--offload", default="none,disk", help="apply()'s offload tiers to compare under: none, cpu, disk")
+    parser.add_argument(
+        "--offload", default="none,disk", help="apply()'s offload tiers to compare under: none, cpu, disk"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batches", default="one sequence,packed", help="of real_batches.py: one sequence, packed")
     parser.add_argument("--write", action="store_true", help="rewrite BENCHMARKS.md's section")
@@ -109,24 +133,29 @@ def main():
                 for _ in range(args.rounds):
                     for method in METHODS:
                         runs[method].append(measure(method, tokens, offload, args.device, kind))
-                seconds, peak = ({m: statistics.median(r[key] for r in runs[m]) for m in METHODS}
-                                 for key in ("seconds", "peak_bytes"))
-                rows.append(f"| {kind} | {offload} | {tokens} | {seconds['eager']:.3f} | {seconds['compiled']:.3f} | "
-                            f"**{seconds['compiled'] / seconds['eager']:.2f}** | {peak['eager'] / 2**20:.0f} | "
-                            f"{peak['compiled'] / 2**20:.0f} | **{peak['compiled'] / peak['eager']:.2f}** | "
-                            f"{runs['eager'][0]['loss']:.4f} / {runs['compiled'][0]['loss']:.4f} |")
+                seconds, peak = (
+                    {m: statistics.median(r[key] for r in runs[m]) for m in METHODS}
+                    for key in ("seconds", "peak_bytes")
+                )
+                rows.append(
+                    f"| {kind} | {offload} | {tokens} | {seconds['eager']:.3f} | {seconds['compiled']:.3f} | "
+                    f"**{seconds['compiled'] / seconds['eager']:.2f}** | {peak['eager'] / 2**20:.0f} | "
+                    f"{peak['compiled'] / 2**20:.0f} | **{peak['compiled'] / peak['eager']:.2f}** | "
+                    f"{runs['eager'][0]['loss']:.4f} / {runs['compiled'][0]['loss']:.4f} |"
+                )
                 print(rows[-1], flush=True)
     text = (
         "## torch.compile of an applied model\n\n"
         f"`python bench/compile.py --tokens {args.tokens} --rounds {args.rounds} --offload {args.offload} "
-        f"--device {args.device} --batches \"{args.batches}\" --write` on "
+        f'--device {args.device} --batches "{args.batches}" --write` on '
         f"{platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores: one training step (SGD) of the demo's Llama after `apply()`, eager against "
         "`torch.compile(model, fullgraph=True)` (inductor), median of the rounds, each in a fresh process; peaks "
         "are the resident set's growth with glibc's mmap threshold at 1 MiB.\n\n"
         "| batch | offload | tokens | eager s | compiled s | compiled / eager time | eager peak MiB | "
         "compiled peak MiB | compiled / eager peak | loss eager / compiled |\n"
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n" + "\n".join(rows) + "\n")
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n" + "\n".join(rows) + "\n"
+    )
     if args.write:
         write_section("torch.compile of an applied model", text)
     else:

@@ -20,6 +20,7 @@ A virtual disk's bandwidth varies from run to run: every measurement is taken
 --repeats times, interleaved, and the median is reported. Prints a Markdown table
 of GB/s and ratios.
 """
+
 import argparse
 import concurrent.futures
 import os
@@ -148,9 +149,13 @@ def main():
     parser.add_argument("--tensors", type=int, default=8)
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--gap", type=float, default=0.0,
-                        help="seconds between the spills and the restores, as the rest of forward takes in training: "
-                             "long enough for a VM to hand freed memory back to its hypervisor")
+    parser.add_argument(
+        "--gap",
+        type=float,
+        default=0.0,
+        help="seconds between the spills and the restores, as the rest of forward takes in training: "
+        "long enough for a VM to hand freed memory back to its hypervisor",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         tensors = [torch.randn(args.mib << 18) for _ in range(args.tensors)]  # float32: mib MiB each
@@ -173,25 +178,34 @@ def main():
         cpu_without = cpu_seconds_per_gb(directory, tensors, False)
     rows = [
         ("raw disk (dd, O_DIRECT)", raw_write, raw_read),
-        (f"disk_spill / disk_restore ({args.tensors} x {args.mib} MiB, backward order)", gb / spill_write,
-         gb / spill_read),
+        (
+            f"disk_spill / disk_restore ({args.tensors} x {args.mib} MiB, backward order)",
+            gb / spill_write,
+            gb / spill_read,
+        ),
         ("the same with restore_cache_bytes=0 (every restore into fresh memory)", None, gb / no_cache_read),
         ("disk_restore of all at once into fresh memory", None, gb / all_at_once_read),
         ("torch.save / torch.load, 4 threads, 1 file per tensor", gb / save_write, gb / save_read),
     ]
-    print(f"directory: {args.dir or tempfile.gettempdir()}, {gb:.2f} GB per direction, "
-          f"median of {args.repeats} interleaved runs, {args.gap:g} s between spills and restores\n")
+    print(
+        f"directory: {args.dir or tempfile.gettempdir()}, {gb:.2f} GB per direction, "
+        f"median of {args.repeats} interleaved runs, {args.gap:g} s between spills and restores\n"
+    )
     print("| method | write GB/s | read GB/s |")
     print("| --- | --- | --- |")
     for name, write, read in rows:
         print(f"| {name} | {'' if write is None else f'{write:.2f}'} | {read:.2f} |")
     print()
-    print(f"spill vs raw disk: write {gb / spill_write / raw_write:.2f}x, read {gb / spill_read / raw_read:.2f}x, "
-          f"spill + restore {(gb / raw_write + gb / raw_read) / (spill_write + spill_read):.2f}x")
+    print(
+        f"spill vs raw disk: write {gb / spill_write / raw_write:.2f}x, read {gb / spill_read / raw_read:.2f}x, "
+        f"spill + restore {(gb / raw_write + gb / raw_read) / (spill_write + spill_read):.2f}x"
+    )
     print(f"spill vs torch.save baseline: write {save_write / spill_write:.2f}x, read {save_read / spill_read:.2f}x")
     print(f"restore cache off: read {gb / no_cache_read / raw_read:.2f}x raw disk")
-    print(f"all at once into fresh memory: read {gb / all_at_once_read / raw_read:.2f}x raw disk, "
-          f"{save_read / all_at_once_read:.2f}x torch.load")
+    print(
+        f"all at once into fresh memory: read {gb / all_at_once_read / raw_read:.2f}x raw disk, "
+        f"{save_read / all_at_once_read:.2f}x torch.load"
+    )
     print(f"CPU-seconds per GB moved: {cpu_with:.3f} with checksums, {cpu_without:.3f} without")
     print(f"restores that reused a kept buffer: {torch_offload.disk_spill_stats()['restore_cache_hits']}")
 

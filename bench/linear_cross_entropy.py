@@ -18,6 +18,7 @@ back to the system when freed, so a second step would pay the same page faults. 
 methods take turns, round after round, so that drifting load on a shared machine hits
 them alike; each cell is the median over the rounds.
 """
+
 import argparse
 import os
 import statistics
@@ -50,8 +51,10 @@ def worker(method, tokens, vocab, improbable=None):
 
     def chunked(hidden, weight, target):
         # torchtune's CEWithChunkedOutputLoss, with the head applied per chunk.
-        total = sum(F.cross_entropy(F.linear(h, weight), t, reduction="sum")
-                    for h, t in zip(hidden.split(CHUNK), target.split(CHUNK)))
+        total = sum(
+            F.cross_entropy(F.linear(h, weight), t, reduction="sum")
+            for h, t in zip(hidden.split(CHUNK), target.split(CHUNK))
+        )
         return total / (target != -100).sum()
 
     generator = torch.Generator().manual_seed(0)
@@ -62,9 +65,11 @@ def worker(method, tokens, vocab, improbable=None):
         if method == "cce":
             loss = cut_cross_entropy_loss()
         elif method in ("in_forward", "recompute"):
+
             def loss(hidden, weight, target):
-                return torch_offload.linear_cross_entropy(hidden, weight, target,
-                                                          gradients_in_forward=method == "in_forward")
+                return torch_offload.linear_cross_entropy(
+                    hidden, weight, target, gradients_in_forward=method == "in_forward"
+                )
         else:
             loss = {"eager": eager, "chunked": chunked}[method]
     else:
@@ -75,8 +80,10 @@ def worker(method, tokens, vocab, improbable=None):
         filter_eps = "auto" if method == "filtered" else None
 
         def loss(hidden, weight, target):  # both on the recompute path, the one filtering runs on
-            return torch_offload.linear_cross_entropy(hidden, weight, target, bias=bias, filter_eps=filter_eps,
-                                                      gradients_in_forward=False)
+            return torch_offload.linear_cross_entropy(
+                hidden, weight, target, bias=bias, filter_eps=filter_eps, gradients_in_forward=False
+            )
+
     # Warm-up on leaf tensors of two token counts, so that a compiled loss (CCE's) has its dynamic-shape
     # graph before the timed step and compiles nothing in it.
     for count in (64, 96):
@@ -119,28 +126,31 @@ def filtering(args):
         for _ in range(args.rounds):
             for m in FILTER_METHODS:
                 runs[m].append(run(m, tokens, vocab, fraction))
-        (ut, _), (ft, skipped) = ((statistics.median(r[1] for r in runs[m]), statistics.median(r[2] for r in runs[m]))
-                                  for m in FILTER_METHODS)
+        (ut, _), (ft, skipped) = (
+            (statistics.median(r[1] for r in runs[m]), statistics.median(r[2] for r in runs[m])) for m in FILTER_METHODS
+        )
         rows.append(f"| {fraction:.0%} | {skipped:.1%} | {ut:.1f} | {ft:.1f} | **{ft / ut:.2f}** |")
         print(rows[-1], flush=True)
-    text = "\n".join([
-        "## linear_cross_entropy: gradient filtering",
-        "",
-        f"`{' '.join(['.venv/bin/python', 'bench/linear_cross_entropy.py', *sys.argv[1:]])}` — CPU float32, "
-        f"{tokens} tokens, V={vocab}, h={HIDDEN}, automatic tile, fwd+bwd (hidden and the weight need gradients), "
-        f"a fresh process per measurement, methods taking turns for {args.rounds} rounds, medians. {machine()}.",
-        "",
-        "`torch_offload.linear_cross_entropy` without and with `filter_eps=\"auto\"` (float32: 2^-28). The logits are "
-        "random (O(1)) except that the last fraction of the vocabulary is improbable for every token (bias -60: "
-        "softmax < 1e-26); targets are in the rest. \"Skipped\" is the share of the weight gradient's rows that no tile "
-        "reached (measured: exactly zero).",
-        "",
-        "| improbable vocabulary | skipped | time, unfiltered s | time, filtered s | filtered / unfiltered |",
-        "| ---: | ---: | ---: | ---: | ---: |",
-        *rows,
-        *([""] + [args.note] if args.note else []),
-        "",
-    ])
+    text = "\n".join(
+        [
+            "## linear_cross_entropy: gradient filtering",
+            "",
+            f"`{' '.join(['.venv/bin/python', 'bench/linear_cross_entropy.py', *sys.argv[1:]])}` — CPU float32, "
+            f"{tokens} tokens, V={vocab}, h={HIDDEN}, automatic tile, fwd+bwd (hidden and the weight need gradients), "
+            f"a fresh process per measurement, methods taking turns for {args.rounds} rounds, medians. {machine()}.",
+            "",
+            '`torch_offload.linear_cross_entropy` without and with `filter_eps="auto"` (float32: 2^-28). '
+            "The logits are random (O(1)) except that the last fraction of the vocabulary is improbable for every "
+            'token (bias -60: softmax < 1e-26); targets are in the rest. "Skipped" is the share of the weight '
+            "gradient's rows that no tile reached (measured: exactly zero).",
+            "",
+            "| improbable vocabulary | skipped | time, unfiltered s | time, filtered s | filtered / unfiltered |",
+            "| ---: | ---: | ---: | ---: | ---: |",
+            *rows,
+            *([""] + [args.note] if args.note else []),
+            "",
+        ]
+    )
     if not args.no_write:
         write_section("linear_cross_entropy: gradient filtering", text)
     print(text)
@@ -153,8 +163,11 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--note", default="", help="a sentence appended to the section (e.g. machine sharing)")
-    parser.add_argument("--filtering", action="store_true",
-                        help="measure gradient filtering at the first size instead (its own section)")
+    parser.add_argument(
+        "--filtering",
+        action="store_true",
+        help="measure gradient filtering at the first size instead (its own section)",
+    )
     parser.add_argument("--improbable", type=float, help=argparse.SUPPRESS)  # a worker's improbable fraction
     args = parser.parse_args()
     if args.worker:
@@ -175,39 +188,49 @@ def main():
                 runs[m].append(run(m, tokens, vocab))
         peak, seconds = ({m: statistics.median(r[i] for r in runs[m]) for m in METHODS} for i in (0, 1))
         ours = "in_forward"
-        rows.append(" | ".join([
-            f"| {tokens} | {vocab}", *(f"{peak[m] / mib:.0f}" for m in METHODS),
-            f"**{peak[ours] / peak['eager']:.3f}**", *(f"{seconds[m]:.1f}" for m in METHODS),
-            *(f"**{seconds[ours] / seconds[m]:.2f}**" for m in ("eager", "chunked", "cce", "recompute"))]) + " |")
+        rows.append(
+            " | ".join(
+                [
+                    f"| {tokens} | {vocab}",
+                    *(f"{peak[m] / mib:.0f}" for m in METHODS),
+                    f"**{peak[ours] / peak['eager']:.3f}**",
+                    *(f"{seconds[m]:.1f}" for m in METHODS),
+                    *(f"**{seconds[ours] / seconds[m]:.2f}**" for m in ("eager", "chunked", "cce", "recompute")),
+                ]
+            )
+            + " |"
+        )
         print(rows[-1], flush=True)
-    text = "\n".join([
-        "## linear_cross_entropy",
-        "",
-        f"`{' '.join(['make bench-deps && .venv/bin/python', 'bench/linear_cross_entropy.py', *sys.argv[1:]])}` — "
-        f"CPU float32, h={HIDDEN}, no bias, reduction mean, fwd+bwd (hidden and the weight need gradients). "
-        f"{machine()}.",
-        "",
-        "(a) eager `F.cross_entropy(F.linear(h, W), t)`, (c) plain-PyTorch token chunks of "
-        f"{CHUNK} (torchtune style: per-chunk logits and loss through autograd), (x) Cut Cross-Entropy "
-        "`linear_cross_entropy(h, W, t, impl=\"torch_compile\")` (cut-cross-entropy 25.1.1), (f) "
-        "`torch_offload.linear_cross_entropy` with its gradients in forward (3 GEMMs; the default for this call), "
-        "(r) the same with `gradients_in_forward=False` (4 GEMMs). Peak: growth of the resident set (VmHWM over "
-        "VmRSS) during one fwd+bwd in a fresh process, inputs allocated before; time: that fwd+bwd, after a "
-        "warm-up on leaf tensors of 64 and 96 tokens (so that (x) compiles its dynamic-shape graph before it). "
-        f"Methods take turns for {args.rounds} rounds; each cell is the median.",
-        "",
-        "| tokens | V | peak (a) MiB | peak (c) MiB | peak (x) MiB | peak (f) MiB | peak (r) MiB | peak (f)/(a) "
-        "| time (a) s | time (c) s | time (x) s | time (f) s | time (r) s | time (f)/(a) | time (f)/(c) "
-        "| time (f)/(x) | time (f)/(r) |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| ---: | ---: |",
-        *rows,
-        "",
-        "Goals: at 16384 x 32000, time (f)/(a) <= 0.92, (f)/(c) <= 0.92, (f)/(x) <= 1.0 and peak (f)/(a) <= 0.05; "
-        "at 4096 x 128256, time (f)/(a) <= 0.95 and (f)/(x) <= 1.0.",
-        *([""] + [args.note] if args.note else []),
-        "",
-    ])
+    text = "\n".join(
+        [
+            "## linear_cross_entropy",
+            "",
+            f"`{' '.join(['make bench-deps && .venv/bin/python', 'bench/linear_cross_entropy.py', *sys.argv[1:]])}` — "
+            f"CPU float32, h={HIDDEN}, no bias, reduction mean, fwd+bwd (hidden and the weight need gradients). "
+            f"{machine()}.",
+            "",
+            "(a) eager `F.cross_entropy(F.linear(h, W), t)`, (c) plain-PyTorch token chunks of "
+            f"{CHUNK} (torchtune style: per-chunk logits and loss through autograd), (x) Cut Cross-Entropy "
+            '`linear_cross_entropy(h, W, t, impl="torch_compile")` (cut-cross-entropy 25.1.1), (f) '
+            "`torch_offload.linear_cross_entropy` with its gradients in forward (3 GEMMs; the default for this call), "
+            "(r) the same with `gradients_in_forward=False` (4 GEMMs). Peak: growth of the resident set (VmHWM over "
+            "VmRSS) during one fwd+bwd in a fresh process, inputs allocated before; time: that fwd+bwd, after a "
+            "warm-up on leaf tensors of 64 and 96 tokens (so that (x) compiles its dynamic-shape graph before it). "
+            f"Methods take turns for {args.rounds} rounds; each cell is the median.",
+            "",
+            "| tokens | V | peak (a) MiB | peak (c) MiB | peak (x) MiB | peak (f) MiB | peak (r) MiB | peak (f)/(a) "
+            "| time (a) s | time (c) s | time (x) s | time (f) s | time (r) s | time (f)/(a) | time (f)/(c) "
+            "| time (f)/(x) | time (f)/(r) |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+            "| ---: | ---: |",
+            *rows,
+            "",
+            "Goals: at 16384 x 32000, time (f)/(a) <= 0.92, (f)/(c) <= 0.92, (f)/(x) <= 1.0 and peak (f)/(a) <= 0.05; "
+            "at 4096 x 128256, time (f)/(a) <= 0.95 and (f)/(x) <= 1.0.",
+            *([""] + [args.note] if args.note else []),
+            "",
+        ]
+    )
     if not args.no_write:
         write_section("linear_cross_entropy", text)
     print(text)

@@ -1,5 +1,6 @@
 """What the benchmark scripts share: peak resident memory of a worker process, the machine, and their
 BENCHMARKS.md sections."""
+
 import os
 import platform
 from pathlib import Path
@@ -25,19 +26,28 @@ def worker_env():
     """The environment of a measuring worker process. glibc's mmap threshold grows as big blocks are freed,
     after which blocks up to 32 MiB come from the heap and stay in the resident set: fixed at 1 MiB, every
     tensor's memory is returned when freed, and peaks of the resident set are the tensors'."""
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                MALLOC_MMAP_THRESHOLD_=str(1 << 20))
+    return dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        MALLOC_MMAP_THRESHOLD_=str(1 << 20),
+    )
 
 
 def write_section(title, text):
     """Replace (or append) BENCHMARKS.md's section `## {title}` by `text`."""
     path = ROOT / "BENCHMARKS.md"
-    doc = path.read_text() if path.exists() else (
-        "# Benchmarks\n\nRatios are taken side by side in one run; each section gives the command that produced it.\n")
+    doc = (
+        path.read_text()
+        if path.exists()
+        else (
+            "# Benchmarks\n\nRatios are taken side by side in one run; "
+            "each section gives the command that produced it.\n"
+        )
+    )
     start = doc.find(f"\n## {title}\n")
     if start >= 0:
         end = doc.find("\n## ", start + 1)
-        doc = doc[:start] + doc[end if end >= 0 else len(doc):]
+        doc = doc[:start] + doc[end if end >= 0 else len(doc) :]
     path.write_text(doc.rstrip("\n") + "\n\n" + text)
 
 
@@ -45,7 +55,11 @@ def machine():
     """torch, threads, vector ISA, CPU model and load: what a timing depends on."""
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    return (f"torch {torch.__version__}, {torch.get_num_threads()} threads "
-            f"({torch.backends.cpu.get_cpu_capability()}), {cpu}, load average {os.getloadavg()[0]:.1f} at the end")
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
+    return (
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads "
+        f"({torch.backends.cpu.get_cpu_capability()}), {cpu}, load average {os.getloadavg()[0]:.1f} at the end"
+    )

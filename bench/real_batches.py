@@ -17,6 +17,7 @@ Batches: "one sequence" is one row of T tokens; "packed" one row of 4 documents 
 "padded" 2 rows of T/2 tokens, the second right-padded by a quarter (labels -100 on the padding), so
 every batch holds T token slots.
 """
+
 import argparse
 import json
 import subprocess
@@ -38,7 +39,7 @@ def batch(kind, tokens):
         return dict(input_ids=ids, labels=ids, position_ids=torch.arange(tokens).remainder(tokens // 4)[None])
     rows = ids.view(2, tokens // 2)
     mask = torch.ones_like(rows)
-    mask[1, -tokens // 8:] = 0
+    mask[1, -tokens // 8 :] = 0
     return dict(input_ids=rows, labels=rows.masked_fill(mask == 0, -100), attention_mask=mask)
 
 
@@ -48,9 +49,16 @@ def worker(kind, method, tokens, in_flight_mib):
 
     import torch_offload
 
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=tokens,
-                                      attn_implementation="sdpa")
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=tokens,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).train()
     spill = tempfile.TemporaryDirectory()
@@ -76,8 +84,13 @@ def worker(kind, method, tokens, in_flight_mib):
 
 
 def measure(kind, method, tokens, in_flight_mib):
-    out = subprocess.run([sys.executable, __file__, "--worker", kind, method, str(tokens), str(in_flight_mib)],
-                         env=worker_env(), check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, __file__, "--worker", kind, method, str(tokens), str(in_flight_mib)],
+        env=worker_env(),
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -102,35 +115,48 @@ def main():
         kind, method, tokens, in_flight_mib = args.worker
         worker(kind, method, int(tokens), int(in_flight_mib))
         return
-    lengths = {"plain": [int(t) for t in args.plain_tokens.split(",")],
-               "apply(disk)": [int(t) for t in args.tokens.split(",")]}
+    lengths = {
+        "plain": [int(t) for t in args.plain_tokens.split(",")],
+        "apply(disk)": [int(t) for t in args.tokens.split(",")],
+    }
     rows = []
     for kind in BATCHES:
         slopes = {}
         for method, tokens in lengths.items():
             points = {t: measure(kind, method, t, args.in_flight_mib) for t in tokens}
             for t, point in points.items():
-                print(f"{kind:13s} {method:12s} {t:6d} tokens: {point['peak'] / 2**20:8.1f} MiB "
-                      f"{point['fallbacks'] or ''}", flush=True)
+                print(
+                    f"{kind:13s} {method:12s} {t:6d} tokens: {point['peak'] / 2**20:8.1f} MiB "
+                    f"{point['fallbacks'] or ''}",
+                    flush=True,
+                )
             slopes[method] = (slope(points), points)
         rows.append((kind, slopes))
     single = rows[0][1]["apply(disk)"][0]
     mib = lambda points: " / ".join(f"{p['peak'] / 2**20:.0f}" for p in points.values())  # noqa: E731
-    table = ["| batch | plain KiB/token | apply(disk) KiB/token | apply(disk) / its one-sequence figure | "
-             "plain peaks MiB | apply(disk) peaks MiB |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    table = [
+        "| batch | plain KiB/token | apply(disk) KiB/token | apply(disk) / its one-sequence figure | "
+        "plain peaks MiB | apply(disk) peaks MiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for kind, slopes in rows:
-        table.append(f"| {kind} | {slopes['plain'][0]:.0f} | {slopes['apply(disk)'][0]:.1f} | "
-                     f"**{slopes['apply(disk)'][0] / single:.2f}** | {mib(slopes['plain'][1])} | "
-                     f"{mib(slopes['apply(disk)'][1])} |")
+        table.append(
+            f"| {kind} | {slopes['plain'][0]:.0f} | {slopes['apply(disk)'][0]:.1f} | "
+            f"**{slopes['apply(disk)'][0] / single:.2f}** | {mib(slopes['plain'][1])} | "
+            f"{mib(slopes['apply(disk)'][1])} |"
+        )
     command = "`.venv/bin/python bench/real_batches.py" + (" --write`" if args.write else "`")
-    text = (f"## Packed and padded batches\n\n{command} ({machine()}). transformers' LlamaForCausalLM (hidden 512, "
-            "MLP 1408, 8 layers, vocabulary 32K, float32); one step per fresh process; bytes per token is the "
-            f"least-squares slope of the resident set's growth over {lengths['apply(disk)']} tokens (plain: "
-            f"{lengths['plain']}; its dense masks make longer ones too slow here); `MALLOC_MMAP_THRESHOLD_` "
-            f"1 MiB, the disk tier's unwritten bytes capped at {args.in_flight_mib} MiB and no restore buffers "
-            "kept (`configure_disk_spill`): see the script's docstring. Packed: 4 documents in one row "
-            "(position_ids restarting at 0); padded: 2 rows, the second right-padded by a quarter.\n\n"
-            + "\n".join(table) + "\n")
+    text = (
+        f"## Packed and padded batches\n\n{command} ({machine()}). transformers' LlamaForCausalLM (hidden 512, "
+        "MLP 1408, 8 layers, vocabulary 32K, float32); one step per fresh process; bytes per token is the "
+        f"least-squares slope of the resident set's growth over {lengths['apply(disk)']} tokens (plain: "
+        f"{lengths['plain']}; its dense masks make longer ones too slow here); `MALLOC_MMAP_THRESHOLD_` "
+        f"1 MiB, the disk tier's unwritten bytes capped at {args.in_flight_mib} MiB and no restore buffers "
+        "kept (`configure_disk_spill`): see the script's docstring. Packed: 4 documents in one row "
+        "(position_ids restarting at 0); padded: 2 rows, the second right-padded by a quarter.\n\n"
+        + "\n".join(table)
+        + "\n"
+    )
     print(text)
     if args.write:
         write_section("Packed and padded batches", text)

@@ -12,6 +12,7 @@ kept, so that what does not grow with T holds still. The warm-up step also count
 hands to all-to-all (the inputs of _c10d_functional::all_to_all_single, forward and backward, as the
 profiler records them; (N - 1) / N of them leave the rank).
 """
+
 import argparse
 import json
 import math
@@ -35,9 +36,16 @@ def worker(tokens, warmup_tokens):
     ranks = int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
     group = dist.group.WORLD if ranks > 1 else None
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=HIDDEN, intermediate_size=1408,
-                                      num_hidden_layers=LAYERS, num_attention_heads=8, num_key_value_heads=8,
-                                      max_position_embeddings=tokens, attn_implementation="sdpa")
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=HIDDEN,
+        intermediate_size=1408,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=tokens,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).train()
     spill = tempfile.TemporaryDirectory()
@@ -53,8 +61,11 @@ def worker(tokens, warmup_tokens):
     # The exchanges run inside the ops' kernels: the profiler sees them (every dispatcher call is recorded).
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
         step(warmup_tokens)
-    sent = sum(math.prod(event.input_shapes[0]) * 4 for event in profile.events()  # float32
-               if event.name == "_c10d_functional::all_to_all_single")
+    sent = sum(
+        math.prod(event.input_shapes[0]) * 4
+        for event in profile.events()  # float32
+        if event.name == "_c10d_functional::all_to_all_single"
+    )
     before = reset_peak_rss()
     step(tokens)
     peak = status_bytes("VmHWM") - before
@@ -67,10 +78,22 @@ def worker(tokens, warmup_tokens):
 def measure(ranks, tokens, port):
     """Each rank's result of one step at `tokens` over `ranks` ranks."""
     warmup = 128 * ranks
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(tokens), str(warmup)],
-                              env=dict(worker_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                                       WORLD_SIZE=str(ranks), OMP_NUM_THREADS=str(max(1, os.cpu_count() // ranks))),
-                              stdout=subprocess.PIPE, text=True) for rank in range(ranks)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", str(tokens), str(warmup)],
+            env=dict(
+                worker_env(),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                RANK=str(rank),
+                WORLD_SIZE=str(ranks),
+                OMP_NUM_THREADS=str(max(1, os.cpu_count() // ranks)),
+            ),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(ranks)
+    ]
     outs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError(f"a rank failed at {ranks} ranks, {tokens} tokens")
@@ -111,23 +134,30 @@ def main():
         rows.append((ranks, slope(points), points, traffic))
     one_rank = rows[0][1][0]
     budget = args.budget_gib * 2**30
-    table = ["| ranks | per-rank KiB/token | / one rank | longest context in "
-             f"{args.budget_gib:g} GiB per rank | all-to-all sent per rank, bytes per token per layer | peaks MiB |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    table = [
+        "| ranks | per-rank KiB/token | / one rank | longest context in "
+        f"{args.budget_gib:g} GiB per rank | all-to-all sent per rank, bytes per token per layer | peaks MiB |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for ranks, (per_token, intercept), points, traffic in rows:
         longest = (budget - intercept) / per_token
         peaks = " / ".join(f"{p / 2**20:.0f}" for p in points.values())
-        table.append(f"| {ranks} | {per_token / 1024:.2f} | **{per_token / one_rank:.2f}** | "
-                     f"{longest / 1e3:,.0f}K tokens | {traffic:,.0f} | {peaks} |")
-    command = (f"`.venv/bin/python bench/sequence_parallel.py --ranks {args.ranks} --tokens {args.tokens}"
-               + (" --write`" if args.write else "`"))
-    text = (f"## Sequence parallelism\n\n{command} ({machine()}). transformers' LlamaForCausalLM (hidden "
-            f"{HIDDEN}, MLP 1408, {LAYERS} layers, 8 heads, vocabulary 32K, float32), `apply(offload=\"disk\")` on "
-            "one rank and with `sequence_parallel=` the Gloo group of N CPU ranks (each rank a process on this "
-            "machine, `shard_batch` giving it T/N tokens); one step per fresh set of processes; a point's peak is "
-            f"the largest rank's VmHWM growth; KiB/token is the slope over {lengths} whole-sequence tokens, the "
-            "longest context extrapolates that line. All-to-all traffic is counted on the warm-up step (128 x N "
-            "tokens) and divided by its tokens and layers.\n\n" + "\n".join(table) + "\n")
+        table.append(
+            f"| {ranks} | {per_token / 1024:.2f} | **{per_token / one_rank:.2f}** | "
+            f"{longest / 1e3:,.0f}K tokens | {traffic:,.0f} | {peaks} |"
+        )
+    command = f"`.venv/bin/python bench/sequence_parallel.py --ranks {args.ranks} --tokens {args.tokens}" + (
+        " --write`" if args.write else "`"
+    )
+    text = (
+        f"## Sequence parallelism\n\n{command} ({machine()}). transformers' LlamaForCausalLM (hidden "
+        f'{HIDDEN}, MLP 1408, {LAYERS} layers, 8 heads, vocabulary 32K, float32), `apply(offload="disk")` on '
+        "one rank and with `sequence_parallel=` the Gloo group of N CPU ranks (each rank a process on this "
+        "machine, `shard_batch` giving it T/N tokens); one step per fresh set of processes; a point's peak is "
+        f"the largest rank's VmHWM growth; KiB/token is the slope over {lengths} whole-sequence tokens, the "
+        "longest context extrapolates that line. All-to-all traffic is counted on the warm-up step (128 x N "
+        "tokens) and divided by its tokens and layers.\n\n" + "\n".join(table) + "\n"
+    )
     print(text)
     if args.write:
         write_section("Sequence parallelism", text)

@@ -13,6 +13,7 @@ round after round, so that drifting load on a shared machine hits them alike; ea
 cell is the median over the rounds. The Python baseline uses the op's automatic shard
 count, so both tile alike.
 """
+
 import argparse
 import os
 import platform
@@ -31,17 +32,19 @@ METHODS = ("eager", "tiled_mlp", "python")
 def worker(method, tokens, num_shards):
     import torch
     import torch.nn.functional as F
+    from tiled_mlp_baseline import python_tiled_mlp
     from torch import nn
 
     import torch_offload
-    from tiled_mlp_baseline import python_tiled_mlp
 
     torch.manual_seed(0)
-    mlp = nn.ModuleDict({
-        "gate_proj": nn.Linear(HIDDEN, INTERMEDIATE, bias=False),
-        "up_proj": nn.Linear(HIDDEN, INTERMEDIATE, bias=False),
-        "down_proj": nn.Linear(INTERMEDIATE, HIDDEN, bias=False),
-    })
+    mlp = nn.ModuleDict(
+        {
+            "gate_proj": nn.Linear(HIDDEN, INTERMEDIATE, bias=False),
+            "up_proj": nn.Linear(HIDDEN, INTERMEDIATE, bias=False),
+            "down_proj": nn.Linear(INTERMEDIATE, HIDDEN, bias=False),
+        }
+    )
 
     def eager(x):
         return mlp["down_proj"](F.silu(mlp["gate_proj"](x)) * mlp["up_proj"](x))
@@ -49,7 +52,8 @@ def worker(method, tokens, num_shards):
     step = {
         "eager": eager,
         "tiled_mlp": lambda x: torch_offload.tiled_mlp(  # automatic shard count
-            x, mlp["gate_proj"].weight, mlp["up_proj"].weight, mlp["down_proj"].weight),
+            x, mlp["gate_proj"].weight, mlp["up_proj"].weight, mlp["down_proj"].weight
+        ),
         "python": lambda x: python_tiled_mlp(eager, x, num_shards),
     }[method]
     x = torch.randn(tokens, HIDDEN, requires_grad=True)
@@ -70,8 +74,13 @@ def worker(method, tokens, num_shards):
 
 def run(method, tokens, num_shards):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, __file__, "--worker", method, str(tokens), str(num_shards)],
-                         env=env, check=True, capture_output=True, text=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, __file__, "--worker", method, str(tokens), str(num_shards)],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     return int(out[0]), float(out[1])
 
 
@@ -98,34 +107,43 @@ def main():
         for _ in range(args.rounds):
             for m in METHODS:
                 runs[m].append(run(m, tokens, shards))
-        (em, et), (tm, tt), (pm, pt) = ((statistics.median(r[0] for r in runs[m]),
-                                         statistics.median(r[1] for r in runs[m])) for m in METHODS)
+        (em, et), (tm, tt), (pm, pt) = (
+            (statistics.median(r[0] for r in runs[m]), statistics.median(r[1] for r in runs[m])) for m in METHODS
+        )
         mib = 1 << 20
-        rows.append(f"| {tokens} | {shards} | {em / mib:.0f} | {tm / mib:.0f} | {pm / mib:.0f} | **{tm / em:.2f}** "
-                    f"| {et:.2f} | {tt:.2f} | {pt:.2f} | **{tt / et:.2f}** | **{tt / pt:.2f}** |")
+        rows.append(
+            f"| {tokens} | {shards} | {em / mib:.0f} | {tm / mib:.0f} | {pm / mib:.0f} | **{tm / em:.2f}** "
+            f"| {et:.2f} | {tt:.2f} | {pt:.2f} | **{tt / et:.2f}** | **{tt / pt:.2f}** |"
+        )
         print(rows[-1], flush=True)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    text = "\n".join([
-        "## tiled_mlp",
-        "",
-        f"`{' '.join(['.venv/bin/python', 'bench/tiled_mlp.py', *sys.argv[1:]])}` — CPU float32, h={HIDDEN}, "
-        f"I={INTERMEDIATE}, SwiGLU, no biases, fwd+bwd (x and all weights need gradients). torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, {cpu}, load average {os.getloadavg()[0]:.1f} at the end.",
-        "",
-        "(a) eager untiled MLP, (b) `torch_offload.tiled_mlp`, (c) the published TiledMLP algorithm in plain "
-        "Python (bench/tiled_mlp_baseline.py) at (b)'s automatic shard count. Peak: growth of the resident "
-        "set (VmHWM over VmRSS) during one fwd+bwd in a fresh process, inputs and grad_out allocated before; time: the "
-        f"next fwd+bwd in that process. Methods take turns for {args.rounds} rounds; each cell is the median.",
-        "",
-        "| tokens | shards | peak (a) MiB | peak (b) MiB | peak (c) MiB | peak (b)/(a) | time (a) s | time (b) s "
-        "| time (c) s | time (b)/(a) | time (b)/(c) |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        *rows,
-        "",
-        "Goals at 32K tokens: peak (b)/(a) <= 0.25, time (b)/(a) <= 1.30, time (b)/(c) <= 0.85.",
-        "",
-    ])
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
+    text = "\n".join(
+        [
+            "## tiled_mlp",
+            "",
+            f"`{' '.join(['.venv/bin/python', 'bench/tiled_mlp.py', *sys.argv[1:]])}` — CPU float32, h={HIDDEN}, "
+            f"I={INTERMEDIATE}, SwiGLU, no biases, fwd+bwd (x and all weights need gradients). "
+            f"torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads, {cpu}, load average {os.getloadavg()[0]:.1f} at the end.",
+            "",
+            "(a) eager untiled MLP, (b) `torch_offload.tiled_mlp`, (c) the published TiledMLP algorithm in plain "
+            "Python (bench/tiled_mlp_baseline.py) at (b)'s automatic shard count. Peak: growth of the resident "
+            "set (VmHWM over VmRSS) during one fwd+bwd in a fresh process, inputs and grad_out allocated before; "
+            "time: the next fwd+bwd in that process. "
+            f"Methods take turns for {args.rounds} rounds; each cell is the median.",
+            "",
+            "| tokens | shards | peak (a) MiB | peak (b) MiB | peak (c) MiB | peak (b)/(a) | time (a) s | time (b) s "
+            "| time (c) s | time (b)/(a) | time (b)/(c) |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            *rows,
+            "",
+            "Goals at 32K tokens: peak (b)/(a) <= 0.25, time (b)/(a) <= 1.30, time (b)/(c) <= 0.85.",
+            "",
+        ]
+    )
     if not args.no_write:
         write_section("tiled_mlp", text)
     print(text)

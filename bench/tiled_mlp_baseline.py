@@ -6,6 +6,7 @@ saving only x. Backward re-runs each shard's forward with grad enabled and calls
 torch.autograd.backward on it, so the weights' .grad accumulate shard by shard (and x's
 gradient is copied into its slice).
 """
+
 import torch
 
 
@@ -27,7 +28,7 @@ class PythonTiledMLP(torch.autograd.Function):
             with torch.enable_grad():
                 out = ctx.mlp(x_shard)
             torch.autograd.backward(out, grad_shard)
-            grad_x[start:start + x_shard.shape[0]].copy_(x_shard.grad)
+            grad_x[start : start + x_shard.shape[0]].copy_(x_shard.grad)
             start += x_shard.shape[0]
         return None, grad_x, None
 

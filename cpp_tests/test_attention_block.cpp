@@ -8,8 +8,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
-#include "torch_offload/torch_offload.h"
 #include "expect_error.h"
+#include "torch_offload/torch_offload.h"
 
 namespace {
 
@@ -104,8 +104,8 @@ TEST(AttentionBlock, SegmentsMatchAtenWithTheirMaskWrittenOut) {
 TEST(AttentionBlock, GradientsNotAskedForAreUndefined) {
   const Attention a = make_attention();
   const auto [dx, dw_q, dw_k, dw_v, dw_o, db_q, db_k, db_v, db_o] = torch_offload::attention_block_backward(
-      at::ones({2, 9, 12}, at::kDouble), a.x.detach(), a.w_q, a.w_k, a.w_v, a.w_o, a.cos, a.sin, a.b_q, a.b_k,
-      a.b_v, a.b_o, std::nullopt, std::nullopt, {false, false, false, false, true, false, false, false, true});
+      at::ones({2, 9, 12}, at::kDouble), a.x.detach(), a.w_q, a.w_k, a.w_v, a.w_o, a.cos, a.sin, a.b_q, a.b_k, a.b_v,
+      a.b_o, std::nullopt, std::nullopt, {false, false, false, false, true, false, false, false, true});
   for (const at::Tensor& g : {dx, dw_q, dw_k, dw_v, db_q, db_k, db_v}) {
     EXPECT_FALSE(g.defined());
   }

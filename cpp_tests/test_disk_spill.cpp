@@ -39,7 +39,8 @@ TEST(Crc32c, KnownValueAndBothImplementationsAgree) {
     EXPECT_EQ(crc32c(data.data(), length), detail::crc32c_portable(data.data(), length)) << length;
   }
   // Chained calls equal one call over the whole buffer.
-  EXPECT_EQ(crc32c(data.data() + 1000, data.size() - 1000, crc32c(data.data(), 1000)), crc32c(data.data(), data.size()));
+  EXPECT_EQ(crc32c(data.data() + 1000, data.size() - 1000, crc32c(data.data(), 1000)),
+            crc32c(data.data(), data.size()));
   const uint32_t before = crc32c(data.data(), data.size());
   data[5000] ^= 1;
   EXPECT_NE(crc32c(data.data(), data.size()), before);  // one flipped bit is caught
@@ -140,7 +141,7 @@ TEST(SpillFile, RamFileSystemsAreKnownByTheirMagicNumber) {
 TEST(SpillFile, ReleasedRangesGiveTheirBlocksBack) {
   SpillFile file(std::filesystem::temp_directory_path().string(), false);
   const auto allocated = [&] {
-    struct stat info {};
+    struct stat info{};
     EXPECT_EQ(::fstat(file.fd(), &info), 0);
     return static_cast<size_t>(info.st_blocks) * 512;
   };
@@ -149,7 +150,7 @@ TEST(SpillFile, ReleasedRangesGiveTheirBlocksBack) {
   }
   constexpr size_t kBytes = size_t{1} << 20;
   std::unique_ptr<char, decltype(&std::free)> data(static_cast<char*>(std::aligned_alloc(SpillFile::kBlock, kBytes)),
-                                                  &std::free);
+                                                   &std::free);
   std::memset(data.get(), 7, kBytes);
   const size_t first = file.allocate(kBytes);
   const size_t second = file.allocate(kBytes);

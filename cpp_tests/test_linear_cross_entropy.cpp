@@ -7,8 +7,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
-#include "torch_offload/torch_offload.h"
 #include "expect_error.h"
+#include "torch_offload/torch_offload.h"
 
 namespace {
 
@@ -84,9 +84,12 @@ TEST(LinearCrossEntropy, BothPathsOfTheGradientsMatchAtenFromCpp) {
   EXPECT_FALSE(grad_hidden.defined());
   expect_close(grad_weight, unit_grads[1]);
   expect_close(grad_bias, unit_grads[2]);
-  expect_error([&] { torch_offload::linear_cross_entropy(m.hidden, m.weight, m.bias, m.target, -100, 0.0, 0.0, 0.0,
-                                                         "none", 0, 0, 0.0, true); },
-               "gradients_in_forward is True with reduction \"none\"");
+  expect_error(
+      [&] {
+        torch_offload::linear_cross_entropy(m.hidden, m.weight, m.bias, m.target, -100, 0.0, 0.0, 0.0, "none", 0, 0,
+                                            0.0, true);
+      },
+      "gradients_in_forward is True with reduction \"none\"");
 }
 
 TEST(LinearCrossEntropy, FrozenHeadGetsNoGradientAndTheBackwardOpSkipsIt) {
@@ -98,7 +101,7 @@ TEST(LinearCrossEntropy, FrozenHeadGetsNoGradientAndTheBackwardOpSkipsIt) {
                torch::autograd::grad({reference(m, 0.0, 0.0, 0.0)}, {m.hidden})[0]);
 
   const auto [loss2, lse] = torch_offload::linear_cross_entropy_forward(m.hidden.detach(), m.weight, m.bias, m.target,
-                                                                         -100, 0.0, 0.0, 0.0, "sum", 0, 0);
+                                                                        -100, 0.0, 0.0, 0.0, "sum", 0, 0);
   EXPECT_EQ(lse.sizes(), (std::vector<int64_t>{18}));
   const auto [d_hidden, d_weight, d_bias] = torch_offload::linear_cross_entropy_backward(
       at::ones({}, at::kDouble), m.hidden.detach(), m.weight, m.bias, m.target, lse, -100, 0.0, 0.0, 0.0, "sum", 0, 0,
@@ -127,16 +130,19 @@ TEST(LinearCrossEntropy, GradientFilteringSkipsTheImprobableVocabularyTiles) {
   for (size_t i = 0; i < filtered.size(); ++i) {
     expect_close(filtered[i], unfiltered[i]);
   }
-  expect_error([&] { torch_offload::linear_cross_entropy(m.hidden, m.weight, m.bias, m.target, -100, 0.1, 0.0, 0.0,
-                                                         "mean", 0, 0, 1e-20); },
-               "linear_cross_entropy: filter_eps is 1e-20 with label_smoothing 0.1");
+  expect_error(
+      [&] {
+        torch_offload::linear_cross_entropy(m.hidden, m.weight, m.bias, m.target, -100, 0.1, 0.0, 0.0, "mean", 0, 0,
+                                            1e-20);
+      },
+      "linear_cross_entropy: filter_eps is 1e-20 with label_smoothing 0.1");
 }
 
 TEST(LinearCrossEntropy, MetaTensorsGiveShapes) {
   const auto meta = at::TensorOptions().device(at::kMeta).dtype(at::kBFloat16);
-  const at::Tensor loss = torch_offload::linear_cross_entropy(
-      at::empty({2, 9, 8}, meta), at::empty({23, 8}, meta), std::nullopt,
-      at::empty({2, 9}, meta.dtype(at::kLong)), -100, 0.0, 0.0, 0.0, "none");
+  const at::Tensor loss =
+      torch_offload::linear_cross_entropy(at::empty({2, 9, 8}, meta), at::empty({23, 8}, meta), std::nullopt,
+                                          at::empty({2, 9}, meta.dtype(at::kLong)), -100, 0.0, 0.0, 0.0, "none");
   EXPECT_TRUE(loss.is_meta());
   EXPECT_EQ(loss.sizes(), (std::vector<int64_t>{2, 9}));
   EXPECT_EQ(loss.scalar_type(), at::kFloat);
@@ -153,14 +159,16 @@ TEST(LinearCrossEntropy, BadInputsRaiseErrorsNamingTheArgument) {
   bad_target.view({-1})[1] = 23;
   expect_error([&] { torch_offload::linear_cross_entropy(hidden, m.weight, std::nullopt, bad_target); },
                "linear_cross_entropy: target holds 23 at (flattened) index 1; expected class indices in [0, 23)");
-  expect_error([&] { torch_offload::linear_cross_entropy(hidden, at::zeros({23, 7}, at::kDouble), std::nullopt,
-                                                         m.target); },
-               "linear_cross_entropy: weight has shape [23, 7]; expected [V, h] = [23, 8]");
+  expect_error(
+      [&] { torch_offload::linear_cross_entropy(hidden, at::zeros({23, 7}, at::kDouble), std::nullopt, m.target); },
+      "linear_cross_entropy: weight has shape [23, 7]; expected [V, h] = [23, 8]");
   expect_error([&] { torch_offload::linear_cross_entropy(hidden, m.weight, std::nullopt, m.target.to(at::kFloat)); },
                "linear_cross_entropy: target has dtype Float; expected int64");
-  expect_error([&] { torch_offload::linear_cross_entropy(hidden, m.weight, std::nullopt, m.target, -100, 0.0, 0.0,
-                                                         0.0, "max"); },
-               "linear_cross_entropy: reduction is 'max'; expected one of mean, sum, none");
+  expect_error(
+      [&] {
+        torch_offload::linear_cross_entropy(hidden, m.weight, std::nullopt, m.target, -100, 0.0, 0.0, 0.0, "max");
+      },
+      "linear_cross_entropy: reduction is 'max'; expected one of mean, sum, none");
   expect_error([&] { torch_offload::linear_cross_entropy(at::Tensor(), m.weight, std::nullopt, m.target); },
                "linear_cross_entropy: hidden is an undefined tensor");
 }

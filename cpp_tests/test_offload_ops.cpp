@@ -44,8 +44,7 @@ TEST_P(DtypeRoundTrip, PackAndUnpackKeepValuesShapeAndDtype) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllDtypes, DtypeRoundTrip,
-                         ::testing::Values(at::kFloat, at::kDouble, at::kBFloat16, at::kHalf, at::kLong,
-                                           at::kBool));
+                         ::testing::Values(at::kFloat, at::kDouble, at::kBFloat16, at::kHalf, at::kLong, at::kBool));
 
 TEST(OffloadOps, NonContiguousAndExpandedInputsComeBackContiguous) {
   const at::Tensor base = sample(at::kFloat, {4, 6});

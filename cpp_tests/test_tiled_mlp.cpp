@@ -7,8 +7,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
-#include "torch_offload/torch_offload.h"
 #include "expect_error.h"
+#include "torch_offload/torch_offload.h"
 
 namespace {
 
@@ -111,9 +111,9 @@ TEST(TiledMlp, FrozenWeightsGetNoGradientAndXGetsTheRightOne) {
   expect_close(grads[0], torch::autograd::grad({reference(m, "silu").sum()}, {m.x})[0]);
 
   // The backward op itself returns undefined tensors where the mask says no.
-  const auto [dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down] = torch_offload::tiled_mlp_backward(
-      at::ones_like(out), m.x.detach(), m.w_gate, m.w_up, m.w_down, m.b_gate, m.b_up, m.b_down, "silu", 3,
-      {true, false, false, false, false, false, false});
+  const auto [dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down] =
+      torch_offload::tiled_mlp_backward(at::ones_like(out), m.x.detach(), m.w_gate, m.w_up, m.w_down, m.b_gate, m.b_up,
+                                        m.b_down, "silu", 3, {true, false, false, false, false, false, false});
   EXPECT_TRUE(dx.defined());
   for (const at::Tensor& g : {dw_gate, dw_up, dw_down, db_gate, db_up, db_down}) {
     EXPECT_FALSE(g.defined());
@@ -138,12 +138,17 @@ TEST(TiledMlp, BadInputsRaiseErrorsNamingTheArgument) {
                "tiled_mlp: w_down has shape [8, 19]; expected [h, I] = [8, 20]");
   expect_error([&] { torch_offload::tiled_mlp(x, m.w_gate, m.w_up.detach().to(at::kFloat), m.w_down); },
                "tiled_mlp: w_up has dtype Float but x has Double");
-  expect_error([&] { torch_offload::tiled_mlp(x, m.w_gate, m.w_up, m.w_down, std::nullopt, std::nullopt,
-                                              at::zeros({7}, at::kDouble)); },
-               "tiled_mlp: b_down has shape [7]; expected [h] = [8]");
-  expect_error([&] { torch_offload::tiled_mlp(x, m.w_gate, m.w_up, m.w_down, std::nullopt, std::nullopt,
-                                              std::nullopt, "tanh"); },
-               "tiled_mlp: activation is 'tanh'; expected one of silu, gelu, gelu_tanh, relu");
+  expect_error(
+      [&] {
+        torch_offload::tiled_mlp(x, m.w_gate, m.w_up, m.w_down, std::nullopt, std::nullopt,
+                                 at::zeros({7}, at::kDouble));
+      },
+      "tiled_mlp: b_down has shape [7]; expected [h] = [8]");
+  expect_error(
+      [&] {
+        torch_offload::tiled_mlp(x, m.w_gate, m.w_up, m.w_down, std::nullopt, std::nullopt, std::nullopt, "tanh");
+      },
+      "tiled_mlp: activation is 'tanh'; expected one of silu, gelu, gelu_tanh, relu");
   expect_error([&] { torch_offload::tiled_mlp(at::Tensor(), m.w_gate, m.w_up, m.w_down); },
                "tiled_mlp: x is an undefined tensor");
   // Tensors that are not dense reach keys of their own (registration/layouts.cpp).
@@ -158,8 +163,12 @@ TEST(TiledMlpCuda, MatchesTheCpuOpWithGradients) {
   }
   const Mlp cpu = make_mlp(true, true);
   Mlp gpu;
-  for (auto [from, to] : {std::pair{&cpu.x, &gpu.x}, {&cpu.w_gate, &gpu.w_gate}, {&cpu.w_up, &gpu.w_up},
-                          {&cpu.w_down, &gpu.w_down}, {&cpu.b_gate, &gpu.b_gate}, {&cpu.b_up, &gpu.b_up},
+  for (auto [from, to] : {std::pair{&cpu.x, &gpu.x},
+                          {&cpu.w_gate, &gpu.w_gate},
+                          {&cpu.w_up, &gpu.w_up},
+                          {&cpu.w_down, &gpu.w_down},
+                          {&cpu.b_gate, &gpu.b_gate},
+                          {&cpu.b_up, &gpu.b_up},
                           {&cpu.b_down, &gpu.b_down}}) {
     *to = from->detach().to(at::kCUDA).requires_grad_(true);
   }

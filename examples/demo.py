@@ -21,6 +21,7 @@ the CPU, allocated memory on a GPU). The demo fits bytes per token for each conf
 prints their ratio to the baseline's (the context multiplier) and the longest context
 each fits in --budget-gib, and draws demo_out/memory.png.
 """
+
 import argparse
 import json
 import os
@@ -48,7 +49,9 @@ PACKED_DOCUMENTS = 4
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq-lens", default=None, help="comma-separated tokens per step (default 1K..8K CPU, 2K..16K GPU)")
+    parser.add_argument(
+        "--seq-lens", default=None, help="comma-separated tokens per step (default 1K..8K CPU, 2K..16K GPU)"
+    )
     parser.add_argument("--budget-gib", type=float, default=8.0, help="training memory budget for the longest context")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="which configurations to run")
     parser.add_argument("--hidden", type=int, help="hidden size (default 256 CPU, 1024 GPU; 64 per head)")
@@ -56,7 +59,9 @@ def parse_args():
     parser.add_argument("--layers", type=int, help="decoder layers (default 4 CPU, 8 GPU)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="demo_out")
-    parser.add_argument("--run", choices=CONFIGS + tuple(APPLY_CHOICES), help=argparse.SUPPRESS)  # one point, in a child
+    parser.add_argument(
+        "--run", choices=CONFIGS + tuple(APPLY_CHOICES), help=argparse.SUPPRESS
+    )  # one point, in a child
     parser.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -78,9 +83,17 @@ def model_config(args, seq_len):
     import transformers
 
     return transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 64, max_position_embeddings=seq_len,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa",
+        vocab_size=32000,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 64,
+        max_position_embeddings=seq_len,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="sdpa",
     )
 
 
@@ -89,7 +102,7 @@ def token_batch(seq_len):
         data = torch.tensor(list(f.read()), dtype=torch.long)
     repeated = data.repeat(seq_len // data.numel() + 2)  # the corpus is short: wrap around
     start = torch.randint(0, repeated.numel() - seq_len, (1,), generator=torch.Generator().manual_seed(0)).item()
-    return repeated[start:start + seq_len].unsqueeze(0)
+    return repeated[start : start + seq_len].unsqueeze(0)
 
 
 def _vm(field):
@@ -124,10 +137,18 @@ def run_one(args):
         torch_offload.apply(model, tiled_mlp=False, checkpoint=True, offload=None, loss=False)
     elif args.run in ("torch_offload", "torch_offload_packed"):
         torch_offload.apply(model, min_bytes=1 << 16, offload="cpu" if gpu else "disk")
+
     def step(ids, update):
         # Packed: documents of equal length, each restarting its positions at 0.
-        packing = (dict(position_ids=torch.arange(ids.shape[1], device=ids.device).remainder(
-            ids.shape[1] // PACKED_DOCUMENTS)[None]) if args.run == "torch_offload_packed" else {})
+        packing = (
+            dict(
+                position_ids=torch.arange(ids.shape[1], device=ids.device).remainder(ids.shape[1] // PACKED_DOCUMENTS)[
+                    None
+                ]
+            )
+            if args.run == "torch_offload_packed"
+            else {}
+        )
         loss = model(input_ids=ids, labels=ids, use_cache=False, **packing).loss
         loss.backward()
         if update:
@@ -175,17 +196,27 @@ def plot(results, fits, args, path):
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     for name in args.configs:
         tokens = args.seq_lens
-        line = ax.plot([t / 1024 for t in tokens], [results[name][t]["training_bytes"] / 2**30 for t in tokens],
-                       marker="o", label=f"{name}: {fits[name][0] / 1024:.0f} KiB/token",
-                       ls="--" if name == "torch_offload_packed" else "-")  # on torch_offload's: both visible
+        line = ax.plot(
+            [t / 1024 for t in tokens],
+            [results[name][t]["training_bytes"] / 2**30 for t in tokens],
+            marker="o",
+            label=f"{name}: {fits[name][0] / 1024:.0f} KiB/token",
+            ls="--" if name == "torch_offload_packed" else "-",
+        )  # on torch_offload's: both visible
         slope, intercept = fits[name]
-        ax.plot([0, tokens[-1] / 1024], [intercept / 2**30, (intercept + slope * tokens[-1]) / 2**30], ls=":",
-                color=line[0].get_color())
+        ax.plot(
+            [0, tokens[-1] / 1024],
+            [intercept / 2**30, (intercept + slope * tokens[-1]) / 2**30],
+            ls=":",
+            color=line[0].get_color(),
+        )
     what = "peak GPU memory allocated" if args.device.startswith("cuda") else "peak RSS (VmHWM)"
     ax.set_xlabel("tokens per step (K)")
     ax.set_ylabel(f"training memory, {what} (GiB)")
-    ax.set_title(f"Llama-style LM (hidden {args.hidden}, {args.layers} layers, vocabulary 32K), one step per point, "
-                 f"{args.device}")
+    ax.set_title(
+        f"Llama-style LM (hidden {args.hidden}, {args.layers} layers, vocabulary 32K), one step per point, "
+        f"{args.device}"
+    )
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
@@ -205,22 +236,46 @@ def main():
     for seq_len in args.seq_lens:
         for name in args.configs:
             result = os.path.join(args.out, f"{name}-{seq_len}.json")
-            command = [sys.executable, os.path.abspath(__file__), "--run", name, "--seq-len", str(seq_len),
-                       "--result", result, "--device", args.device, "--out", args.out, "--hidden", str(args.hidden),
-                       "--intermediate", str(args.intermediate), "--layers", str(args.layers)]
+            command = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--run",
+                name,
+                "--seq-len",
+                str(seq_len),
+                "--result",
+                result,
+                "--device",
+                args.device,
+                "--out",
+                args.out,
+                "--hidden",
+                str(args.hidden),
+                "--intermediate",
+                str(args.intermediate),
+                "--layers",
+                str(args.layers),
+            ]
             subprocess.run(command, check=True, env=env)
             with open(result) as f:
                 results[name][seq_len] = json.load(f)
             r = results[name][seq_len]
-            print(f"{name:>14} {seq_len:>6} tokens: {r['training_bytes'] / 2**20:8.0f} MiB, {r['seconds']:6.1f} s, "
-                  f"loss {r['loss']:.5f}", flush=True)
+            print(
+                f"{name:>14} {seq_len:>6} tokens: {r['training_bytes'] / 2**20:8.0f} MiB, {r['seconds']:6.1f} s, "
+                f"loss {r['loss']:.5f}",
+                flush=True,
+            )
     fits = {name: fit([(t, results[name][t]["training_bytes"]) for t in args.seq_lens]) for name in args.configs}
     budget = args.budget_gib * 2**30
     longest = args.seq_lens[-1]
-    print(f"\nOne training step per point on {args.device}, {args.seq_lens[0]} to {longest} tokens; "
-          f"longest context in a {args.budget_gib:g} GiB training-memory budget extrapolated from the fit\n")
-    print("| configuration | KiB per token | context multiplier | longest context in budget (tokens) "
-          f"| training MiB at {longest} | step (s) at {longest} | vs baseline |")
+    print(
+        f"\nOne training step per point on {args.device}, {args.seq_lens[0]} to {longest} tokens; "
+        f"longest context in a {args.budget_gib:g} GiB training-memory budget extrapolated from the fit\n"
+    )
+    print(
+        "| configuration | KiB per token | context multiplier | longest context in budget (tokens) "
+        f"| training MiB at {longest} | step (s) at {longest} | vs baseline |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     base_slope = fits["baseline"][0]
     base_seconds = results["baseline"][longest]["seconds"]
@@ -230,8 +285,10 @@ def main():
         grows = slope > 0  # the points can be flat within measurement noise at tiny lengths
         multiplier = f"{base_slope / slope:.1f}x" if grows else "n/a (flat)"
         fits_in = f"{int((budget - intercept) / slope):,}" if grows else "n/a (flat)"
-        print(f"| {name} | {slope / 1024:.1f} | {multiplier} | {fits_in} | "
-              f"{r['training_bytes'] / 2**20:.0f} | {r['seconds']:.1f} | {r['seconds'] / base_seconds:.2f}x |")
+        print(
+            f"| {name} | {slope / 1024:.1f} | {multiplier} | {fits_in} | "
+            f"{r['training_bytes'] / 2**20:.0f} | {r['seconds']:.1f} | {r['seconds'] / base_seconds:.2f}x |"
+        )
     path = os.path.join(args.out, "memory.png")
     plot(results, fits, args, path)
     print(f"\npeak training memory against sequence length: {path}")

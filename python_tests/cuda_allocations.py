@@ -1,4 +1,5 @@
 """What the GPU memory tests share: the size of every allocation a function makes on the device."""
+
 import torch
 
 

@@ -3,12 +3,13 @@
 usage: python disk_tier_training.py {baseline|disk} SPILL_DIR OUT.pt
 Saves the losses, the last step's gradients and the peak RSS to OUT.pt.
 """
+
 import sys
 
 import torch
+from models import TinyTransformer
 
 import torch_offload
-from models import TinyTransformer
 
 STEPS = 5
 
@@ -28,17 +29,24 @@ def main(mode, spill_dir, out_path):
     model = TinyTransformer(layers=4, width=64)
     generator = torch.Generator().manual_seed(1)
     # 64 x 256 tokens: about 540 MB of saved activations per step, little compute.
-    batches = [(torch.randn(64, 256, 64, generator=generator), torch.randn(64, 256, 1, generator=generator))
-               for _ in range(STEPS)]
+    batches = [
+        (torch.randn(64, 256, 64, generator=generator), torch.randn(64, 256, 1, generator=generator))
+        for _ in range(STEPS)
+    ]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     torch_offload.configure_disk_spill(max_in_flight_bytes=64 << 20)
     losses = []
     for x, target in batches:
         optimizer.zero_grad(set_to_none=True)
         if mode == "disk":
-            with torch_offload.offload_activations(tier="disk", offload_cpu_tensors=True, min_bytes=1 << 16,
-                                                   spill_directory=spill_dir, module=model,
-                                                   prefetch_bytes=64 << 20) as context:
+            with torch_offload.offload_activations(
+                tier="disk",
+                offload_cpu_tensors=True,
+                min_bytes=1 << 16,
+                spill_directory=spill_dir,
+                module=model,
+                prefetch_bytes=64 << 20,
+            ) as context:
                 loss = torch.nn.functional.mse_loss(model(x), target)
         else:
             loss = torch.nn.functional.mse_loss(model(x), target)

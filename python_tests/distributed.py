@@ -1,4 +1,5 @@
 """Run a function on N CPU ranks (Gloo) in fresh processes, for DDP/FSDP tests."""
+
 import os
 import socket
 

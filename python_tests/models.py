@@ -1,4 +1,5 @@
 """Small plain-torch models shared by the tests."""
+
 import torch
 
 

@@ -1,5 +1,6 @@
 """What the tests of the tiled ops share: which gradients a backward op was asked for, how many GEMMs ran and how
 much work they did, and the most bytes held at once."""
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -32,7 +33,7 @@ def gemm_flops(fn):
     for event in prof.events():
         if event.name in ("aten::mm", "aten::addmm", "aten::addmm_"):
             first = 0 if event.name == "aten::mm" else 1  # addmm's operands follow the added tensor
-            (m, k), (_, n) = event.input_shapes[first:first + 2]
+            (m, k), (_, n) = event.input_shapes[first : first + 2]
             total += m * k * n
     return total
 
@@ -42,8 +43,9 @@ def peak_allocated_bytes(fn):
     with torch.profiler.profile(profile_memory=True) as prof:
         fn()
     live = peak = 0
-    for event in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                        key=lambda e: e.start_ns()):
+    for event in sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    ):
         live += event.nbytes()
         peak = max(peak, live)
     return peak

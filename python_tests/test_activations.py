@@ -1,4 +1,5 @@
 """offload_activations() and checkpoint(): bitwise-equal training, dedup, budget, prefetch, leaks."""
+
 import contextlib
 import os
 import resource
@@ -8,10 +9,10 @@ import weakref
 
 import pytest
 import torch
+from models import TinyTransformer
 from torch import nn
 
 import torch_offload
-from models import TinyTransformer
 
 
 def train(model, batches, context_factory=None, layer_fn=None, steps=5):
@@ -87,7 +88,7 @@ def test_views_and_expanded_tensors_are_rebuilt_exactly():
     row = torch.randn(1, 8, requires_grad=True)
     with torch_offload.offload_activations(offload_cpu_tensors=True, min_bytes=0) as context:
         h = base * 1.5
-        loss = (h.t().sin().sum() + h[:, ::2].cos().sum() + (h * row.expand(6, 8).exp()).sum())
+        loss = h.t().sin().sum() + h[:, ::2].cos().sum() + (h * row.expand(6, 8).exp()).sum()
     loss.backward()
     grads = base.grad.clone(), row.grad.clone()
     base.grad = row.grad = None
@@ -282,8 +283,9 @@ def test_checkpoint_offloads_tensors_passed_by_keyword_or_in_tuples():
         return (hidden_states * cos + hidden_states.flip(-1) * sin).tanh() * scale
 
     x, cos, sin = (torch.randn(64, 32, requires_grad=True) for _ in range(3))
-    want = torch.autograd.grad(attention(hidden_states=x, position_embeddings=(cos, sin), scale=2.0).sum(),
-                               (x, cos, sin))
+    want = torch.autograd.grad(
+        attention(hidden_states=x, position_embeddings=(cos, sin), scale=2.0).sum(), (x, cos, sin)
+    )
     freed = []
     with torch_offload.offload_activations(offload_cpu_tensors=True, min_bytes=0) as context:
         h = x * 1
@@ -320,8 +322,12 @@ def test_disk_tier_training_is_bitwise_equal_and_lowers_peak_rss(tmp_path):
 def test_disk_tier_in_process_matches_and_frees_its_files(tmp_path):
     batches = make_batches()
     baseline = train(fresh_model(), batches)
-    run = train(fresh_model(), batches, offloaded(tier="disk", spill_directory=str(tmp_path)),
-                layer_fn=lambda layer, x: torch_offload.checkpoint(layer, x))
+    run = train(
+        fresh_model(),
+        batches,
+        offloaded(tier="disk", spill_directory=str(tmp_path)),
+        layer_fn=lambda layer, x: torch_offload.checkpoint(layer, x),
+    )
     assert_bitwise_equal(baseline, run)
     for context in run[2]:
         stats = context.stats()

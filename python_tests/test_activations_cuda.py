@@ -1,11 +1,12 @@
 """offload_activations() on a GPU: races, prefetch, custom streams, peak memory. Skipped without one."""
+
 import contextlib
 
 import pytest
 import torch
+from models import TinyTransformer
 
 import torch_offload
-from models import TinyTransformer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

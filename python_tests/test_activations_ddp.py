@@ -1,10 +1,11 @@
 """DDP (2 CPU ranks, Gloo) with offloaded non-reentrant checkpointing of every layer."""
+
 import torch
+from distributed import run_ranks
+from models import TinyTransformer
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_offload
-from distributed import run_ranks
-from models import TinyTransformer
 
 DDP_OPTIONS = [
     {"find_unused_parameters": False},
@@ -16,8 +17,9 @@ STEPS = 3
 
 def data():
     generator = torch.Generator().manual_seed(3)
-    return [(torch.randn(8, 16, 32, generator=generator), torch.randn(8, 16, 1, generator=generator))
-            for _ in range(STEPS)]
+    return [
+        (torch.randn(8, 16, 32, generator=generator), torch.randn(8, 16, 1, generator=generator)) for _ in range(STEPS)
+    ]
 
 
 def initial_state():

@@ -1,4 +1,5 @@
 """torch_offload.apply() on tiny random-init Hugging Face causal LMs (nothing downloaded)."""
+
 import copy
 import io
 import warnings
@@ -8,24 +9,39 @@ import peft
 import pytest
 import torch
 import transformers
+from op_recording import CountCalls
 from torch import nn
 
 import torch_offload
-from op_recording import CountCalls
 
-COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
-              max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=80,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 MODELS = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(num_key_value_heads=2)),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(num_key_value_heads=2)),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(num_key_value_heads=2)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=8)),
     "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, dict(num_key_value_heads=1, head_dim=8)),
-    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
-               dict(num_key_value_heads=2, head_dim=8, final_logit_softcapping=3.0)),
+    "gemma2": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        dict(num_key_value_heads=2, head_dim=8, final_logit_softcapping=3.0),
+    ),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(num_key_value_heads=4)),
-    "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel,
-             dict(n_embd=32, n_layer=3, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "gpt2": (
+        transformers.GPT2Config,
+        transformers.GPT2LMHeadModel,
+        dict(n_embd=32, n_layer=3, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    ),
 }
 # How each family's MLP is tiled: by the tiled_mlp op, or by the generic tiled_apply.
 EXPECTED_PATH = {"phi3": "tiled_applies", "gpt2": "tiled_applies"}
@@ -42,8 +58,18 @@ def make_model(name):
     config_cls, model_cls, extra = MODELS[name]
     kwargs = dict(COMMON, **extra)
     if name == "gpt2":
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                                                 "num_attention_heads", "max_position_embeddings")}
+        kwargs = {
+            k: v
+            for k, v in kwargs.items()
+            if k
+            not in (
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "max_position_embeddings",
+            )
+        }
     torch.manual_seed(0)
     return model_cls(config_cls(**kwargs)).float().train()
 
@@ -90,13 +116,17 @@ def test_apply_matches_unpatched_and_remove_restores(name, tmp_path):
     assert_close_runs(want, loss_and_grads(model, ids))
 
 
-@pytest.mark.parametrize("options", [
-    dict(offload=None),
-    dict(offload=None, checkpoint=False),
-    dict(tiled_mlp=False, offload="disk", min_bytes=0, keep_last=0),
-    dict(offload="disk", min_bytes=0, keep_last=3),
-    dict(offload="disk", min_bytes=0, checkpoint="layer"),
-], ids=["checkpoint_only", "tiled_only", "offload_only", "keep_all", "disk_layer_checkpoint"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(offload=None),
+        dict(offload=None, checkpoint=False),
+        dict(tiled_mlp=False, offload="disk", min_bytes=0, keep_last=0),
+        dict(offload="disk", min_bytes=0, keep_last=3),
+        dict(offload="disk", min_bytes=0, checkpoint="layer"),
+    ],
+    ids=["checkpoint_only", "tiled_only", "offload_only", "keep_all", "disk_layer_checkpoint"],
+)
 def test_apply_options_keep_results(options, tmp_path):
     if options.get("offload") == "disk":
         options = dict(options, spill_directory=str(tmp_path))
@@ -109,8 +139,13 @@ def test_apply_options_keep_results(options, tmp_path):
 
 def test_peft_lora_llama_trains_with_apply(tmp_path):
     model = make_model("llama")
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
-                           lora_dropout=0.0, init_lora_weights=False)
+    lora = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
+        lora_dropout=0.0,
+        init_lora_weights=False,
+    )
     model = peft.get_peft_model(model, lora)
     ids = batch()
     want = loss_and_grads(model, ids)
@@ -148,7 +183,9 @@ def test_bad_inputs_are_explained(tmp_path, monkeypatch):
         torch_offload.apply(model, offload="gpu")
     with pytest.raises(ValueError, match="keep_last must be an int >= 0"):
         torch_offload.apply(model, keep_last=-1)
-    with pytest.raises(ValueError, match=r"checkpoint must be True, False or one of \('layer', 'attention'\), got 'mlp'"):
+    with pytest.raises(
+        ValueError, match=r"checkpoint must be True, False or one of \('layer', 'attention'\), got 'mlp'"
+    ):
         torch_offload.apply(model, checkpoint="mlp")
     with pytest.raises(ValueError, match="checkpoint='attention' needs offload='cpu' or 'disk'"):
         torch_offload.apply(model, checkpoint="attention", offload=None)
@@ -161,14 +198,20 @@ def test_bad_inputs_are_explained(tmp_path, monkeypatch):
         torch_offload.apply(model, offload="disk", max_host_byte=1, x=2)
     with pytest.raises(TypeError, match="unknown option 'max_host_byte'"):  # checked before the tier's options
         torch_offload.apply(model, max_host_byte=1)
-    with monkeypatch.context() as env, pytest.raises(
-            ValueError, match=r"'min_bytes' would be ignored with offload='auto', which is None for a model in host"):
+    with (
+        monkeypatch.context() as env,
+        pytest.raises(
+            ValueError, match=r"'min_bytes' would be ignored with offload='auto', which is None for a model in host"
+        ),
+    ):
         env.setenv("TORCH_OFFLOAD_SPILL_DIR", "/dev/shm")  # a RAM file system: no disk tier
         torch_offload.apply(model, min_bytes=0)
     with pytest.raises(ValueError, match=r"'prefetch_bytes' would be ignored with offload=None"):
         torch_offload.apply(model, offload=None, prefetch_bytes=0)
-    with pytest.raises(ValueError, match=r"'spill_directory' would be ignored with offload='cpu'"), \
-            pytest.warns(UserWarning, match="offload='cpu' moves nothing"):
+    with (
+        pytest.raises(ValueError, match=r"'spill_directory' would be ignored with offload='cpu'"),
+        pytest.warns(UserWarning, match="offload='cpu' moves nothing"),
+    ):
         torch_offload.apply(model, offload="cpu", spill_directory=str(tmp_path))
     with pytest.raises(ValueError, match="spill_directory and allow_tmpfs would be ignored with tier='cpu'"):
         torch_offload.offload_activations(tier="cpu", spill_directory=str(tmp_path))
@@ -177,32 +220,86 @@ def test_bad_inputs_are_explained(tmp_path, monkeypatch):
     assert all(type(layer.mlp).__name__ == "LlamaMLP" for layer in model.model.layers)
 
 
-TINY = dict(vocab_size=128, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+TINY = dict(
+    vocab_size=128,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 MOE = dict(TINY, intermediate_size=48, num_experts_per_tok=2, output_router_logits=True)
 # Models whose decoder layers are not all plain MLPs, and what apply() does with each layer's MLP.
 FAMILIES = {
     # Gemma3n's first layers sparsify the gate activations (_gaussian_topk): not the op's function, but token-wise.
-    "gemma3n": (lambda: transformers.Gemma3nForCausalLM(transformers.Gemma3nTextConfig(
-        **TINY, vocab_size_per_layer_input=128, hidden_size_per_layer_input=8, intermediate_size=64, head_dim=8,
-        activation_sparsity_pattern=[0.95, 0.95, 0.0], num_kv_shared_layers=0, laurel_rank=4,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
-        "model.layers", ["tiled_apply", "tiled_apply", "tiled_mlp"]),
+    "gemma3n": (
+        lambda: transformers.Gemma3nForCausalLM(
+            transformers.Gemma3nTextConfig(
+                **TINY,
+                vocab_size_per_layer_input=128,
+                hidden_size_per_layer_input=8,
+                intermediate_size=64,
+                head_dim=8,
+                activation_sparsity_pattern=[0.95, 0.95, 0.0],
+                num_kv_shared_layers=0,
+                laurel_rank=4,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            )
+        ),
+        "model.layers",
+        ["tiled_apply", "tiled_apply", "tiled_mlp"],
+    ),
     # Mixture-of-experts blocks (router logits recorded for the aux loss) stay as they are; dense MLPs are tiled.
-    "qwen2_moe": (lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
-        **MOE, moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4, decoder_sparse_step=2)),
-        "model.layers", ["tiled_mlp", "untiled", "tiled_mlp"]),
-    "qwen3_moe": (lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        **MOE, moe_intermediate_size=16, num_experts=4, head_dim=8, mlp_only_layers=[0])),
-        "model.layers", ["tiled_mlp", "untiled", "untiled"]),
-    "mixtral": (lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(**MOE, num_local_experts=4)),
-                "model.layers", ["untiled", "untiled", "untiled"]),
+    "qwen2_moe": (
+        lambda: transformers.Qwen2MoeForCausalLM(
+            transformers.Qwen2MoeConfig(
+                **MOE,
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=32,
+                num_experts=4,
+                decoder_sparse_step=2,
+            )
+        ),
+        "model.layers",
+        ["tiled_mlp", "untiled", "tiled_mlp"],
+    ),
+    "qwen3_moe": (
+        lambda: transformers.Qwen3MoeForCausalLM(
+            transformers.Qwen3MoeConfig(**MOE, moe_intermediate_size=16, num_experts=4, head_dim=8, mlp_only_layers=[0])
+        ),
+        "model.layers",
+        ["tiled_mlp", "untiled", "untiled"],
+    ),
+    "mixtral": (
+        lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(**MOE, num_local_experts=4)),
+        "model.layers",
+        ["untiled", "untiled", "untiled"],
+    ),
     # A VLM: the language model's layers, not the vision tower's blocks (which also have an `mlp`).
-    "qwen2_vl": (lambda: transformers.Qwen2VLForConditionalGeneration(transformers.Qwen2VLConfig(
-        text_config=dict(TINY, intermediate_size=64, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
-        vision_config=dict(depth=2, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=2,
-                           spatial_merge_size=1, temporal_patch_size=1))),
-        "model.language_model.layers", ["tiled_mlp", "tiled_mlp", "tiled_mlp"]),
+    "qwen2_vl": (
+        lambda: transformers.Qwen2VLForConditionalGeneration(
+            transformers.Qwen2VLConfig(
+                text_config=dict(
+                    TINY, intermediate_size=64, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}
+                ),
+                vision_config=dict(
+                    depth=2,
+                    embed_dim=16,
+                    hidden_size=32,
+                    num_heads=2,
+                    mlp_ratio=2,
+                    patch_size=2,
+                    spatial_merge_size=1,
+                    temporal_patch_size=1,
+                ),
+            )
+        ),
+        "model.language_model.layers",
+        ["tiled_mlp", "tiled_mlp", "tiled_mlp"],
+    ),
 }
 
 
@@ -326,8 +423,9 @@ def test_remove_between_a_forward_and_its_backward_keeps_that_backward_right(che
     model, ids = make_model("llama"), batch()
     before = module_layout(model)
     want = loss_and_grads(model, ids)
-    handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0,
-                                 checkpoint=checkpoint)
+    handle = torch_offload.apply(
+        model, offload="disk", spill_directory=str(tmp_path), min_bytes=0, checkpoint=checkpoint
+    )
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     handle.remove()
@@ -390,8 +488,11 @@ def test_offload_default_on_a_cpu_model_says_what_it_does(tmp_path, monkeypatch)
     monkeypatch.delenv("TORCH_OFFLOAD_SPILL_DIR")
     monkeypatch.setenv("TMPDIR", str(tmp_path / "missing"))
     assert torch_offload.disk.default_spill_directory() == str(tmp_path / "missing")
-    with pytest.warns(UserWarning, match=r"offload='auto' keeps this CPU model's activations in memory: the "
-                                         r"default spill directory '.*missing' is not a writable directory"):
+    with pytest.warns(
+        UserWarning,
+        match=r"offload='auto' keeps this CPU model's activations in memory: the "
+        r"default spill directory '.*missing' is not a writable directory",
+    ):
         handle = torch_offload.apply(model)
     assert handle.offload is None
     handle.remove()
@@ -452,8 +553,9 @@ def test_layers_are_found_or_named():
 
 def test_each_mlp_is_tiled_only_as_its_forward_allows():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.ModuleList([Block(GatedMLP()), Block(GatedMLP(dropout=0.0)),
-                                         Block(GatedMLP(mix_tokens=True))]))
+    model = nn.Sequential(
+        nn.ModuleList([Block(GatedMLP()), Block(GatedMLP(dropout=0.0)), Block(GatedMLP(mix_tokens=True))])
+    )
     x = torch.randn(2, 6, 8, requires_grad=True)
 
     def run():
@@ -469,8 +571,11 @@ def test_each_mlp_is_tiled_only_as_its_forward_allows():
     with pytest.warns(UserWarning, match=r"1 of 3 MLPs stay untiled \(0.2.mlp: its output for a token depends"):
         handle = torch_offload.apply(model, offload=None, num_shards=2)
     # A dropout the op would drop (p=0 here, but p is the module's to change): its own forward, in shards.
-    assert handle.mlp_tiling == {"0.0.mlp": "tiled_mlp", "0.1.mlp": "tiled_apply",
-                                 "0.2.mlp": "untiled: its output for a token depends on the other tokens"}
+    assert handle.mlp_tiling == {
+        "0.0.mlp": "tiled_mlp",
+        "0.1.mlp": "tiled_apply",
+        "0.2.mlp": "untiled: its output for a token depends on the other tokens",
+    }
     assert_close_runs(want, run())
     handle.remove()
 
@@ -492,8 +597,7 @@ def test_fused_loss_honours_transformers_loss_arguments(name):
         "accumulated": dict(labels=labels, num_items_in_batch=torch.tensor(17)),
         "shift_labels": dict(labels=labels, shift_labels=shifted),
     }
-    want = {key: loss_and_grads(model, ids, run=lambda **kw: model(**{**kw, **call}))
-            for key, call in calls.items()}
+    want = {key: loss_and_grads(model, ids, run=lambda **kw: model(**{**kw, **call})) for key, call in calls.items()}
     unpatched_tuple = model(input_ids=ids, labels=labels, use_cache=False, output_hidden_states=True, return_dict=False)
     model.eval()
     with torch.no_grad():
@@ -524,7 +628,7 @@ def test_fused_loss_honours_transformers_loss_arguments(name):
 
 
 def test_fused_loss_leaves_router_losses_and_a_replaced_head_to_the_model():
-    model, (ids, labels) = FAMILIES["mixtral"][0](), _labelled_batch()
+    model, (ids, _) = FAMILIES["mixtral"][0](), _labelled_batch()
     model.train()
     model.config.router_aux_loss_coef = 0.5
     model.config.output_router_logits = False  # Mixtral's released configs: asked for per call
@@ -546,8 +650,9 @@ def test_fused_loss_leaves_router_losses_and_a_replaced_head_to_the_model():
 
 def test_fused_loss_with_frozen_head_under_lora_and_its_own_loss_when_unprovable():
     model = make_model("llama")
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                                       init_lora_weights=False))
+    model = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
     ids, labels = _labelled_batch()
     want = loss_and_grads(model, ids)
     handle = torch_offload.apply(model, offload=None)
@@ -611,10 +716,15 @@ def test_backward_recomputes_what_checkpoint_names(checkpoint, tmp_path):
     model, ids = make_model("llama"), batch()
     calls = {"attention": 0, "norm": 0}
     for layer in model.model.layers:
-        layer.self_attn.q_proj.register_forward_pre_hook(lambda *_: calls.__setitem__("attention", calls["attention"] + 1))
-        layer.post_attention_layernorm.register_forward_pre_hook(lambda *_: calls.__setitem__("norm", calls["norm"] + 1))
-    handle = torch_offload.apply(model, offload="disk", checkpoint=checkpoint, keep_last=0, min_bytes=0,
-                                 spill_directory=str(tmp_path))
+        layer.self_attn.q_proj.register_forward_pre_hook(
+            lambda *_: calls.__setitem__("attention", calls["attention"] + 1)
+        )
+        layer.post_attention_layernorm.register_forward_pre_hook(
+            lambda *_: calls.__setitem__("norm", calls["norm"] + 1)
+        )
+    handle = torch_offload.apply(
+        model, offload="disk", checkpoint=checkpoint, keep_last=0, min_bytes=0, spill_directory=str(tmp_path)
+    )
     assert set(handle.checkpointing.values()) == {checkpoint}
     calls.update(attention=0, norm=0)  # apply's probes ran the model
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
@@ -630,7 +740,10 @@ def test_backward_recomputes_what_checkpoint_names(checkpoint, tmp_path):
 
 # Which attention modules apply() hands to the attention_block op, and why the others keep their own.
 ATTENTION = {
-    "llama": "attention_block", "mistral": "attention_block", "qwen2": "attention_block", "gemma": "attention_block",
+    "llama": "attention_block",
+    "mistral": "attention_block",
+    "qwen2": "attention_block",
+    "gemma": "attention_block",
     "qwen3": "module: it is not made of exactly",  # per-head q_norm / k_norm
     "phi3": "attention_block",  # its fused qkv_proj split into the op's q, k, v
     "gpt2": "module: it is not made of exactly",  # Conv1D c_attn
@@ -673,17 +786,23 @@ def test_attention_block_runs_for_plain_causal_calls_and_the_module_for_the_othe
     model, ids = make_model("llama"), batch()
     padded = torch.ones_like(ids)
     padded[0, :5] = 0  # left padding: the mask reaches the op as segment ids
-    want = {mask: loss_and_grads(model, ids, run=lambda **kw: model(**kw, attention_mask=m))
-            for mask, m in (("none", None), ("padded", padded))}
-    handle = torch_offload.apply(model, offload="disk", checkpoint=checkpoint, spill_directory=str(tmp_path),
-                                 min_bytes=0)
+    want = {
+        mask: loss_and_grads(model, ids, run=lambda **kw: model(**kw, attention_mask=m))
+        for mask, m in (("none", None), ("padded", padded))
+    }
+    handle = torch_offload.apply(
+        model, offload="disk", checkpoint=checkpoint, spill_directory=str(tmp_path), min_bytes=0
+    )
     assert handle.attention_blocks == 3
     got = {}
     # One op per layer in forward, and once more where a whole layer is recomputed (the last one always).
     calls = op_calls(lambda: got.__setitem__("none", loss_and_grads(model, ids)))
     assert calls == ((4, 3) if checkpoint == "attention" else (6, 3))
-    calls = op_calls(lambda: got.__setitem__("padded", loss_and_grads(
-        model, ids, run=lambda **kw: model(**kw, attention_mask=padded))))
+    calls = op_calls(
+        lambda: got.__setitem__(
+            "padded", loss_and_grads(model, ids, run=lambda **kw: model(**kw, attention_mask=padded))
+        )
+    )
     assert calls == ((4, 3) if checkpoint == "attention" else (6, 3))
     for mask in want:
         assert_close_runs(want[mask], got[mask])
@@ -721,7 +840,9 @@ def test_checkpointed_layers_train_without_a_cache_and_infer_with_it(name, tmp_p
         inferred = model(input_ids=ids, use_cache=True)
     handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0)
     outputs = []
-    with pytest.warns(UserWarning, match="checkpointed layers in training mode run with use_cache=False and no key/value cache"):
+    with pytest.warns(
+        UserWarning, match="checkpointed layers in training mode run with use_cache=False and no key/value cache"
+    ):
         got = loss_and_grads(model, ids, run=lambda **kw: outputs.append(caching(**kw)) or outputs[-1])
     assert_close_runs(want, got)
     assert cache_length(outputs[0]) == 0  # as after transformers' own gradient checkpointing: nothing cached
@@ -779,8 +900,9 @@ def test_layers_that_are_not_recomputed_fill_the_cache(tmp_path):
 
 def test_lora_on_the_mlp_added_after_apply_is_computed_and_kept_by_remove(tmp_path):
     # The tiled_mlp op would read the base weights and bypass the adapters (and so train none of them).
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "down_proj"], lora_dropout=0.0,
-                           init_lora_weights=False)
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["gate_proj", "down_proj"], lora_dropout=0.0, init_lora_weights=False
+    )
     ids = batch()
     reference = peft.get_peft_model(make_model("llama"), lora)
     want = loss_and_grads(reference, ids)
@@ -860,8 +982,10 @@ def test_two_handles_on_one_model_are_undone_together_in_copies_and_one_by_one_b
             self.a, self.b = make_model("llama"), make_model("llama")
 
         def forward(self, input_ids, labels, use_cache):
-            return (self.a(input_ids=input_ids, labels=labels, use_cache=use_cache).loss
-                    + self.b(input_ids=input_ids, labels=labels, use_cache=use_cache).loss)
+            return (
+                self.a(input_ids=input_ids, labels=labels, use_cache=use_cache).loss
+                + self.b(input_ids=input_ids, labels=labels, use_cache=use_cache).loss
+            )
 
     def loss_and_grads_of_two(model, ids):
         model.zero_grad(set_to_none=True)
@@ -892,8 +1016,9 @@ def test_attention_block_leaves_projections_wrapped_or_hooked_after_apply_to_the
     handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0)
     assert handle.attention_blocks == 3
     # LoRA added after apply replaces q_proj and v_proj in every layer: the op would bypass the adapters.
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
-                           init_lora_weights=False)
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False
+    )
     model = peft.get_peft_model(model, lora)
     got = {}
     assert op_calls(lambda: got.__setitem__("lora", loss_and_grads(model, ids))) == (0, 0)

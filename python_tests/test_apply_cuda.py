@@ -1,10 +1,11 @@
 """apply() on a GPU, eager: the un-applied model's loss and gradients with activations on the host.
 Skipped without one."""
+
 import pytest
 import torch
+from test_apply import assert_close_runs, batch, loss_and_grads, make_model
 
 import torch_offload
-from test_apply import assert_close_runs, batch, loss_and_grads, make_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -1,13 +1,14 @@
 """apply() (tiled MLPs, checkpointing, the fused loss) on a Hugging Face model under DDP and FSDP2,
 2 CPU ranks with Gloo: each rank's gradients equal one process training on the whole batch."""
+
 import torch
 import torch.distributed as dist
+from distributed import run_ranks
+from test_apply import batch, make_model
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_offload
-from distributed import run_ranks
-from test_apply import batch, make_model
 
 WRAPPERS = ["ddp", "fsdp2"]
 
@@ -15,8 +16,11 @@ WRAPPERS = ["ddp", "fsdp2"]
 def grads_of_one_step(model, ids):
     model.zero_grad(set_to_none=True)
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    return {name.removeprefix("module."): p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
-            for name, p in model.named_parameters() if p.grad is not None}
+    return {
+        name.removeprefix("module."): p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+        for name, p in model.named_parameters()
+        if p.grad is not None
+    }
 
 
 def rank_main(rank, world_size, out_path, spill_directory):
@@ -33,7 +37,7 @@ def rank_main(rank, world_size, out_path, spill_directory):
             fully_shard(model)
         else:
             model = DistributedDataParallel(model)
-        results[wrapper] = grads_of_one_step(model, ids[rank * per_rank:(rank + 1) * per_rank])
+        results[wrapper] = grads_of_one_step(model, ids[rank * per_rank : (rank + 1) * per_rank])
     dist.barrier()
     if rank == 0:
         torch.save(results, out_path)
@@ -48,4 +52,6 @@ def test_applied_model_under_ddp_and_fsdp2_matches_one_process(tmp_path):
         got = results[wrapper]
         assert got.keys() == want.keys()
         for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{wrapper} {name}: {m}")
+            torch.testing.assert_close(
+                got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{wrapper} {name}: {m}"
+            )

@@ -4,6 +4,7 @@ Each test compares an applied model with a copy of it made before apply: forward
 (which generate() and Trainer read), generation, training through Trainer, and the cases that a
 probe on small activations or an unmasked batch could not tell apart.
 """
+
 import copy
 import inspect
 import warnings
@@ -11,11 +12,20 @@ import warnings
 import pytest
 import torch
 import transformers
+from test_apply import (
+    FAMILIES,
+    MODELS,
+    TINY,
+    assert_close_runs,
+    batch,
+    loss_and_grads,
+    make_model,
+    op_calls,
+    tier_options,
+)
 from torch import nn
 
 import torch_offload
-from test_apply import (FAMILIES, MODELS, TINY, assert_close_runs, batch, loss_and_grads, make_model, op_calls,
-                        tier_options)
 
 
 def build(name):
@@ -79,8 +89,18 @@ def test_left_padded_generate_equals_the_unapplied_model(name, sample, tmp_path)
     for m in (plain, model):
         m.eval()
         torch.manual_seed(3)
-        runs.append(m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=sample, top_k=0,
-                               pad_token_id=0, return_dict_in_generate=True, output_logits=True))
+        runs.append(
+            m.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=8,
+                do_sample=sample,
+                top_k=0,
+                pad_token_id=0,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+        )
     torch.testing.assert_close(runs[1].sequences, runs[0].sequences, rtol=0, atol=0)
     for mine, theirs in zip(runs[1].logits, runs[0].logits):
         torch.testing.assert_close(mine, theirs)
@@ -102,13 +122,24 @@ def test_qwen2_vl_generate_with_pixels_equals_the_unapplied_model(tmp_path):
     grid = torch.tensor([[1, 2, 2]])
     pixels = torch.randn(4, 3 * 2 * 2, generator=torch.Generator().manual_seed(1))
     ids = torch.tensor([[9, 6, 5, 5, 5, 5, 7, 11, 12]])
-    outputs = [m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels, image_grid_thw=grid,
-                          max_new_tokens=5, do_sample=False, pad_token_id=0) for m in (plain, model)]
+    outputs = [
+        m.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=pixels,
+            image_grid_thw=grid,
+            max_new_tokens=5,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        for m in (plain, model)
+    ]
     torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
 
 
 def word_tokenizer():
     import tokenizers
+
     vocab = {"[PAD]": 0, "[UNK]": 3, **{f"w{i}": i for i in range(4, 128)}}
     tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
@@ -124,8 +155,17 @@ def trainer_losses(model, tmp_path):
         ids = torch.randint(4, 128, (length,), generator=generator).tolist()
         rows.append({"input_ids": ids, "labels": ids + [-100] * (12 - length)})
     arguments = transformers.TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, learning_rate=1e-2, logging_steps=1,
-        report_to=[], use_cpu=True, save_strategy="no", seed=0, dataloader_num_workers=0)
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        max_steps=3,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        dataloader_num_workers=0,
+    )
     collator = transformers.DataCollatorWithPadding(word_tokenizer(), padding="max_length", max_length=12)
     trainer = transformers.Trainer(model=model, args=arguments, train_dataset=rows, data_collator=collator)
     trainer.train()
@@ -161,8 +201,9 @@ def test_olmo_clip_qkv_keeps_the_modules_attention(tmp_path):
     scale_qkv(model, 100.0)  # q, k and v well past the clip, as trained OLMo weights reach it (float64: exact)
     want = loss_and_grads(model, ids)
     handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0)
-    assert all(how == "module: config.clip_qkv is 8.0, which the op does not compute"
-               for how in handle.attention.values()), handle.attention
+    assert all(
+        how == "module: config.clip_qkv is 8.0, which the op does not compute" for how in handle.attention.values()
+    ), handle.attention
     got = []
     assert op_calls(lambda: got.append(loss_and_grads(model, ids))) == (0, 0)
     assert_close_runs(want, got[0])
@@ -235,8 +276,13 @@ def test_a_difference_only_large_activations_reach_is_never_sent_to_an_op_that_l
         warnings.simplefilter("ignore")
         handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0)
     assert set(handle.mlp_tiling.values()) == {"tiled_apply"}  # token-wise, so its own forward in shards
-    assert all(how.startswith("module: its forward computes something else than the op (a probe on random weights "
-                              "at input scale 16 differs)") for how in handle.attention.values()), handle.attention
+    assert all(
+        how.startswith(
+            "module: its forward computes something else than the op (a probe on random weights "
+            "at input scale 16 differs)"
+        )
+        for how in handle.attention.values()
+    ), handle.attention
     assert_close_runs(want, loss_and_grads(model, ids))
     handle.remove()
 
@@ -244,9 +290,17 @@ def test_a_difference_only_large_activations_reach_is_never_sent_to_an_op_that_l
 def tiny_qwen2_audio():
     torch.manual_seed(0)
     config = transformers.Qwen2AudioConfig(
-        audio_config=dict(d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, num_mel_bins=8,
-                          max_source_positions=16),
-        text_config=dict(TINY, intermediate_size=80, model_type="qwen2"), audio_token_index=200)
+        audio_config=dict(
+            d_model=16,
+            encoder_layers=1,
+            encoder_attention_heads=2,
+            encoder_ffn_dim=32,
+            num_mel_bins=8,
+            max_source_positions=16,
+        ),
+        text_config=dict(TINY, intermediate_size=80, model_type="qwen2"),
+        audio_token_index=200,
+    )
     return transformers.Qwen2AudioForConditionalGeneration(config).float().train()
 
 

@@ -1,14 +1,15 @@
 """attention_block: output and gradients against transformers' own attention arithmetic (projections,
 apply_rotary_pos_emb, F.scaled_dot_product_attention) in plain torch, head groups, gradcheck, opcheck,
 torch.compile, autocast, gradients that are not needed, errors."""
+
 import pytest
 import torch
 import torch.nn.functional as F
+from op_recording import RecordBackwardMask, peak_allocated_bytes
 from torch.testing._internal.optests import opcheck
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import torch_offload
-from op_recording import RecordBackwardMask, peak_allocated_bytes
 
 NAMES = ("x", "w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
 
@@ -17,15 +18,28 @@ def reference(x, w_q, w_k, w_v, w_o, cos, sin, b_q=None, b_k=None, b_v=None, b_o
     """What a Llama-style attention module computes, written as transformers writes it."""
     batch, tokens, _ = x.shape
     head_dim = cos.shape[-1]
-    q, k, v = (F.linear(x, w, b).view(batch, tokens, -1, head_dim).transpose(1, 2)
-               for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
+    q, k, v = (
+        F.linear(x, w, b).view(batch, tokens, -1, head_dim).transpose(1, 2)
+        for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v))
+    )
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     return F.linear(out.transpose(1, 2).reshape(batch, tokens, -1), w_o, b_o)
 
 
-def make_inputs(batch=2, tokens=7, h=16, heads=4, kv_heads=2, head_dim=4, bias=False, out_features=None,
-                rotary_batch=1, dtype=torch.float32, seed=0):
+def make_inputs(
+    batch=2,
+    tokens=7,
+    h=16,
+    heads=4,
+    kv_heads=2,
+    head_dim=4,
+    bias=False,
+    out_features=None,
+    rotary_batch=1,
+    dtype=torch.float32,
+    seed=0,
+):
     """(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o): the first five and the biases require grad."""
     generator = torch.Generator().manual_seed(seed)
 
@@ -38,14 +52,18 @@ def make_inputs(batch=2, tokens=7, h=16, heads=4, kv_heads=2, head_dim=4, bias=F
     weights = [rand(rows, h, scale=h**-0.5) for rows in (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)]
     w_o = rand(out_features, heads * head_dim, scale=(heads * head_dim) ** -0.5)
     angles = rand(rotary_batch, tokens, head_dim // 2, scale=3.0, grad=False).repeat(1, 1, 2)
-    biases = ([rand(n, scale=0.5) for n in (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim,
-                                            out_features)] if bias else [None] * 4)
+    biases = (
+        [rand(n, scale=0.5) for n in (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim, out_features)]
+        if bias
+        else [None] * 4
+    )
     return [x, *weights, w_o, angles.cos(), angles.sin(), *biases]
 
 
 def call(x, w_q, w_k, w_v, w_o, cos, sin, b_q=None, b_k=None, b_v=None, b_o=None, scale=None, segment_ids=None):
-    return torch_offload.attention_block(x, w_q, w_k, w_v, w_o, cos, sin, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o,
-                                         scale=scale, segment_ids=segment_ids)
+    return torch_offload.attention_block(
+        x, w_q, w_k, w_v, w_o, cos, sin, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o, scale=scale, segment_ids=segment_ids
+    )
 
 
 def leaves_of(inputs):
@@ -156,23 +174,31 @@ def test_balanced_pieces_hold_little_more_than_one_flash_call():
     forward = peak_allocated_bytes(lambda: torch.ops.offload.segment_attention(q, k, v, segment_ids))
     assert forward <= 2 * unit
     out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
-    one_call = peak_allocated_bytes(lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k, v, out, logsumexp, 0.0, True))
-    backward = peak_allocated_bytes(lambda: torch.ops.offload.segment_attention_backward(
-        grad_out, q, k, v, segment_ids, None, [True] * 3))
+    one_call = peak_allocated_bytes(
+        lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, logsumexp, 0.0, True
+        )
+    )
+    backward = peak_allocated_bytes(
+        lambda: torch.ops.offload.segment_attention_backward(grad_out, q, k, v, segment_ids, None, [True] * 3)
+    )
     assert backward <= one_call + 2 * unit
 
 
 def test_even_batch_times_heads_and_short_sequences_run_in_one_flash_call():
-    for kwargs in (dict(batch=2, heads=1, kv_heads=1, tokens=1024), dict(batch=1, heads=1, kv_heads=1, tokens=1020),
-                   dict(batch=1, heads=1, kv_heads=1, tokens=1026)):
+    for kwargs in (
+        dict(batch=2, heads=1, kv_heads=1, tokens=1024),
+        dict(batch=1, heads=1, kv_heads=1, tokens=1020),
+        dict(batch=1, heads=1, kv_heads=1, tokens=1026),
+    ):
         inputs = make_inputs(h=32, head_dim=16, **kwargs)
         assert flash_attention_calls(lambda: call(*inputs)) == 1, kwargs
 
 
 def test_gradcheck_float64():
-    inputs = make_inputs(batch=2, tokens=5, h=6, heads=4, kv_heads=2, head_dim=4, bias=True, rotary_batch=2,
-                         dtype=torch.float64)
+    inputs = make_inputs(
+        batch=2, tokens=5, h=6, heads=4, kv_heads=2, head_dim=4, bias=True, rotary_batch=2, dtype=torch.float64
+    )
     leaves = leaves_of(inputs)
     cos, sin = inputs[5:7]
 
@@ -206,17 +232,25 @@ def test_autocast_is_as_close_to_float32_as_the_module_under_autocast():
     assert relative_error(got, want) <= max(2 * relative_error(eager, want), 1e-2)
 
 
-@pytest.mark.parametrize("trainable, expected_mask", [
-    ("all", [True] * 9),
-    ("x", [True] + [False] * 8),
-    ("weights", [False] + [True] * 8),
-    ("w_o", [False, False, False, False, True, False, False, False, True]),
-], ids=["all", "x_only", "frozen_input", "output_projection_only"])
+@pytest.mark.parametrize(
+    "trainable, expected_mask",
+    [
+        ("all", [True] * 9),
+        ("x", [True] + [False] * 8),
+        ("weights", [False] + [True] * 8),
+        ("w_o", [False, False, False, False, True, False, False, False, True]),
+    ],
+    ids=["all", "x_only", "frozen_input", "output_projection_only"],
+)
 def test_gradients_not_needed_are_not_computed(trainable, expected_mask):
     inputs = make_inputs(bias=True)
     for name, t in zip(NAMES, inputs[:5] + inputs[7:]):
-        t.requires_grad_(trainable == "all" or name == trainable or (trainable == "weights" and name != "x")
-                         or (trainable == "w_o" and name == "b_o"))
+        t.requires_grad_(
+            trainable == "all"
+            or name == trainable
+            or (trainable == "weights" and name != "x")
+            or (trainable == "w_o" and name == "b_o")
+        )
     want = reference(*inputs)
     with RecordBackwardMask(torch.ops.offload.attention_block_backward.default) as mode:
         got = call(*inputs)
@@ -242,8 +276,10 @@ def test_opcheck(case):
     grad_out = torch.randn(inputs[0].shape[0], inputs[0].shape[1], inputs[4].shape[0])
     detached = [t.detach() if t is not None else None for t in inputs]
     opcheck(torch.ops.offload.attention_block_backward.default, (grad_out, *detached, scale, None, [True] * 9))
-    opcheck(torch.ops.offload.attention_block_backward.default,
-            (grad_out, *detached, scale, None, [False, True] + [False] * 7))
+    opcheck(
+        torch.ops.offload.attention_block_backward.default,
+        (grad_out, *detached, scale, None, [False, True] + [False] * 7),
+    )
 
 
 class Attention(torch.nn.Module):
@@ -260,8 +296,19 @@ class Attention(torch.nn.Module):
 
     def forward(self, x):
         cos, sin = self.rotary(x.shape[1])
-        return torch_offload.attention_block(x, self.q.weight, self.k.weight, self.v.weight, self.o.weight, cos, sin,
-                                             b_q=self.q.bias, b_k=self.k.bias, b_v=self.v.bias, b_o=self.o.bias)
+        return torch_offload.attention_block(
+            x,
+            self.q.weight,
+            self.k.weight,
+            self.v.weight,
+            self.o.weight,
+            cos,
+            sin,
+            b_q=self.q.bias,
+            b_k=self.k.bias,
+            b_v=self.v.bias,
+            b_o=self.o.bias,
+        )
 
 
 def test_compile_fullgraph_dynamic_matches_eager_over_changing_tokens():
@@ -284,10 +331,17 @@ def test_compile_fullgraph_dynamic_matches_eager_over_changing_tokens():
 def test_meta_tensors_give_shapes_only():
     inputs = [t.detach().to("meta") if t is not None else None for t in make_inputs(out_features=24, bias=True)]
     assert call(*inputs).shape == (2, 7, 24)
-    grads = torch.ops.offload.attention_block_backward(torch.empty(2, 7, 24, device="meta"), *inputs, None, None,
-                                                       [True, False, True, False, True, True, False, True, False])
-    want = [t.shape if m else None for t, m in zip(inputs[:5] + inputs[7:],
-                                                   [True, False, True, False, True, True, False, True, False])]
+    grads = torch.ops.offload.attention_block_backward(
+        torch.empty(2, 7, 24, device="meta"),
+        *inputs,
+        None,
+        None,
+        [True, False, True, False, True, True, False, True, False],
+    )
+    want = [
+        t.shape if m else None
+        for t, m in zip(inputs[:5] + inputs[7:], [True, False, True, False, True, True, False, True, False])
+    ]
     assert [g.shape if g is not None else None for g in grads] == want
 
 
@@ -303,8 +357,11 @@ def bad_input_cases():
         ("w_v_shape", dict(good, w_v=w_k[:4]), r"w_v has shape \[4, 16\]; expected w_k's shape"),
         ("w_o_shape", dict(good, w_o=good["w_o"][:, :8]), r"w_o has shape \[16, 8\]; expected \[out_features, heads"),
         ("w_k_dtype", dict(good, w_k=w_k.double()), "w_k has dtype Double; expected Float"),
-        ("cos_odd", dict(good, cos=cos[..., :3], sin=good["sin"][..., :3]),
-         r"cos has shape \[1, 7, 3\]; its last dimension is the head dimension, which must be even"),
+        (
+            "cos_odd",
+            dict(good, cos=cos[..., :3], sin=good["sin"][..., :3]),
+            r"cos has shape \[1, 7, 3\]; its last dimension is the head dimension, which must be even",
+        ),
         ("cos_tokens", dict(good, cos=cos[:, :5]), r"cos has shape \[1, 5, 4\]; expected \[1 or batch, tokens"),
         ("cos_batch", dict(good, cos=cos.expand(3, -1, -1)), r"cos has shape \[3, 7, 4\]; expected \[1 or batch"),
         ("sin_shape", dict(good, sin=good["sin"][:, :6]), r"sin has shape \[1, 6, 4\]; expected cos's shape"),
@@ -312,10 +369,16 @@ def bad_input_cases():
         ("b_o_dtype", dict(good, b_o=torch.zeros(16, dtype=torch.half)), "b_o has dtype Half; expected Float"),
         ("scale", dict(good, scale=-1.0), "scale is -1; expected a finite value > 0"),
         ("segment_ids_dtype", dict(good, segment_ids=torch.zeros(2, 7)), "segment_ids has dtype Float; expected int64"),
-        ("segment_ids_shape", dict(good, segment_ids=torch.zeros(2, 6, dtype=torch.long)),
-         r"segment_ids has shape \[2, 6\]; expected \[batch, tokens\] = \[2, 7\]"),
-        ("segment_ids_dim", dict(good, segment_ids=torch.zeros(14, dtype=torch.long)),
-         r"segment_ids has shape \[14\]; expected \[batch, tokens\]"),
+        (
+            "segment_ids_shape",
+            dict(good, segment_ids=torch.zeros(2, 6, dtype=torch.long)),
+            r"segment_ids has shape \[2, 6\]; expected \[batch, tokens\] = \[2, 7\]",
+        ),
+        (
+            "segment_ids_dim",
+            dict(good, segment_ids=torch.zeros(14, dtype=torch.long)),
+            r"segment_ids has shape \[14\]; expected \[batch, tokens\]",
+        ),
         ("w_o_missing", dict(good, w_o=None), "w_o"),
     ]
 
@@ -349,8 +412,9 @@ def segment_mask(segment_ids):
     earlier tokens of its run; a padding token (negative id) sees all of the nearest non-negative run
     before it, or nothing (SDPA then gives 0, as the op)."""
     tokens = segment_ids.shape[1]
-    run = torch.cat([torch.zeros_like(segment_ids[:, :1]), (segment_ids[:, 1:] != segment_ids[:, :-1]).long()],
-                    1).cumsum(1)
+    run = torch.cat(
+        [torch.zeros_like(segment_ids[:, :1]), (segment_ids[:, 1:] != segment_ids[:, :-1]).long()], 1
+    ).cumsum(1)
     sequence = segment_ids >= 0
     # The run whose tokens each token sees: its own, or for padding the last sequence run before it.
     seen = torch.where(sequence, run, -1).cummax(1).values
@@ -358,13 +422,16 @@ def segment_mask(segment_ids):
     return (mask & torch.ones(tokens, tokens, dtype=torch.bool).tril())[:, None]
 
 
-def segment_reference(x, w_q, w_k, w_v, w_o, cos, sin, b_q=None, b_k=None, b_v=None, b_o=None, scale=None,
-                      segment_ids=None):
+def segment_reference(
+    x, w_q, w_k, w_v, w_o, cos, sin, b_q=None, b_k=None, b_v=None, b_o=None, scale=None, segment_ids=None
+):
     """reference() with segment_mask(segment_ids)."""
     batch, tokens, _ = x.shape
     head_dim = cos.shape[-1]
-    q, k, v = (F.linear(x, w, b).view(batch, tokens, -1, head_dim).transpose(1, 2)
-               for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
+    q, k, v = (
+        F.linear(x, w, b).view(batch, tokens, -1, head_dim).transpose(1, 2)
+        for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v))
+    )
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=segment_mask(segment_ids), scale=scale, enable_gqa=True)
     return F.linear(out.transpose(1, 2).reshape(batch, tokens, -1), w_o, b_o)
@@ -372,9 +439,7 @@ def segment_reference(x, w_q, w_k, w_v, w_o, cos, sin, b_q=None, b_k=None, b_v=N
 
 # Row 0: three packed documents, an id repeated after another (each run is its own segment);
 # row 1: real tokens, then right padding (masked: negative ids); row 2: left padding, then two documents.
-SEGMENTS = torch.tensor([[0] * 5 + [1] * 4 + [0] * 4,
-                         [0] * 10 + [-1] * 3,
-                         [-1] * 3 + [1] * 6 + [2] * 4])
+SEGMENTS = torch.tensor([[0] * 5 + [1] * 4 + [0] * 4, [0] * 10 + [-1] * 3, [-1] * 3 + [1] * 6 + [2] * 4])
 
 
 @pytest.mark.parametrize("shape", ["gqa", "biases", "per_sample_rotary"])
@@ -427,9 +492,20 @@ def test_long_segments_run_as_balanced_pieces_and_still_match():
 class SegmentedAttention(Attention):
     def forward(self, x, segment_ids):
         cos, sin = self.rotary(x.shape[1])
-        return torch_offload.attention_block(x, self.q.weight, self.k.weight, self.v.weight, self.o.weight, cos, sin,
-                                             b_q=self.q.bias, b_k=self.k.bias, b_v=self.v.bias, b_o=self.o.bias,
-                                             segment_ids=segment_ids)
+        return torch_offload.attention_block(
+            x,
+            self.q.weight,
+            self.k.weight,
+            self.v.weight,
+            self.o.weight,
+            cos,
+            sin,
+            b_q=self.q.bias,
+            b_k=self.k.bias,
+            b_v=self.v.bias,
+            b_o=self.o.bias,
+            segment_ids=segment_ids,
+        )
 
 
 def test_segments_compile_fullgraph_dynamic_over_changing_tokens_and_document_counts():

@@ -1,14 +1,25 @@
 """attention_block on a GPU (PyTorch's memory-efficient attention kernels inside): against the
 same attention in eager torch and the CPU op. Skipped without a GPU."""
+
 import pytest
 import torch
+from cuda_allocations import allocation_sizes
+from test_attention_block import (
+    NAMES,
+    SEGMENTS,
+    call,
+    make_inputs,
+    output_and_grads,
+    reference,
+    relative_error,
+    segment_reference,
+)
+from test_segment_attention import make_qkv
+from test_segment_attention import output_and_grads as qkv_output_and_grads
+from test_segment_attention import reference as qkv_reference
 from torch.testing._internal.optests import opcheck
 
 import torch_offload
-from cuda_allocations import allocation_sizes
-from test_attention_block import NAMES, SEGMENTS, call, make_inputs, output_and_grads, reference, relative_error
-from test_attention_block import segment_reference
-from test_segment_attention import make_qkv, output_and_grads as qkv_output_and_grads, reference as qkv_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -17,9 +28,16 @@ def to_cuda(inputs, dtype=None):
     return [t.detach().to("cuda", dtype).requires_grad_(t.requires_grad) if t is not None else None for t in inputs]
 
 
-@pytest.mark.parametrize("shape", [dict(), dict(bias=True, heads=4, kv_heads=1, head_dim=8), dict(tokens=1),
-                                   dict(tokens=300, h=64, heads=8, kv_heads=4, head_dim=16, rotary_batch=2)],
-                         ids=["gqa", "one_kv_head_biases", "one_token", "longer"])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(),
+        dict(bias=True, heads=4, kv_heads=1, head_dim=8),
+        dict(tokens=1),
+        dict(tokens=300, h=64, heads=8, kv_heads=4, head_dim=16, rotary_batch=2),
+    ],
+    ids=["gqa", "one_kv_head_biases", "one_token", "longer"],
+)
 def test_cuda_matches_eager_and_the_cpu_op_float32(shape):
     inputs = make_inputs(**shape)
     gpu = to_cuda(inputs)
@@ -66,8 +84,10 @@ def test_cuda_opcheck():
     inputs = to_cuda(make_inputs(bias=True))
     opcheck(torch.ops.offload.attention_block.default, (*inputs, None))
     detached = [t.detach() if t is not None else None for t in inputs]
-    opcheck(torch.ops.offload.attention_block_backward.default,
-            (torch.randn(2, 7, 16, device="cuda"), *detached, 0.5, None, [True] * 9))
+    opcheck(
+        torch.ops.offload.attention_block_backward.default,
+        (torch.randn(2, 7, 16, device="cuda"), *detached, 0.5, None, [True] * 9),
+    )
 
 
 def test_cuda_float64_and_unaligned_head_dimensions_are_refused_by_name():
@@ -75,8 +95,11 @@ def test_cuda_float64_and_unaligned_head_dimensions_are_refused_by_name():
     with pytest.raises(RuntimeError, match="attention_block: x is float64, which CUDA's attention kernels do not"):
         call(*inputs)
     inputs = to_cuda(make_inputs(head_dim=4), torch.bfloat16)
-    with pytest.raises(RuntimeError, match="attention_block: the head dimension .cos's last dimension. is 4; CUDA's "
-                                           "attention kernels need a multiple of 8 for BFloat16"):
+    with pytest.raises(
+        RuntimeError,
+        match="attention_block: the head dimension .cos's last dimension. is 4; CUDA's "
+        "attention kernels need a multiple of 8 for BFloat16",
+    ):
         call(*inputs)
 
 
@@ -92,10 +115,11 @@ def test_cuda_bf16_backward_holds_no_float32_product_as_large_as_x():
         return (torch.randn(*size, device="cuda", generator=generator) * scale).bfloat16()
 
     x = rand(1, tokens, h).requires_grad_()
-    w_q, w_o = rand(heads * head_dim, h, scale=h ** -0.5), rand(h, heads * head_dim, scale=h ** -0.5)
-    w_k, w_v = (rand(kv_heads * head_dim, h, scale=h ** -0.5) for _ in range(2))
-    angles = torch.arange(tokens, device="cuda")[:, None] * 10000 ** (-torch.arange(head_dim // 2, device="cuda") /
-                                                                         (head_dim // 2))
+    w_q, w_o = rand(heads * head_dim, h, scale=h**-0.5), rand(h, heads * head_dim, scale=h**-0.5)
+    w_k, w_v = (rand(kv_heads * head_dim, h, scale=h**-0.5) for _ in range(2))
+    angles = torch.arange(tokens, device="cuda")[:, None] * 10000 ** (
+        -torch.arange(head_dim // 2, device="cuda") / (head_dim // 2)
+    )
     angles = torch.cat([angles, angles], dim=-1)[None]
     cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
     out = call(x, w_q, w_k, w_v, w_o, cos, sin)

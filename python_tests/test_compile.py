@@ -1,4 +1,5 @@
 """torch.compile of a whole model after torch_offload.apply(): one graph, eager's numbers."""
+
 import warnings
 
 import accelerate.hooks
@@ -6,12 +7,12 @@ import peft
 import pytest
 import torch
 from functorch.compile import make_boxed_func
+from test_apply import HalveOutput, assert_close_runs, batch, loss_and_grads, make_model, tier_options
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import torch_offload
 from torch_offload.tiled_mlp import _compiled_num_shards
-from test_apply import HalveOutput, assert_close_runs, batch, loss_and_grads, make_model, tier_options
 
 COMPILED = ["llama", "qwen3", "gemma2", "phi3", "gpt2", "lora"]
 
@@ -19,8 +20,13 @@ COMPILED = ["llama", "qwen3", "gemma2", "phi3", "gpt2", "lora"]
 def build(name):
     if name != "lora":
         return make_model(name)
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
-                           lora_dropout=0.0, init_lora_weights=False)
+    lora = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
+        lora_dropout=0.0,
+        init_lora_weights=False,
+    )
     return peft.get_peft_model(make_model("llama"), lora)
 
 
@@ -95,8 +101,15 @@ def test_inductor_compiled_applied_model_matches_eager():
 # under dynamic=True ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer", tracing
 # its NewGELU inside a checkpoint, the layer's or a shard's); static shapes compile. Plain
 # torch.utils.checkpoint around GPT-2's blocks, without torch_offload, fails the same way: pytorch/pytorch#193194.
-@pytest.mark.parametrize("name, offload", [("llama", None), ("phi3", None), ("llama", "disk"),
-                                           pytest.param("gpt2", None, marks=pytest.mark.xfail(strict=True))])
+@pytest.mark.parametrize(
+    "name, offload",
+    [
+        ("llama", None),
+        ("phi3", None),
+        ("llama", "disk"),
+        pytest.param("gpt2", None, marks=pytest.mark.xfail(strict=True)),
+    ],
+)
 def test_dynamic_compile_serves_two_lengths_without_recompiling(name, offload, tmp_path):
     model, handle = applied(name, offload=offload, **tier_options(offload, tmp_path, min_bytes=4096))
     torch._dynamo.reset()
@@ -116,11 +129,16 @@ def test_dynamic_compile_serves_two_lengths_without_recompiling(name, offload, t
 
 def test_compiled_shard_count_is_the_ops():
     # What tiled_mlp_num_shards computes under torch.compile (where the op cannot be called): the op's rule.
-    for intermediate, gated, dtype in ((80, True, torch.float32), (14336, True, torch.bfloat16),
-                                       (3072, False, torch.float16), (1 << 20, True, torch.float32)):
+    for intermediate, gated, dtype in (
+        (80, True, torch.float32),
+        (14336, True, torch.bfloat16),
+        (3072, False, torch.float16),
+        (1 << 20, True, torch.float32),
+    ):
         for tokens in (0, 1, 2048, 2049, 40000, 1 << 20):
-            assert (_compiled_num_shards(tokens, intermediate, gated, dtype)
-                    == torch.ops.offload.tiled_mlp_num_shards(tokens, intermediate, gated, dtype))
+            assert _compiled_num_shards(tokens, intermediate, gated, dtype) == torch.ops.offload.tiled_mlp_num_shards(
+                tokens, intermediate, gated, dtype
+            )
 
 
 @pytest.mark.parametrize("name, offload", [(name, "disk") for name in COMPILED] + [("llama", "cpu")])
@@ -143,14 +161,28 @@ def aot_graphs(model, ids):
     return loss_and_grads(model, ids, run=compiled), graphs
 
 
-@pytest.mark.parametrize("name, offload, checkpoint", [("llama", "cpu", False), ("llama", "cpu", True),
-                                                       ("llama", "disk", False), ("llama", "disk", True),
-                                                       ("lora", "disk", True)])
+@pytest.mark.parametrize(
+    "name, offload, checkpoint",
+    [
+        ("llama", "cpu", False),
+        ("llama", "cpu", True),
+        ("llama", "disk", False),
+        ("llama", "disk", True),
+        ("lora", "disk", True),
+    ],
+)
 def test_compiled_graph_offloads_saved_activations_through_the_store(name, offload, checkpoint, tmp_path):
     # checkpoint=True: the layers' inputs and their attention's outputs (saved: random ops are not recomputed);
     # whole layers with "cpu", attention only with "disk".
-    model, handle = applied(name, offload=offload, checkpoint=checkpoint, keep_last=1, min_bytes=0,
-                            num_shards=2, **tier_options(offload, tmp_path, offload_cpu_tensors=True))
+    model, handle = applied(
+        name,
+        offload=offload,
+        checkpoint=checkpoint,
+        keep_last=1,
+        min_bytes=0,
+        num_shards=2,
+        **tier_options(offload, tmp_path, offload_cpu_tensors=True),
+    )
     recomputed = {False: "none", True: "layer" if offload == "cpu" else "attention"}[checkpoint]
     assert set(list(handle.checkpointing.values())[:-1]) == {recomputed}  # the last layer is kept (keep_last=1)
     ids = batch()
@@ -174,8 +206,9 @@ def test_compiled_graph_offloads_saved_activations_through_the_store(name, offlo
 def test_compiled_graph_keeps_the_last_layers_activations(tmp_path):
     packs = []
     for keep_last in (0, 1, 2, 3):
-        model, handle = applied("llama", offload="disk", checkpoint=False, keep_last=keep_last, min_bytes=0,
-                                spill_directory=str(tmp_path))
+        model, handle = applied(
+            "llama", offload="disk", checkpoint=False, keep_last=keep_last, min_bytes=0, spill_directory=str(tmp_path)
+        )
         _, (forward, _) = aot_graphs(model, batch())
         packs.append(forward.count("torch.ops.torch_offload.store_pack"))
         handle.remove()

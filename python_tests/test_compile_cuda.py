@@ -1,11 +1,12 @@
 """torch.compile of an applied model on a GPU: one graph, eager's numbers, activations moved to the
 host inside the compiled graphs. Skipped without one."""
+
 import pytest
 import torch
-
-import torch_offload
 from test_apply import assert_close_runs, batch, loss_and_grads, make_model
 from test_compile import aot_graphs, assert_inductor_step_matches_eager_and_offloads, graph_breaks
+
+import torch_offload
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

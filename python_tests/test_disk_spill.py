@@ -1,5 +1,6 @@
 """disk_spill / disk_restore: round trips, errors, crash safety, corruption, concurrency,
 disk space given back, fork."""
+
 import contextlib
 import ctypes
 import os
@@ -44,16 +45,22 @@ def test_round_trip_is_bitwise_for_every_dtype(dtype, spill_dir):
     t = sample((37, 129), dtype)
     back = round_trip(t, spill_dir)
     assert back.dtype == dtype and back.shape == t.shape
-    assert torch.equal(back.view(torch.uint8) if dtype != torch.bool else back, t.view(torch.uint8) if dtype != torch.bool else t)
+    assert torch.equal(
+        back.view(torch.uint8) if dtype != torch.bool else back, t.view(torch.uint8) if dtype != torch.bool else t
+    )
 
 
-@pytest.mark.parametrize("make", [
-    lambda: torch.empty(0, 5),
-    lambda: torch.tensor(3.25),
-    lambda: sample((16, 24), torch.float32).t(),
-    lambda: sample((1, 64), torch.float32).expand(9, 64),
-    lambda: sample((8, 8, 8), torch.float16)[:, ::3, 1:],
-], ids=["zero_size", "zero_dim", "transposed", "expanded", "strided"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.empty(0, 5),
+        lambda: torch.tensor(3.25),
+        lambda: sample((16, 24), torch.float32).t(),
+        lambda: sample((1, 64), torch.float32).expand(9, 64),
+        lambda: sample((8, 8, 8), torch.float16)[:, ::3, 1:],
+    ],
+    ids=["zero_size", "zero_dim", "transposed", "expanded", "strided"],
+)
 def test_round_trip_of_any_layout(make, spill_dir):
     t = make()
     back = round_trip(t, spill_dir)
@@ -85,7 +92,7 @@ def test_round_trip_at_any_offset_within_a_block(direct, offset, nbytes, spill_d
     directory, allow_tmpfs = (spill_dir, False) if direct else ("/dev/shm", True)
     buffer = torch.randint(0, 256, (nbytes + 8192,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
     start = (offset - buffer.data_ptr()) % 4096
-    src = buffer[start:start + nbytes]
+    src = buffer[start : start + nbytes]
     assert src.data_ptr() % 4096 == offset
     torch_offload.configure_disk_spill(extent_bytes=16 << 10)
     try:
@@ -245,7 +252,9 @@ def test_tickets_freed_while_their_io_is_in_flight(spill_dir):
 def test_restore_errors_name_the_problem(spill_dir):
     t = sample((4, 6), torch.float32)
     ticket = torch_offload.disk_spill(t, directory=spill_dir)
-    with pytest.raises(RuntimeError, match=r"disk_restore: size is \[6, 4\] but ticket \d+ holds a tensor of size \[4, 6\]"):
+    with pytest.raises(
+        RuntimeError, match=r"disk_restore: size is \[6, 4\] but ticket \d+ holds a tensor of size \[4, 6\]"
+    ):
         torch_offload.disk_restore(ticket, (6, 4), t.dtype, "cpu")
     with pytest.raises(RuntimeError, match="disk_restore: dtype is Half but ticket .* holds Float"):
         torch_offload.disk_restore(ticket, t.shape, torch.float16, "cpu")
@@ -293,8 +302,9 @@ def test_tmpfs_is_refused_unless_allowed():
 
 def run_child(code, timeout=300):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 # Root may write almost anywhere; /proc/sys refuses even root.
@@ -354,10 +364,13 @@ def test_file_size_limit_fails_clearly_and_the_process_recovers(tmp_path):
         except RuntimeError as e:
             print("ERROR", e)
         small = torch.arange(1000.0)
-        back = torch_offload.disk_restore(torch_offload.disk_spill(small, directory={str(second)!r}), small.shape, small.dtype, "cpu")
+        ticket = torch_offload.disk_spill(small, directory={str(second)!r})
+        back = torch_offload.disk_restore(ticket, small.shape, small.dtype, "cpu")
         print("RECOVERED", torch.equal(back, small))
     """)
-    assert "ERROR disk_spill: writing extent" in child.stdout and "File too large" in child.stdout, child.stdout + child.stderr
+    assert "ERROR disk_spill: writing extent" in child.stdout and "File too large" in child.stdout, (
+        child.stdout + child.stderr
+    )
     assert "RECOVERED True" in child.stdout, child.stdout + child.stderr
 
 
@@ -369,7 +382,8 @@ def test_no_memory_for_a_restore_is_an_error_the_data_stays_and_the_process_goes
     child = run_child(f"""
         import resource, torch, torch_offload
         small = torch.arange(1000.0)
-        torch_offload.disk_restore(torch_offload.disk_spill(small, directory={spill_dir!r}), small.shape, small.dtype, "cpu")
+        ticket = torch_offload.disk_spill(small, directory={spill_dir!r})
+        torch_offload.disk_restore(ticket, small.shape, small.dtype, "cpu")
         big = torch.ones(64 << 20)
         with open("/proc/self/status") as status:
             vm_size = next(int(line.split()[1]) << 10 for line in status if line.startswith("VmSize:"))
@@ -389,7 +403,8 @@ def test_no_memory_for_a_restore_is_an_error_the_data_stays_and_the_process_goes
             print("ERROR", e)
         resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
         print("RESTORED", torch.equal(torch_offload.disk_restore(ticket, big.shape, big.dtype, "cpu"), big))
-        back = torch_offload.disk_restore(torch_offload.disk_spill(small, directory={spill_dir!r}), small.shape, small.dtype, "cpu")
+        small_ticket = torch_offload.disk_spill(small, directory={spill_dir!r})
+        back = torch_offload.disk_restore(small_ticket, small.shape, small.dtype, "cpu")
         print("RECOVERED", torch.equal(back, small))
     """)
     out = child.stdout + child.stderr
@@ -415,7 +430,10 @@ def test_spilling_a_ticket_tensor_does_not_hang_the_engine(spill_dir):
 
 def test_sigkill_mid_spill_leaves_no_file(spill_dir):
     child = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
             import sys, torch, torch_offload
             t = torch.randn(16 << 20)
             tickets = []
@@ -425,8 +443,10 @@ def test_sigkill_mid_spill_leaves_no_file(spill_dir):
                     print("spilling", flush=True)
                 if len(tickets) > 8:
                     tickets.pop(0)
-        """)],
-        stdout=subprocess.PIPE, text=True,
+        """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
         env=dict(os.environ, PYTHONPATH=os.path.dirname(HERE)),
     )
     try:
@@ -472,8 +492,9 @@ def test_opcheck(check, spill_dir):
     for src in (t, t.detach(), t.detach().to(torch.int64)):
         opcheck(torch.ops.offload.disk_spill.default, (src,), {"directory": spill_dir}, test_utils=check)
     ticket = torch_offload.disk_spill(t.detach(), directory=spill_dir)
-    opcheck(torch.ops.offload.disk_restore.default, (ticket, [5, 7], torch.float32, torch.device("cpu")),
-            test_utils=check)
+    opcheck(
+        torch.ops.offload.disk_restore.default, (ticket, [5, 7], torch.float32, torch.device("cpu")), test_utils=check
+    )
     ticket = torch_offload.disk_spill(t.detach(), directory=spill_dir)
     opcheck(torch.ops.offload.disk_wait.default, (ticket,), test_utils=check)
     opcheck(torch.ops.offload.disk_prefetch.default, (ticket,), test_utils=check)
@@ -662,7 +683,8 @@ def test_ramfs_is_refused_like_tmpfs(tmp_path):
 def test_fork_gives_the_child_a_fresh_engine_and_the_parent_goes_on(spill_dir):
     # A DataLoader worker forks a process whose disk tier runs: the child's I/O
     # threads are gone and its file is the parent's. The child must get its own.
-    child = run_child(f"""
+    child = run_child(
+        f"""
         import os, signal, torch, torch_offload
         directory = {spill_dir!r}
         t = torch.arange(100000.0)
@@ -694,7 +716,9 @@ def test_fork_gives_the_child_a_fresh_engine_and_the_parent_goes_on(spill_dir):
         back = torch_offload.disk_restore(torch_offload.disk_spill(again, directory=directory), again.shape,
                                           again.dtype, "cpu")
         print("AGAIN", torch.equal(back, again))
-    """, timeout=120)
+    """,
+        timeout=120,
+    )
     out = child.stdout + child.stderr
     assert "CHILD REFUSED True" in child.stdout, out
     assert "CHILD True True" in child.stdout and "CHILD EXIT 0" in child.stdout, out

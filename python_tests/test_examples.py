@@ -1,4 +1,5 @@
 """The examples run as users would run them."""
+
 import json
 import os
 import subprocess
@@ -30,8 +31,12 @@ def test_demo_measures_every_configuration_and_their_losses_agree(tmp_path):
     result = run([sys.executable, demo, "--seq-lens", "128,256", "--out", str(tmp_path / "out")], tmp_path)
     assert "losses agree across the 3 configurations on one sequence at every length" in result.stdout
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "KiB" not in line]
-    assert [row.split(" | ")[0] for row in rows if not row.startswith("| ---")] == \
-        ["| baseline", "| checkpointing", "| torch_offload", "| torch_offload_packed"]
+    assert [row.split(" | ")[0] for row in rows if not row.startswith("| ---")] == [
+        "| baseline",
+        "| checkpointing",
+        "| torch_offload",
+        "| torch_offload_packed",
+    ]
     assert (tmp_path / "out" / "memory.png").stat().st_size > 0
     for name in ("baseline", "torch_offload", "torch_offload_packed"):
         assert json.loads((tmp_path / "out" / f"{name}-256.json").read_text())["training_bytes"] > 0
@@ -41,8 +46,10 @@ def test_demo_runs_apply_defaults_and_alternatives_with_equal_losses(tmp_path):
     # BENCHMARKS.md's table of apply()'s defaults comes from these configurations.
     demo = os.path.join(ROOT, "examples", "demo.py")
     configs = ["baseline", "apply_default", "apply_layer", "apply_no_checkpoint", "apply_disk_layer"]
-    result = run([sys.executable, demo, "--seq-lens", "128,256", "--configs", ",".join(configs),
-                  "--out", str(tmp_path / "out")], tmp_path)
+    result = run(
+        [sys.executable, demo, "--seq-lens", "128,256", "--configs", ",".join(configs), "--out", str(tmp_path / "out")],
+        tmp_path,
+    )
     assert "losses agree across the 5 configurations on one sequence at every length" in result.stdout
     rows = [line.split(" | ")[0] for line in result.stdout.splitlines() if line.startswith("| ")]
     assert rows[2:] == [f"| {name}" for name in configs]

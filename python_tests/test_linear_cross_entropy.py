@@ -2,6 +2,7 @@
 softcap / z-loss in plain torch, on both paths (gradients in forward and recompute; the `path` fixture),
 gradcheck, opcheck, torch.compile, TorchScript, autocast, gradients that are not needed, GEMM work, memory
 (no [tokens, V] tensor; the slab's budget), errors."""
+
 import os
 import subprocess
 import sys
@@ -10,22 +11,32 @@ import pytest
 import torch
 import torch.nn.functional as F
 from functorch.compile import make_boxed_func
+from op_recording import RecordBackwardMask, gemm_count, gemm_flops, peak_allocated_bytes
 from torch._dynamo.backends.common import aot_autograd
 from torch.testing._internal.optests import opcheck
 
 import torch_offload
-from op_recording import RecordBackwardMask, gemm_count, gemm_flops, peak_allocated_bytes
 
 
-def reference(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-              softcap=None, z_loss=0.0):
+def reference(
+    hidden,
+    weight,
+    target,
+    bias=None,
+    ignore_index=-100,
+    reduction="mean",
+    label_smoothing=0.0,
+    softcap=None,
+    z_loss=0.0,
+):
     """The eager loss: logits in hidden's dtype, softcap and z-loss written in plain torch."""
     logits = F.linear(hidden, weight, bias)
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
     flat_logits, flat_target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
-    loss = F.cross_entropy(flat_logits, flat_target, ignore_index=ignore_index, reduction="none",
-                           label_smoothing=label_smoothing)
+    loss = F.cross_entropy(
+        flat_logits, flat_target, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing
+    )
     if z_loss:
         loss = torch.where(flat_target != ignore_index, loss + z_loss * flat_logits.logsumexp(-1).square(), 0.0)
     if reduction == "mean":
@@ -59,8 +70,9 @@ GRADIENTS_IN_FORWARD = None
 def call(hidden, weight, b, target, **kwargs):
     if GRADIENTS_IN_FORWARD is not None and "gradients_in_forward" not in kwargs:
         # Gradients in forward where they apply (the op refuses them elsewhere), else the recompute.
-        applies = kwargs.get("reduction", "mean") != "none" and not kwargs.get("softcap") and not kwargs.get(
-            "filter_eps")
+        applies = (
+            kwargs.get("reduction", "mean") != "none" and not kwargs.get("softcap") and not kwargs.get("filter_eps")
+        )
         kwargs["gradients_in_forward"] = GRADIENTS_IN_FORWARD and applies
     return torch_offload.linear_cross_entropy(hidden, weight, target, bias=b, **kwargs)
 
@@ -120,9 +132,13 @@ def test_matches_eager_float32(shape, vocab, tile_tokens, tile_vocab, option, re
     want_loss = reference(hidden, weight, target, b, reduction=reduction, **kwargs)
     grad_out = torch.rand_like(want_loss) + 0.5
     want, want_grads = loss_and_grads(lambda: want_loss, leaves, grad_out)
-    got, got_grads = loss_and_grads(lambda: call(hidden, weight, b, target, reduction=reduction,
-                                                 tile_tokens=tile_tokens, tile_vocab=tile_vocab, **kwargs),
-                                    leaves, grad_out)
+    got, got_grads = loss_and_grads(
+        lambda: call(
+            hidden, weight, b, target, reduction=reduction, tile_tokens=tile_tokens, tile_vocab=tile_vocab, **kwargs
+        ),
+        leaves,
+        grad_out,
+    )
     assert got.shape == want.shape and got.dtype == torch.float32
     assert_close_f32(got, want)
     for g, w in zip(got_grads, want_grads):
@@ -138,10 +154,12 @@ def test_all_tokens_ignored_matches_eager(option, reduction):
     hidden, weight, b, target = make_inputs((6, 16), 20, bias=kwargs.pop("bias", False))
     target.fill_(-100)
     leaves = [t for t in (hidden, weight, b) if t is not None]
-    want, want_grads = loss_and_grads(lambda: reference(hidden, weight, target, b, reduction=reduction, **kwargs),
-                                      leaves)
-    got, got_grads = loss_and_grads(lambda: call(hidden, weight, b, target, reduction=reduction, tile_tokens=4,
-                                                 tile_vocab=8, **kwargs), leaves)
+    want, want_grads = loss_and_grads(
+        lambda: reference(hidden, weight, target, b, reduction=reduction, **kwargs), leaves
+    )
+    got, got_grads = loss_and_grads(
+        lambda: call(hidden, weight, b, target, reduction=reduction, tile_tokens=4, tile_vocab=8, **kwargs), leaves
+    )
     if reduction == "mean":
         assert got.isnan() and want.isnan()  # 0 / 0, as F.cross_entropy
     torch.testing.assert_close(got, want, equal_nan=True)
@@ -154,17 +172,19 @@ def test_custom_ignore_index_and_int32_target():
     hidden, weight, _, target = make_inputs((30, 16), 40)
     target[::3] = 7
     want = reference(hidden, weight, target, ignore_index=7, label_smoothing=0.2)
-    assert_close_f32(call(hidden, weight, None, target.int(), ignore_index=7, label_smoothing=0.2, tile_tokens=8,
-                          tile_vocab=16), want)
+    assert_close_f32(
+        call(hidden, weight, None, target.int(), ignore_index=7, label_smoothing=0.2, tile_tokens=8, tile_vocab=16),
+        want,
+    )
 
 
 @pytest.mark.usefixtures("path")
 def test_gradcheck_float64():
-    for kwargs in ({"reduction": "mean"}, {"reduction": "none", "label_smoothing": 0.3, "softcap": 1.5,
-                                           "z_loss": 0.1}):
+    for kwargs in ({"reduction": "mean"}, {"reduction": "none", "label_smoothing": 0.3, "softcap": 1.5, "z_loss": 0.1}):
         hidden, weight, b, target = make_inputs((2, 5, 6), 11, bias=True, dtype=torch.float64, ignored_every=4)
         assert torch.autograd.gradcheck(
-            lambda h, w, bb: call(h, w, bb, target, tile_tokens=3, tile_vocab=4, **kwargs), (hidden, weight, b))
+            lambda h, w, bb: call(h, w, bb, target, tile_tokens=3, tile_vocab=4, **kwargs), (hidden, weight, b)
+        )
 
 
 @pytest.mark.usefixtures("path")
@@ -203,8 +223,11 @@ def test_gradients_not_needed_are_not_computed(trainable, expected_mask, path):
     inputs = [t.detach().requires_grad_(name in trainable) for name, t in zip(names, tensors)]
     leaves = [t for t in inputs if t.requires_grad]
     # The op that computes the gradients is asked for those needed only.
-    op = (torch.ops.offload.linear_cross_entropy_with_gradients if path == "in_forward"
-          else torch.ops.offload.linear_cross_entropy_backward)
+    op = (
+        torch.ops.offload.linear_cross_entropy_with_gradients
+        if path == "in_forward"
+        else torch.ops.offload.linear_cross_entropy_backward
+    )
     with RecordBackwardMask(op.default) as mode:
         grads = torch.autograd.grad(call(*inputs, target, tile_tokens=8, tile_vocab=8), leaves)
     assert mode.masks == [expected_mask]
@@ -215,15 +238,17 @@ def test_gradients_not_needed_are_not_computed(trainable, expected_mask, path):
     _, lse = torch.ops.offload.linear_cross_entropy_forward(*detached, target, -100, 0.0, 0.0, 0.0, "mean", 8, 8)
 
     def backward(mask):
-        return torch.ops.offload.linear_cross_entropy_backward(torch.tensor(1.0), *detached, target, lse, -100, 0.0,
-                                                               0.0, 0.0, "mean", 8, 8, mask)
+        return torch.ops.offload.linear_cross_entropy_backward(
+            torch.tensor(1.0), *detached, target, lse, -100, 0.0, 0.0, 0.0, "mean", 8, 8, mask
+        )
 
     assert [r is not None for r in backward(expected_mask)] == expected_mask
     assert gemm_count(lambda: backward(expected_mask)) < gemm_count(lambda: backward([True] * 3))
 
     def in_forward(mask):
-        return torch.ops.offload.linear_cross_entropy_with_gradients(*detached, target, -100, 0.0, 0.0, 0.0, "mean",
-                                                                     8, mask)[1:]
+        return torch.ops.offload.linear_cross_entropy_with_gradients(
+            *detached, target, -100, 0.0, 0.0, 0.0, "mean", 8, mask
+        )[1:]
 
     assert [r is not None for r in in_forward(expected_mask)] == expected_mask
     assert gemm_count(lambda: in_forward(expected_mask)) < gemm_count(lambda: in_forward([True] * 3))
@@ -237,9 +262,18 @@ def test_gradients_in_forward_do_three_gemms_of_work_and_recompute_four(bias):
     hidden, weight, b, target = make_inputs((tokens, h), vocab, bias=bias)
     for gradients_in_forward, gemms in ((True, 3), (False, 4)):
         for tile_tokens in (0, 16, 33):
+
             def step():
-                call(hidden, weight, b, target, tile_tokens=tile_tokens, tile_vocab=24,
-                     gradients_in_forward=gradients_in_forward).backward()
+                call(
+                    hidden,
+                    weight,
+                    b,
+                    target,
+                    tile_tokens=tile_tokens,
+                    tile_vocab=24,
+                    gradients_in_forward=gradients_in_forward,
+                ).backward()
+
             assert gemm_flops(step) == gemms * tokens * vocab * h, (gradients_in_forward, tile_tokens)
 
 
@@ -286,8 +320,9 @@ def test_gradients_in_forward_refuse_a_second_backward_and_double_backward():
 
 def test_forward_op_returns_the_float32_log_sum_exp():
     hidden, weight, b, target = [t.detach() if t is not None else None for t in make_inputs((2, 7, 16), 33, True)]
-    loss, lse = torch.ops.offload.linear_cross_entropy_forward(hidden.bfloat16(), weight.bfloat16(), b.bfloat16(),
-                                                               target, -100, 0.0, 0.0, 0.0, "none", 4, 8)
+    loss, lse = torch.ops.offload.linear_cross_entropy_forward(
+        hidden.bfloat16(), weight.bfloat16(), b.bfloat16(), target, -100, 0.0, 0.0, 0.0, "none", 4, 8
+    )
     assert loss.dtype == torch.float32 and loss.shape == (2, 7)
     assert lse.dtype == torch.float32 and lse.shape == (14,)
     want = F.linear(hidden.bfloat16(), weight.bfloat16(), b.bfloat16()).float().logsumexp(-1).view(-1)
@@ -306,8 +341,7 @@ def test_reduced_precision_is_as_close_to_float64_as_eager(dtype):
     for kwargs in ({}, {"label_smoothing": 0.1, "softcap": 4.0, "z_loss": 1e-3}):
         want, want_grads = loss_and_grads(lambda: reference(*inputs64[:2], target, inputs64[2], **kwargs), inputs64)
         eager, eager_grads = loss_and_grads(lambda: reference(*inputs[:2], target, inputs[2], **kwargs), inputs)
-        got, got_grads = loss_and_grads(lambda: call(*inputs, target, tile_tokens=64, tile_vocab=64, **kwargs),
-                                        inputs)
+        got, got_grads = loss_and_grads(lambda: call(*inputs, target, tile_tokens=64, tile_vocab=64, **kwargs), inputs)
         assert got.dtype == torch.float32 and all(g.dtype == dtype for g in got_grads)
         assert relative_error(got, want) <= max(2 * relative_error(eager, want), 4e-3)
         for name, g, e, w in zip(["hidden", "weight", "bias"], got_grads, eager_grads, want_grads):
@@ -354,8 +388,9 @@ def test_vocabulary_masked_by_minus_infinity_matches_eager_at_every_tile(tile_vo
         b[8:] = float("-inf")
         target.clamp_(max=7)
     want = loss_and_grads(lambda: reference(hidden, weight, target, bias=b), (hidden, weight, b))
-    got = loss_and_grads(lambda: call(hidden, weight, b, target, tile_tokens=4, tile_vocab=tile_vocab),
-                         (hidden, weight, b))
+    got = loss_and_grads(
+        lambda: call(hidden, weight, b, target, tile_tokens=4, tile_vocab=tile_vocab), (hidden, weight, b)
+    )
     for g, w in zip((got[0], *got[1]), (want[0], *want[1])):
         assert torch.isfinite(w).all()
         assert_close_f32(g, w)
@@ -395,9 +430,20 @@ def test_gradient_filtering_skips_improbable_tiles_and_still_matches_eager(dtype
     results = {}
     for filter_eps in (None, "auto"):
         results[filter_eps] = loss_and_grads(
-            lambda: call(hidden, weight, b, target, tile_tokens=16, tile_vocab=20, filter_eps=filter_eps,
-                         gradients_in_forward=False, **kwargs),
-            leaves, grad_out.to(dtype))
+            lambda: call(
+                hidden,
+                weight,
+                b,
+                target,
+                tile_tokens=16,
+                tile_vocab=20,
+                filter_eps=filter_eps,
+                gradients_in_forward=False,
+                **kwargs,
+            ),
+            leaves,
+            grad_out.to(dtype),
+        )
     _, (_, unfiltered_weight, unfiltered_bias) = results[None]
     got, got_grads = results["auto"]
     # The skipped tiles added nothing (unfiltered, their gradients are tiny but not zero) ...
@@ -418,10 +464,22 @@ def test_gradient_filtering_keeps_every_tile_that_counts():
         if poison:
             with torch.no_grad():
                 hidden[1, 7, 3] = float("nan")
-        results = [loss_and_grads(lambda: call(hidden, weight, b, target, tile_tokens=8, tile_vocab=16,
-                                               filter_eps=filter_eps, gradients_in_forward=False),
-                                  [hidden, weight, b])
-                   for filter_eps in (None, "auto", 1e-6)]
+        results = [
+            loss_and_grads(
+                lambda: call(
+                    hidden,
+                    weight,
+                    b,
+                    target,
+                    tile_tokens=8,
+                    tile_vocab=16,
+                    filter_eps=filter_eps,
+                    gradients_in_forward=False,
+                ),
+                [hidden, weight, b],
+            )
+            for filter_eps in (None, "auto", 1e-6)
+        ]
         for _, grads in results[1:]:
             for got, want in zip(grads, results[0][1]):
                 torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
@@ -431,17 +489,21 @@ def test_gradient_filtering_keeps_every_tile_that_counts():
 def test_gradient_filtering_skips_every_tile_when_all_tokens_are_ignored():
     hidden, weight, b, target = improbable_tail_inputs()
     target.fill_(-100)
-    got, got_grads = loss_and_grads(lambda: call(hidden, weight, b, target, reduction="sum", filter_eps=1e-30),
-                                    [hidden, weight, b])
+    got, got_grads = loss_and_grads(
+        lambda: call(hidden, weight, b, target, reduction="sum", filter_eps=1e-30), [hidden, weight, b]
+    )
     assert got == 0 and all((g == 0).all() for g in got_grads)
 
 
-@pytest.mark.parametrize("filter_eps, message", [
-    (-1.0, "filter_eps is -1; expected a finite value >= 0"),
-    (float("inf"), "filter_eps is inf; expected a finite value >= 0"),
-    ("on", "filter_eps is 'on'; expected None, \"auto\" or a float"),
-    (1e-9, "filter_eps is 1e-09 with label_smoothing 0.1; gradient filtering needs label_smoothing = 0"),
-])
+@pytest.mark.parametrize(
+    "filter_eps, message",
+    [
+        (-1.0, "filter_eps is -1; expected a finite value >= 0"),
+        (float("inf"), "filter_eps is inf; expected a finite value >= 0"),
+        ("on", "filter_eps is 'on'; expected None, \"auto\" or a float"),
+        (1e-9, "filter_eps is 1e-09 with label_smoothing 0.1; gradient filtering needs label_smoothing = 0"),
+    ],
+)
 def test_bad_filter_eps_is_refused_by_name(filter_eps, message):
     hidden, weight, _, target = make_inputs((3, 16), 10)
     with pytest.raises(RuntimeError, match=f"linear_cross_entropy: {message}"):
@@ -449,8 +511,22 @@ def test_bad_filter_eps_is_refused_by_name(filter_eps, message):
     if not isinstance(filter_eps, str):
         with pytest.raises(RuntimeError, match=f"linear_cross_entropy_backward: {message}"):
             torch.ops.offload.linear_cross_entropy_backward(
-                torch.tensor(1.0), hidden.detach(), weight.detach(), None, target, torch.zeros(3), -100, 0.1, 0.0,
-                0.0, "sum", 0, 0, [True] * 3, filter_eps)
+                torch.tensor(1.0),
+                hidden.detach(),
+                weight.detach(),
+                None,
+                target,
+                torch.zeros(3),
+                -100,
+                0.1,
+                0.0,
+                0.0,
+                "sum",
+                0,
+                0,
+                [True] * 3,
+                filter_eps,
+            )
 
 
 def opcheck_cases():
@@ -469,30 +545,40 @@ def test_opcheck(name, inputs):
     opcheck(torch.ops.offload.linear_cross_entropy.default, (*inputs, -100, 0.0, 0.0, 0.0, "none"))
     opcheck(torch.ops.offload.linear_cross_entropy.default, (*inputs, -100, 0.0, 3.0, 0.0, "sum", 4, 8, 1e-3))
     for gradients_in_forward in (True, False):
-        opcheck(torch.ops.offload.linear_cross_entropy.default,
-                (*inputs, -100, 0.1, 0.0, 1e-3, "mean", 4, 8, 0.0, gradients_in_forward))
+        opcheck(
+            torch.ops.offload.linear_cross_entropy.default,
+            (*inputs, -100, 0.1, 0.0, 1e-3, "mean", 4, 8, 0.0, gradients_in_forward),
+        )
     detached = [t.detach() if t is not None else None for t in inputs]
-    opcheck(torch.ops.offload.linear_cross_entropy_forward.default,
-            (*detached, -100, 0.1, 0.0, 0.0, "sum", 3, 5))
+    opcheck(torch.ops.offload.linear_cross_entropy_forward.default, (*detached, -100, 0.1, 0.0, 0.0, "sum", 3, 5))
     for mask in ([True, True, True], [False, True, False]):
-        opcheck(torch.ops.offload.linear_cross_entropy_with_gradients.default,
-                (*detached, -100, 0.1, 0.0, 1e-3, "mean", 3, mask))
+        opcheck(
+            torch.ops.offload.linear_cross_entropy_with_gradients.default,
+            (*detached, -100, 0.1, 0.0, 1e-3, "mean", 3, mask),
+        )
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_opcheck_backward(reduction):
-    hidden, weight, b, target = [t.detach() if t is not None else None
-                                 for t in make_inputs((2, 7, 16), 19, bias=True, ignored_every=3)]
-    _, lse = torch.ops.offload.linear_cross_entropy_forward(hidden, weight, b, target, -100, 0.1, 2.0, 0.0,
-                                                            reduction, 4, 8)
+    hidden, weight, b, target = [
+        t.detach() if t is not None else None for t in make_inputs((2, 7, 16), 19, bias=True, ignored_every=3)
+    ]
+    _, lse = torch.ops.offload.linear_cross_entropy_forward(
+        hidden, weight, b, target, -100, 0.1, 2.0, 0.0, reduction, 4, 8
+    )
     grad_loss = torch.ones(2, 7) if reduction == "none" else torch.tensor(2.0)
     for mask in ([True, True, True], [True, False, False]):
-        opcheck(torch.ops.offload.linear_cross_entropy_backward.default,
-                (grad_loss, hidden, weight, b, target, lse, -100, 0.1, 2.0, 0.0, reduction, 4, 8, mask))
-    _, lse = torch.ops.offload.linear_cross_entropy_forward(hidden, weight, b, target, -100, 0.0, 2.0, 0.0,
-                                                            reduction, 4, 8)
-    opcheck(torch.ops.offload.linear_cross_entropy_backward.default,
-            (grad_loss, hidden, weight, b, target, lse, -100, 0.0, 2.0, 0.0, reduction, 4, 8, [True] * 3, 1e-3))
+        opcheck(
+            torch.ops.offload.linear_cross_entropy_backward.default,
+            (grad_loss, hidden, weight, b, target, lse, -100, 0.1, 2.0, 0.0, reduction, 4, 8, mask),
+        )
+    _, lse = torch.ops.offload.linear_cross_entropy_forward(
+        hidden, weight, b, target, -100, 0.0, 2.0, 0.0, reduction, 4, 8
+    )
+    opcheck(
+        torch.ops.offload.linear_cross_entropy_backward.default,
+        (grad_loss, hidden, weight, b, target, lse, -100, 0.0, 2.0, 0.0, reduction, 4, 8, [True] * 3, 1e-3),
+    )
 
 
 class Head(torch.nn.Module):
@@ -502,8 +588,9 @@ class Head(torch.nn.Module):
         self.lm_head = torch.nn.Linear(16, 37, bias=False)
 
     def forward(self, x, target):
-        return torch_offload.linear_cross_entropy(self.norm(x), self.lm_head.weight, target, softcap=5.0,
-                                                  label_smoothing=0.1, tile_tokens=8, tile_vocab=16)
+        return torch_offload.linear_cross_entropy(
+            self.norm(x), self.lm_head.weight, target, softcap=5.0, label_smoothing=0.1, tile_tokens=8, tile_vocab=16
+        )
 
 
 def test_compile_fullgraph_dynamic_matches_eager_over_changing_tokens():
@@ -553,7 +640,10 @@ def test_compiled_graphs_call_the_ops_of_the_path(gradients_in_forward):
     backend = aot_autograd(fw_compiler=record, bw_compiler=record)
     compiled = torch.compile(
         lambda h, w, bb, t: call(h, w, bb, t, tile_tokens=4, gradients_in_forward=gradients_in_forward),
-        backend=backend, fullgraph=True, dynamic=True)
+        backend=backend,
+        fullgraph=True,
+        dynamic=True,
+    )
     loss = compiled(hidden, weight, b, target)
     (loss * 3).backward()
     assert len(graphs) == 2
@@ -584,23 +674,44 @@ def test_torchscript_calls_the_op():
 
 
 def test_meta_tensors_give_shapes_only():
-    hidden, weight, b = (torch.empty(2, 5, 16, device="meta"), torch.empty(30, 16, device="meta"),
-                         torch.empty(30, device="meta"))
+    hidden, weight, b = (
+        torch.empty(2, 5, 16, device="meta"),
+        torch.empty(30, 16, device="meta"),
+        torch.empty(30, device="meta"),
+    )
     target = torch.empty(2, 5, dtype=torch.long, device="meta")
     assert call(hidden, weight, b, target).shape == ()
     assert call(hidden, weight, b, target, reduction="none").shape == (2, 5)
-    loss, lse = torch.ops.offload.linear_cross_entropy_forward(hidden.bfloat16(), weight.bfloat16(), None, target,
-                                                               -100, 0.0, 0.0, 0.0, "sum", 0, 0)
+    loss, lse = torch.ops.offload.linear_cross_entropy_forward(
+        hidden.bfloat16(), weight.bfloat16(), None, target, -100, 0.0, 0.0, 0.0, "sum", 0, 0
+    )
     assert loss.is_meta and loss.dtype == torch.float32 and lse.shape == (10,) and lse.dtype == torch.float32
-    grads = torch.ops.offload.linear_cross_entropy_backward(torch.empty((), device="meta"), hidden, weight, b, target,
-                                                            torch.empty(10, device="meta"), -100, 0.0, 0.0, 0.0,
-                                                            "mean", 0, 0, [False, True, True])
+    grads = torch.ops.offload.linear_cross_entropy_backward(
+        torch.empty((), device="meta"),
+        hidden,
+        weight,
+        b,
+        target,
+        torch.empty(10, device="meta"),
+        -100,
+        0.0,
+        0.0,
+        0.0,
+        "mean",
+        0,
+        0,
+        [False, True, True],
+    )
     assert [g.shape if g is not None else None for g in grads] == [None, (30, 16), (30,)]
     loss, *grads = torch.ops.offload.linear_cross_entropy_with_gradients(
-        hidden.bfloat16(), weight.bfloat16(), b.bfloat16(), target, -100, 0.0, 0.0, 0.0, "sum", 0, [True, False, True])
+        hidden.bfloat16(), weight.bfloat16(), b.bfloat16(), target, -100, 0.0, 0.0, 0.0, "sum", 0, [True, False, True]
+    )
     assert loss.shape == () and loss.is_meta and loss.dtype == torch.float32
     assert [(g.shape, g.dtype) if g is not None else None for g in grads] == [
-        ((2, 5, 16), torch.float32), None, ((30,), torch.float32)]
+        ((2, 5, 16), torch.float32),
+        None,
+        ((30,), torch.float32),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -638,11 +749,15 @@ print(rss("VmHWM") - before)
 """
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(reduction="none"), r"gradients_in_forward is True with reduction \"none\".*it needs a scalar loss"),
-    (dict(filter_eps=1e-3), r"gradients_in_forward is True .* filter_eps 0.001 .*; it needs .* filter_eps 0"),
-    (dict(softcap=2.0), r"gradients_in_forward is True .* softcap 2; it needs .* softcap 0"),
-], ids=["reduction_none", "filter_eps", "softcap"])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(reduction="none"), r"gradients_in_forward is True with reduction \"none\".*it needs a scalar loss"),
+        (dict(filter_eps=1e-3), r"gradients_in_forward is True .* filter_eps 0.001 .*; it needs .* filter_eps 0"),
+        (dict(softcap=2.0), r"gradients_in_forward is True .* softcap 2; it needs .* softcap 0"),
+    ],
+    ids=["reduction_none", "filter_eps", "softcap"],
+)
 def test_gradients_in_forward_where_they_do_not_apply_are_refused_by_name(kwargs, message):
     hidden, weight, _, target = make_inputs((3, 16), 10)
     with pytest.raises(ValueError, match=f"linear_cross_entropy: {message}"):
@@ -651,7 +766,7 @@ def test_gradients_in_forward_where_they_do_not_apply_are_refused_by_name(kwargs
     with torch.inference_mode(), pytest.raises(ValueError, match=f"linear_cross_entropy: {message}"):
         torch_offload.linear_cross_entropy(hidden, weight, target, gradients_in_forward=True, **kwargs)
     op = torch.ops.offload.linear_cross_entropy_with_gradients
-    with pytest.raises(ValueError, match="linear_cross_entropy: reduction is \"none\"; gradients computed in forward"):
+    with pytest.raises(ValueError, match='linear_cross_entropy: reduction is "none"; gradients computed in forward'):
         op(hidden, weight, None, target, -100, 0.0, 0.0, 0.0, "none", 0, [True] * 3)
     with pytest.raises(ValueError, match="linear_cross_entropy: softcap is 2; gradients computed in forward need"):
         op(hidden, weight, None, target, -100, 0.0, 2.0, 0.0, "mean", 0, [True] * 3)
@@ -662,8 +777,13 @@ def test_peak_is_a_tile_or_the_slab_never_the_logits():
     # logits are 128 MiB; the recompute stays near its 8 MiB tile, gradients in forward near their
     # 64 MiB slab (the gradients are 1.5 MiB), eager holds several copies.
     def peak(mode):
-        result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, mode], capture_output=True, text=True,
-                                timeout=300, env=dict(os.environ, OMP_NUM_THREADS="2"))
+        result = subprocess.run(
+            [sys.executable, "-c", PEAK_SCRIPT, mode],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=dict(os.environ, OMP_NUM_THREADS="2"),
+        )
         assert result.returncode == 0, result.stderr
         return int(result.stdout)
 
@@ -677,8 +797,11 @@ def bad_input_cases():
     hidden, weight, b, target = [t.detach() for t in make_inputs((3, 16), 10, bias=True)]
     good = dict(hidden=hidden, weight=weight, bias=b, target=target)
     return [
-        ("target_high", dict(good, target=torch.tensor([1, 10, 2])),
-         r"target holds 10 at \(flattened\) index 1; expected class indices in \[0, 10\) or ignore_index \(-100\)"),
+        (
+            "target_high",
+            dict(good, target=torch.tensor([1, 10, 2])),
+            r"target holds 10 at \(flattened\) index 1; expected class indices in \[0, 10\) or ignore_index \(-100\)",
+        ),
         ("target_negative", dict(good, target=torch.tensor([1, 2, -1])), r"target holds -1 at \(flattened\) index 2"),
         ("target_float", dict(good, target=target.float()), "target has dtype Float; expected int64"),
         ("target_shape", dict(good, target=target[:2]), r"target has shape \[2\]; expected hidden's shape without h"),
@@ -708,11 +831,29 @@ def test_bad_inputs_raise_errors_naming_the_argument(name, kwargs, message):
     if hidden.is_floating_point():
         for gradients_in_forward in (None, False):
             with pytest.raises(RuntimeError, match=f"linear_cross_entropy: {message}"):
-                torch_offload.linear_cross_entropy(hidden.detach().requires_grad_(), weight, target,
-                                                   gradients_in_forward=gradients_in_forward, **kwargs)
+                torch_offload.linear_cross_entropy(
+                    hidden.detach().requires_grad_(),
+                    weight,
+                    target,
+                    gradients_in_forward=gradients_in_forward,
+                    **kwargs,
+                )
     # The backward op checks the same.
-    args = [hidden, weight, kwargs.get("bias"), target, torch.zeros(3), -100, kwargs.get("label_smoothing", 0.0),
-            kwargs.get("softcap", 0.0), kwargs.get("z_loss", 0.0), kwargs.get("reduction", "sum"), 0, 0, [True] * 3]
+    args = [
+        hidden,
+        weight,
+        kwargs.get("bias"),
+        target,
+        torch.zeros(3),
+        -100,
+        kwargs.get("label_smoothing", 0.0),
+        kwargs.get("softcap", 0.0),
+        kwargs.get("z_loss", 0.0),
+        kwargs.get("reduction", "sum"),
+        0,
+        0,
+        [True] * 3,
+    ]
     with pytest.raises(RuntimeError, match=f"linear_cross_entropy_backward: {message}"):
         torch.ops.offload.linear_cross_entropy_backward(torch.tensor(1.0), *args)
 
@@ -721,13 +862,18 @@ def test_missing_tensors_and_bad_grad_loss_are_rejected_by_name():
     hidden, weight, _, target = [t.detach() if t is not None else None for t in make_inputs((3, 16), 10)]
     with pytest.raises(RuntimeError, match="linear_cross_entropy: weight is NoneType; expected a defined tensor"):
         torch_offload.linear_cross_entropy(hidden, None, target)
-    with pytest.raises(RuntimeError, match=r"linear_cross_entropy_backward: grad_loss has shape \[3\]; expected a "
-                                           "scalar"):
-        torch.ops.offload.linear_cross_entropy_backward(torch.ones(3), hidden, weight, None, target, torch.zeros(3),
-                                                        -100, 0.0, 0.0, 0.0, "mean", 0, 0, [True] * 3)
+    with pytest.raises(
+        RuntimeError,
+        match=r"linear_cross_entropy_backward: grad_loss has shape \[3\]; expected a "
+        "scalar",
+    ):
+        torch.ops.offload.linear_cross_entropy_backward(
+            torch.ones(3), hidden, weight, None, target, torch.zeros(3), -100, 0.0, 0.0, 0.0, "mean", 0, 0, [True] * 3
+        )
     with pytest.raises(RuntimeError, match=r"linear_cross_entropy_backward: lse has shape \[2\]; expected \[tokens\]"):
-        torch.ops.offload.linear_cross_entropy_backward(torch.ones(3), hidden, weight, None, target, torch.zeros(2),
-                                                        -100, 0.0, 0.0, 0.0, "none", 0, 0, [True] * 3)
+        torch.ops.offload.linear_cross_entropy_backward(
+            torch.ones(3), hidden, weight, None, target, torch.zeros(2), -100, 0.0, 0.0, 0.0, "none", 0, 0, [True] * 3
+        )
 
 
 @pytest.mark.parametrize("capability", ["default", "avx2"])
@@ -758,7 +904,13 @@ def test_every_cpu_kernel_variant_matches_eager(capability):
         "print(torch.backends.cpu.get_cpu_capability())\n"
     )
     env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
-    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=os.path.dirname(__file__),
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=os.path.dirname(__file__),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() != "AVX512"  # the lowered choice took effect

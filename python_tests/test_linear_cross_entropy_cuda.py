@@ -1,19 +1,28 @@
 """linear_cross_entropy on a GPU: the CUDA kernels against the CPU op and eager torch, on both paths of the
 gradients (the `path` fixture), and no [tokens, V] allocation. Skipped without a GPU."""
+
 import pytest
 import torch
+from test_linear_cross_entropy import (  # noqa: F401
+    OPTIONS,
+    assert_close_f32,
+    call,
+    check_autocast,
+    improbable_tail_inputs,
+    loss_and_grads,
+    make_inputs,
+    path,
+    reference,
+    relative_error,
+)
 from torch.testing._internal.optests import opcheck
-
-from test_linear_cross_entropy import OPTIONS, assert_close_f32, call, loss_and_grads, make_inputs, reference
-from test_linear_cross_entropy import check_autocast, improbable_tail_inputs, path, relative_error  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def to_cuda(inputs, dtype=None):
     *tensors, target = inputs
-    return [t.detach().to("cuda", dtype).requires_grad_() if t is not None else None for t in tensors] + [
-        target.cuda()]
+    return [t.detach().to("cuda", dtype).requires_grad_() if t is not None else None for t in tensors] + [target.cuda()]
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -24,10 +33,12 @@ def test_cuda_matches_cpu_op_float64(option, reduction):
     inputs = make_inputs((3, 37, 16), 301, bias=kwargs.pop("bias", False), dtype=torch.float64, ignored_every=5)
     gpu = to_cuda(inputs)
     leaves, gpu_leaves = ([t for t in ins[:3] if t is not None] for ins in (inputs, gpu))
-    got, got_grads = loss_and_grads(lambda: call(*gpu, reduction=reduction, tile_tokens=16, tile_vocab=64, **kwargs),
-                                    gpu_leaves)
-    want, want_grads = loss_and_grads(lambda: call(*inputs, reduction=reduction, tile_tokens=16, tile_vocab=64,
-                                                   **kwargs), leaves)
+    got, got_grads = loss_and_grads(
+        lambda: call(*gpu, reduction=reduction, tile_tokens=16, tile_vocab=64, **kwargs), gpu_leaves
+    )
+    want, want_grads = loss_and_grads(
+        lambda: call(*inputs, reduction=reduction, tile_tokens=16, tile_vocab=64, **kwargs), leaves
+    )
     assert got.is_cuda
     torch.testing.assert_close(got.cpu(), want, rtol=1e-10, atol=1e-12)
     for g, w in zip(got_grads, want_grads):
@@ -39,11 +50,13 @@ def test_cuda_matches_cpu_op_float64(option, reduction):
 @pytest.mark.usefixtures("path")
 def test_cuda_float32_matches_eager(option):
     kwargs = dict(OPTIONS[option])
-    hidden, weight, b, target = to_cuda(make_inputs((2, 300, 64), 1000, bias=kwargs.pop("bias", False),
-                                                    ignored_every=7))
+    hidden, weight, b, target = to_cuda(
+        make_inputs((2, 300, 64), 1000, bias=kwargs.pop("bias", False), ignored_every=7)
+    )
     leaves = [t for t in (hidden, weight, b) if t is not None]
-    got, got_grads = loss_and_grads(lambda: call(hidden, weight, b, target, tile_tokens=128, tile_vocab=256, **kwargs),
-                                    leaves)
+    got, got_grads = loss_and_grads(
+        lambda: call(hidden, weight, b, target, tile_tokens=128, tile_vocab=256, **kwargs), leaves
+    )
     want, want_grads = loss_and_grads(lambda: reference(hidden, weight, target, b, **kwargs), leaves)
     assert_close_f32(got, want)
     for g, w in zip(got_grads, want_grads):
@@ -70,8 +83,10 @@ def test_cuda_reduced_precision_is_as_close_to_float64_as_eager(dtype):
 def test_cuda_gradient_filtering_skips_the_tiles_the_cpu_op_skips(kwargs):
     inputs = improbable_tail_inputs(torch.float64)
     gpu = to_cuda(inputs)
-    results = [loss_and_grads(lambda: call(*ins, tile_tokens=16, tile_vocab=20, filter_eps="auto", **kwargs), ins[:3])
-               for ins in (gpu, inputs)]
+    results = [
+        loss_and_grads(lambda: call(*ins, tile_tokens=16, tile_vocab=20, filter_eps="auto", **kwargs), ins[:3])
+        for ins in (gpu, inputs)
+    ]
     (got, got_grads), (want, want_grads) = results
     assert (got_grads[1][40:] == 0).all() and (got_grads[2][40:] == 0).all()
     torch.testing.assert_close(got.cpu(), want, rtol=1e-10, atol=1e-12)
@@ -79,7 +94,7 @@ def test_cuda_gradient_filtering_skips_the_tiles_the_cpu_op_skips(kwargs):
         torch.testing.assert_close(g.cpu(), w, rtol=1e-10, atol=1e-12)
 
 
-def test_cuda_allocates_no_tokens_by_vocabulary_tensor(path):
+def test_cuda_allocates_no_tokens_by_vocabulary_tensor(path):  # noqa: F811 (the imported fixture)
     tokens, vocab = 8192, 32000
     hidden, weight, _, target = to_cuda(make_inputs((tokens, 64), vocab))
     call(hidden[:16], weight, None, target[:16]).backward()  # warm up
@@ -118,10 +133,13 @@ def test_cuda_runs_on_the_current_stream():
 
 def test_cuda_opcheck():
     hidden, weight, b, target = to_cuda(make_inputs((2, 7, 16), 19, bias=True, ignored_every=3))
-    opcheck(torch.ops.offload.linear_cross_entropy.default, (hidden, weight, b, target, -100, 0.1, 2.0, 1e-3, "mean",
-                                                             4, 8))
-    opcheck(torch.ops.offload.linear_cross_entropy.default, (hidden, weight, b, target, -100, 0.0, 2.0, 1e-3, "sum",
-                                                             4, 8, 1e-3))
+    opcheck(
+        torch.ops.offload.linear_cross_entropy.default, (hidden, weight, b, target, -100, 0.1, 2.0, 1e-3, "mean", 4, 8)
+    )
+    opcheck(
+        torch.ops.offload.linear_cross_entropy.default,
+        (hidden, weight, b, target, -100, 0.0, 2.0, 1e-3, "sum", 4, 8, 1e-3),
+    )
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -131,7 +149,8 @@ def test_cuda_vocabulary_tiles_much_wider_than_a_thread_block_match_eager(reduct
     hidden, weight, b, target = to_cuda(make_inputs((2, 300, 64), 10000, bias=True, ignored_every=7))
     leaves = [hidden, weight, b]
     got, got_grads = loss_and_grads(
-        lambda: call(hidden, weight, b, target, reduction=reduction, tile_tokens=128, tile_vocab=4096), leaves)
+        lambda: call(hidden, weight, b, target, reduction=reduction, tile_tokens=128, tile_vocab=4096), leaves
+    )
     want, want_grads = loss_and_grads(lambda: reference(hidden, weight, target, b, reduction=reduction), leaves)
     assert_close_f32(got, want)
     for g, w in zip(got_grads, want_grads):

@@ -1,9 +1,10 @@
 """Stream semantics of pack/unpack on a GPU. Skipped on machines without one."""
+
 import pytest
 import torch
+from torch.testing._internal.optests import opcheck
 
 import torch_offload
-from torch.testing._internal.optests import opcheck
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -144,7 +145,10 @@ def test_gradients_cross_devices():
 def test_opcheck_on_cuda(requires_grad):
     src = torch.randn(3, 5, device="cuda", requires_grad=requires_grad)
     opcheck(torch.ops.offload.offload_pack.default, (src,))
-    opcheck(torch.ops.offload.offload_unpack.default, (src.detach().cpu().requires_grad_(requires_grad), torch.device("cuda")))
+    opcheck(
+        torch.ops.offload.offload_unpack.default,
+        (src.detach().cpu().requires_grad_(requires_grad), torch.device("cuda")),
+    )
 
 
 def test_compile_on_cuda_matches_eager():

@@ -1,5 +1,6 @@
 """offload_pack / offload_unpack from Python: values, autograd, opcheck, compile, TorchScript, errors;
 meta tensors through every device-moving op."""
+
 import os
 import subprocess
 import sys
@@ -91,7 +92,10 @@ def test_gradcheck_float64():
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: torch_offload.offload_pack(t), (x,))
     assert torch.autograd.gradcheck(lambda t: torch_offload.offload_unpack(t, "cpu"), (x,))
-    composed = lambda t: torch_offload.offload_unpack(torch_offload.offload_pack(t * t), "cpu").sin()
+
+    def composed(t):
+        return torch_offload.offload_unpack(torch_offload.offload_pack(t * t), "cpu").sin()
+
     assert torch.autograd.gradcheck(composed, (x,))
     assert torch.autograd.gradgradcheck(composed, (x,))
 
@@ -138,8 +142,10 @@ def test_meta_tensors_give_meta_results_with_the_package():
 
 
 def test_meta_tensors_give_meta_results_with_the_library_alone():
-    code = f"import sys, torch\ntorch.ops.load_library({torch_offload.library_path()!r})\n{META_CHECKS}\n" \
-           "assert 'torch_offload' not in sys.modules\nprint('META OK')"
+    code = (
+        f"import sys, torch\ntorch.ops.load_library({torch_offload.library_path()!r})\n{META_CHECKS}\n"
+        "assert 'torch_offload' not in sys.modules\nprint('META OK')"
+    )
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "META OK" in child.stdout, child.stdout + child.stderr
 
@@ -269,8 +275,9 @@ def test_tensors_that_are_not_dense_get_an_error_naming_the_op_and_argument(case
         ("tiled_mlp", "w_up"): lambda t: torch_offload.tiled_mlp(x, w_gate, t, w_down),
         ("linear_cross_entropy", "hidden"): lambda t: torch_offload.linear_cross_entropy(t, weight, target),
         ("linear_cross_entropy", "weight"): lambda t: torch_offload.linear_cross_entropy(x, t, target),
-        ("attention_block", "x"): lambda t: torch_offload.attention_block(t, w_down.t(), w_down.t(), w_down.t(),
-                                                                           w_down.t(), rope, rope),
+        ("attention_block", "x"): lambda t: torch_offload.attention_block(
+            t, w_down.t(), w_down.t(), w_down.t(), w_down.t(), rope, rope
+        ),
     }
     for (op, arg), call in calls.items():
         # The forward op may be the one that refuses (linear_cross_entropy_forward).

@@ -1,15 +1,16 @@
 """apply() on the batches users train on: packed documents (position_ids restarting at 0) and padded rows
 (attention_mask), exact against the un-applied model, with no [T, T] tensor in the step."""
+
 import peft
 import pytest
 import torch
 from functorch.compile import make_boxed_func
+from test_apply import COMMON, MODELS, assert_close_runs, tier_options
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_offload
-from test_apply import COMMON, MODELS, assert_close_runs, tier_options
 
 SDPA_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2"]
 
@@ -18,8 +19,18 @@ def make_model(name, **overrides):
     config_cls, model_cls, extra = MODELS[name]
     kwargs = {**COMMON, **extra, **overrides}
     if name == "gpt2":
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                                                 "num_attention_heads", "max_position_embeddings")}
+        kwargs = {
+            k: v
+            for k, v in kwargs.items()
+            if k
+            not in (
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "max_position_embeddings",
+            )
+        }
         kwargs["n_positions"] = overrides.get("max_position_embeddings", kwargs["n_positions"])
     torch.manual_seed(0)
     return model_cls(config_cls(**kwargs)).float().train()
@@ -128,8 +139,9 @@ def test_padding_with_holes_falls_back_to_the_dense_mask():
 
 def test_peft_lora_on_packed_documents():
     model = make_model("llama")
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"],
-                                                       init_lora_weights=False))
+    model = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+    )
     inputs = packed()
     want = step(model, inputs)
     handle = torch_offload.apply(model, num_shards=2)
@@ -159,8 +171,11 @@ def test_no_tensor_of_tokens_squared_elements_in_an_applied_step(name, batch):
     # (GPT-2's MLP, [3 x 512, 128], is the largest); the un-applied step's mask has 3 x T * T.
     tokens = 512
     model = make_model(name, max_position_embeddings=1024)
-    inputs = (packed(tokens, documents=(200, 112, 140, 60)) if batch == "packed" else
-              padded(batch.split("_")[0], tokens, lengths=(512, 400, 128)))
+    inputs = (
+        packed(tokens, documents=(200, 112, 140, 60))
+        if batch == "packed"
+        else padded(batch.split("_")[0], tokens, lengths=(512, 400, 128))
+    )
     with LargestTensor() as plain:
         step(model, inputs)
     assert plain.largest >= tokens * tokens  # the test sees a dense mask where there is one
@@ -192,8 +207,9 @@ def compiled_step(model, inputs, dynamic=False):
         graphs.append(graph)
         return make_boxed_func(graph.forward)
 
-    compiled = torch.compile(model, fullgraph=True, dynamic=dynamic,
-                             backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    compiled = torch.compile(
+        model, fullgraph=True, dynamic=dynamic, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep)
+    )
     model.zero_grad(set_to_none=True)
     loss = compiled(**inputs, use_cache=False).loss
     loss.backward()
@@ -206,10 +222,15 @@ def forward_calls(graphs, *ops):
 
 def calls_and_largest(graphs):
     """(forward calls of attention_block or segment_attention, the most elements of any tensor) in the graphs."""
-    calls = forward_calls(graphs, torch.ops.offload.attention_block.default,
-                          torch.ops.offload.segment_attention.default)
-    largest = max(node.meta["val"].numel() for graph in graphs for node in graph.graph.nodes
-                  if isinstance(node.meta.get("val"), torch.Tensor))
+    calls = forward_calls(
+        graphs, torch.ops.offload.attention_block.default, torch.ops.offload.segment_attention.default
+    )
+    largest = max(
+        node.meta["val"].numel()
+        for graph in graphs
+        for node in graph.graph.nodes
+        if isinstance(node.meta.get("val"), torch.Tensor)
+    )
     return calls, largest
 
 
@@ -219,8 +240,11 @@ def test_compiled_applied_step_equals_the_unapplied_with_no_tensor_of_tokens_squ
     torch._dynamo.reset()
     tokens = 512
     model = make_model(name, max_position_embeddings=1024)
-    inputs = (packed(tokens, documents=(200, 112, 140, 60)) if batch == "packed" else
-              padded(batch.split("_")[0], tokens, lengths=(512, 400, 128)))
+    inputs = (
+        packed(tokens, documents=(200, 112, 140, 60))
+        if batch == "packed"
+        else padded(batch.split("_")[0], tokens, lengths=(512, 400, 128))
+    )
     want = step(model, inputs)
     handle = torch_offload.apply(model, num_shards=2)
     got, graphs = compiled_step(model, inputs)
@@ -248,8 +272,9 @@ def test_compiled_bidirectional_config_keeps_transformers_dense_mask():
 def test_compiled_dynamic_over_changing_tokens_and_document_counts_without_recompiling():
     torch._dynamo.reset()
     model = make_model("qwen3")
-    batches = [packed(tokens, documents) for tokens, documents in
-               ((24, (5, 9, 4, 6)), (31, (20, 11)), (40, (3, 7, 10, 12, 8)))]
+    batches = [
+        packed(tokens, documents) for tokens, documents in ((24, (5, 9, 4, 6)), (31, (20, 11)), (40, (3, 7, 10, 12, 8)))
+    ]
     wants = [step(model, inputs) for inputs in batches]
     handle = torch_offload.apply(model, offload="disk", num_shards=2, min_bytes=0)
     counter = CompileCounterWithBackend("aot_eager")

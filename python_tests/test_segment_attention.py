@@ -1,19 +1,22 @@
 """segment_attention: attention_block's segment-aware attention alone (for attention modules it does not
 replace), against SDPA with the dense mask the segments stand for: values, gradients, gradcheck, opcheck,
 torch.compile, autocast, gradients not needed, errors."""
+
 import pytest
 import torch
 import torch.nn.functional as F
+from test_attention_block import SEGMENTS, segment_mask
 from torch.testing._internal.optests import opcheck
 
 import torch_offload
-from test_attention_block import SEGMENTS, segment_mask
 
 
 def make_qkv(batch=3, heads=2, tokens=13, head_dim=4, dtype=torch.float64, device="cpu", seed=0):
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, heads, tokens, head_dim, generator=generator, dtype=dtype).to(device).requires_grad_()
-            for _ in range(3)]
+    return [
+        torch.randn(batch, heads, tokens, head_dim, generator=generator, dtype=dtype).to(device).requires_grad_()
+        for _ in range(3)
+    ]
 
 
 def reference(q, k, v, segment_ids, scale=None):
@@ -34,8 +37,9 @@ def output_and_grads(fn, leaves, grad_out):
 def test_matches_sdpa_with_the_dense_mask_float64(scale):
     leaves = make_qkv()
     grad_out = torch.randn_like(leaves[0])
-    got, got_grads = output_and_grads(lambda *a: torch_offload.segment_attention(*a, SEGMENTS, scale=scale), leaves,
-                                      grad_out)
+    got, got_grads = output_and_grads(
+        lambda *a: torch_offload.segment_attention(*a, SEGMENTS, scale=scale), leaves, grad_out
+    )
     want, want_grads = output_and_grads(lambda *a: reference(*a, SEGMENTS, scale=scale), leaves, grad_out)
     torch.testing.assert_close(got, want)
     for name, g, w in zip("qkv", got_grads, want_grads):
@@ -46,10 +50,12 @@ def test_matches_sdpa_with_the_dense_mask_float64(scale):
 def test_one_sequence_per_row_is_causal_attention_and_int32_ids_are_the_same():
     q, k, v = make_qkv(dtype=torch.float32)
     whole = torch.zeros(3, 13, dtype=torch.int32)
-    torch.testing.assert_close(torch_offload.segment_attention(q, k, v, whole),
-                               F.scaled_dot_product_attention(q, k, v, is_causal=True))
-    torch.testing.assert_close(torch_offload.segment_attention(q, k, v, SEGMENTS.int()),
-                               torch_offload.segment_attention(q, k, v, SEGMENTS))
+    torch.testing.assert_close(
+        torch_offload.segment_attention(q, k, v, whole), F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    )
+    torch.testing.assert_close(
+        torch_offload.segment_attention(q, k, v, SEGMENTS.int()), torch_offload.segment_attention(q, k, v, SEGMENTS)
+    )
 
 
 def test_query_key_value_as_transposed_views_like_transformers_gives():
@@ -66,8 +72,9 @@ def test_query_key_value_as_transposed_views_like_transformers_gives():
 def test_gradcheck_float64():
     segments = torch.tensor([[0, 0, 1, 1, 1, 2], [-1, 5, 5, 5, 5, -1]])
     leaves = make_qkv(batch=2, tokens=6, head_dim=3)
-    assert torch.autograd.gradcheck(lambda q, k, v: torch_offload.segment_attention(q, k, v, segments, scale=0.4),
-                                    leaves)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: torch_offload.segment_attention(q, k, v, segments, scale=0.4), leaves
+    )
 
 
 def test_opcheck():
@@ -91,8 +98,9 @@ def test_compile_fullgraph_dynamic_over_changing_tokens_and_document_counts():
         torch.testing.assert_close(got, want)
         for g, w in zip(got_grads, want_grads):
             torch.testing.assert_close(g, w)
-    explanation = torch._dynamo.explain(torch_offload.segment_attention)(*make_qkv(batch=2, tokens=12),
-                                                                         torch.zeros(2, 12, dtype=torch.long))
+    explanation = torch._dynamo.explain(torch_offload.segment_attention)(
+        *make_qkv(batch=2, tokens=12), torch.zeros(2, 12, dtype=torch.long)
+    )
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1
 
 
@@ -138,8 +146,12 @@ def bad_input_cases():
         ("key_shape", (q, q[:, :2], q, ids), r"key has shape \[2, 2, 5, 4\]; expected query's"),
         ("value_dtype", (q, q, q.double(), ids), "value has dtype Double; expected Float"),
         ("segment_ids_dtype", (q, q, q, ids.float()), "segment_ids has dtype Float; expected int64 or int32"),
-        ("segment_ids_shape", (q, q, q, ids[:, :4]), r"segment_ids has shape \[2, 4\]; expected \[batch, tokens\] "
-                                                      r"= \[2, 5\]"),
+        (
+            "segment_ids_shape",
+            (q, q, q, ids[:, :4]),
+            r"segment_ids has shape \[2, 4\]; expected \[batch, tokens\] "
+            r"= \[2, 5\]",
+        ),
         ("segment_ids_device", (q, q, q, ids.to("meta")), "segment_ids is on meta but query is on cpu"),
         ("scale_nan", (q, q, q, ids, float("nan")), "scale is nan; expected a finite value > 0"),
         ("scale_negative", (q, q, q, ids, -0.5), r"scale is -0.5; expected a finite value > 0"),
@@ -157,8 +169,9 @@ def test_python_wrapper_names_a_missing_tensor_and_backward_checks_grad_out():
     with pytest.raises(RuntimeError, match="segment_attention: segment_ids is NoneType"):
         torch_offload.segment_attention(q, q, q, None)
     with pytest.raises(RuntimeError, match=r"segment_attention_backward: grad_out has shape \[2, 3, 5, 3\]"):
-        torch.ops.offload.segment_attention_backward(torch.zeros(2, 3, 5, 3), q, q, q,
-                                                     torch.zeros(2, 5, dtype=torch.long), None, [True] * 3)
+        torch.ops.offload.segment_attention_backward(
+            torch.zeros(2, 3, 5, 3), q, q, q, torch.zeros(2, 5, dtype=torch.long), None, [True] * 3
+        )
 
 
 def test_the_eager_dropout_path_attends_per_run_as_the_op_does():

@@ -1,29 +1,28 @@
 """Sequence parallelism on Gloo CPU ranks: ulysses_attention on each rank's chunk of the rows equals
 segment_attention on the whole rows in one process, values and gradients, in float64."""
+
 import contextlib
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
-
-import torch_offload
+from distributed import run_ranks
+from test_attention_block import make_inputs as make_block_inputs
+from test_real_batches import labelled, make_model, packed, padded
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from distributed import run_ranks
+import torch_offload
 import torch_offload.sequence_parallel
 from torch_offload.sequence_parallel import ulysses_attention
-from test_attention_block import make_inputs as make_block_inputs
-from test_real_batches import labelled, make_model, packed, padded
 
 
 def inputs(heads, kv_heads, tokens=12, batch=2, head_dim=4):
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(batch, heads, tokens, head_dim, generator=generator, dtype=torch.float64)
-    k, v = (torch.randn(batch, kv_heads, tokens, head_dim, generator=generator, dtype=torch.float64)
-            for _ in range(2))
+    k, v = (torch.randn(batch, kv_heads, tokens, head_dim, generator=generator, dtype=torch.float64) for _ in range(2))
     grad_out = torch.randn(q.shape, generator=generator, dtype=torch.float64)
     # Row 0: three packed documents, the second crossing every rank boundary of 2, 3 and 4 ranks;
     # row 1: left padding, then one document.
@@ -35,8 +34,9 @@ def whole(heads, kv_heads):
     q, k, v, segment_ids, grad_out = inputs(heads, kv_heads)
     leaves = [t.requires_grad_() for t in (q, k, v)]
     groups = heads // kv_heads
-    out = torch_offload.segment_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
-                                          segment_ids, scale=0.3)
+    out = torch_offload.segment_attention(
+        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), segment_ids, scale=0.3
+    )
     return out.detach(), torch.autograd.grad(out, leaves, grad_out)
 
 
@@ -50,10 +50,11 @@ def sharded(rank, world_size, heads, kv_heads, path, compiled=False):
     torch.save((out.detach(), grads), f"{path}.{rank}")
 
 
-@pytest.mark.parametrize("world_size, heads, kv_heads, compiled",
-                         [(2, 4, 4, False), (2, 4, 2, False), (2, 4, 1, False), (3, 6, 2, False), (4, 4, 2, False),
-                          (2, 4, 2, True)],
-                         ids=["mha", "gqa", "one_kv_head", "3_ranks_kv_fewer_than_ranks", "4_ranks", "compiled"])
+@pytest.mark.parametrize(
+    "world_size, heads, kv_heads, compiled",
+    [(2, 4, 4, False), (2, 4, 2, False), (2, 4, 1, False), (3, 6, 2, False), (4, 4, 2, False), (2, 4, 2, True)],
+    ids=["mha", "gqa", "one_kv_head", "3_ranks_kv_fewer_than_ranks", "4_ranks", "compiled"],
+)
 def test_ulysses_attention_on_each_ranks_chunk_equals_the_whole_rows(world_size, heads, kv_heads, compiled, tmp_path):
     path = str(tmp_path / "result")
     run_ranks(sharded, world_size, heads, kv_heads, path, compiled)
@@ -61,8 +62,9 @@ def test_ulysses_attention_on_each_ranks_chunk_equals_the_whole_rows(world_size,
     want_out, want_grads = whole(heads, kv_heads)
     torch.testing.assert_close(torch.cat([out for out, _ in parts], dim=2), want_out)
     for i, name in enumerate("qkv"):
-        torch.testing.assert_close(torch.cat([grads[i] for _, grads in parts], dim=2), want_grads[i],
-                                   msg=lambda m: f"d{name}: {m}")
+        torch.testing.assert_close(
+            torch.cat([grads[i] for _, grads in parts], dim=2), want_grads[i], msg=lambda m: f"d{name}: {m}"
+        )
 
 
 def opcheck_on_ranks(rank, world_size, path):
@@ -73,11 +75,15 @@ def opcheck_on_ranks(rank, world_size, path):
     # Not test_schema nor test_faketensor: they check the ops inside too, and torch's own
     # _c10d_functional.wait_tensor returns its argument (an alias its schema and fake kernel do not
     # have). The fake result's metadata is checked here instead.
-    torch.library.opcheck(torch.ops.offload.ulysses_attention.default, args,
-                          test_utils=("test_autograd_registration", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(
+        torch.ops.offload.ulysses_attention.default,
+        args,
+        test_utils=("test_autograd_registration", "test_aot_dispatch_dynamic"),
+    )
     with FakeTensorMode() as mode:
-        fake = torch.ops.offload.ulysses_attention(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
-                                                     for a in args))
+        fake = torch.ops.offload.ulysses_attention(
+            *(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+        )
     real = torch.ops.offload.ulysses_attention(*args)
     assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
     torch.save(True, f"{path}.{rank}")
@@ -94,38 +100,51 @@ BLOCK_SEGMENTS = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 2, 2], [-1, -1, 4,
 
 
 def block_inputs(heads, kv_heads, bias):
-    return make_block_inputs(batch=2, tokens=12, h=16, heads=heads, kv_heads=kv_heads, head_dim=4, bias=bias,
-                             dtype=torch.float64)
+    return make_block_inputs(
+        batch=2, tokens=12, h=16, heads=heads, kv_heads=kv_heads, head_dim=4, bias=bias, dtype=torch.float64
+    )
 
 
 def block_on_ranks(rank, world_size, heads, kv_heads, bias, path):
     inputs = block_inputs(heads, kv_heads, bias)
     local = 12 // world_size
-    chunk = [t.narrow(1, rank * local, local).detach().clone().requires_grad_() if i == 0 else
-             t.narrow(1, rank * local, local) if i in (5, 6) else t for i, t in enumerate(inputs)]
+    chunk = [
+        t.narrow(1, rank * local, local).detach().clone().requires_grad_()
+        if i == 0
+        else t.narrow(1, rank * local, local)
+        if i in (5, 6)
+        else t
+        for i, t in enumerate(inputs)
+    ]
     name = dist.group.WORLD.group_name
-    out = torch_offload.attention_block(*chunk[:7], b_q=chunk[7], b_k=chunk[8], b_v=chunk[9], b_o=chunk[10],
-                                        segment_ids=BLOCK_SEGMENTS, group_name=name)
+    out = torch_offload.attention_block(
+        *chunk[:7], b_q=chunk[7], b_k=chunk[8], b_v=chunk[9], b_o=chunk[10], segment_ids=BLOCK_SEGMENTS, group_name=name
+    )
     grad_out = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     leaves = [t for i, t in enumerate(chunk) if t is not None and i not in (5, 6)]
     grads = torch.autograd.grad(out, leaves, grad_out.narrow(1, rank * local, local))
     if not bias:  # every rank: the op's collectives need all of them
-        torch.library.opcheck(torch.ops.offload.attention_block.default,
-                              (*chunk[:7], *chunk[7:], None, BLOCK_SEGMENTS, name))
+        torch.library.opcheck(
+            torch.ops.offload.attention_block.default, (*chunk[:7], *chunk[7:], None, BLOCK_SEGMENTS, name)
+        )
     torch.save((out.detach(), grads), f"{path}.{rank}")
 
 
-@pytest.mark.parametrize("world_size, heads, kv_heads, bias", [(2, 4, 4, False), (2, 4, 1, True), (4, 4, 2, False),
-                                                               (3, 6, 3, False)],
-                         ids=["mha", "one_kv_head_bias", "4_ranks_gqa", "3_ranks"])
-def test_attention_block_with_a_group_on_each_ranks_chunk_equals_the_whole_rows(world_size, heads, kv_heads, bias,
-                                                                                  tmp_path):
+@pytest.mark.parametrize(
+    "world_size, heads, kv_heads, bias",
+    [(2, 4, 4, False), (2, 4, 1, True), (4, 4, 2, False), (3, 6, 3, False)],
+    ids=["mha", "one_kv_head_bias", "4_ranks_gqa", "3_ranks"],
+)
+def test_attention_block_with_a_group_on_each_ranks_chunk_equals_the_whole_rows(
+    world_size, heads, kv_heads, bias, tmp_path
+):
     path = str(tmp_path / "block")
     run_ranks(block_on_ranks, world_size, heads, kv_heads, bias, path)
     parts = [torch.load(f"{path}.{rank}") for rank in range(world_size)]
     inputs = block_inputs(heads, kv_heads, bias)
-    out = torch_offload.attention_block(*inputs[:7], b_q=inputs[7], b_k=inputs[8], b_v=inputs[9], b_o=inputs[10],
-                                        segment_ids=BLOCK_SEGMENTS)
+    out = torch_offload.attention_block(
+        *inputs[:7], b_q=inputs[7], b_k=inputs[8], b_v=inputs[9], b_o=inputs[10], segment_ids=BLOCK_SEGMENTS
+    )
     grad_out = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     leaves = [t for i, t in enumerate(inputs) if t is not None and i not in (5, 6)]
     want = torch.autograd.grad(out, leaves, grad_out)
@@ -138,8 +157,10 @@ def test_attention_block_with_a_group_on_each_ranks_chunk_equals_the_whole_rows(
 def refused(rank, world_size, path):
     messages = []
     q = torch.zeros(1, 4, 2, 4)
-    for args in ((q[:, :3], q[:, :3], q[:, :3], torch.zeros(1, 4, dtype=torch.long)),  # 3 heads over 2 ranks
-                 (q, q, q, torch.zeros(1, 2, dtype=torch.long))):  # segment ids of this rank's chunk only
+    for args in (
+        (q[:, :3], q[:, :3], q[:, :3], torch.zeros(1, 4, dtype=torch.long)),  # 3 heads over 2 ranks
+        (q, q, q, torch.zeros(1, 2, dtype=torch.long)),
+    ):  # segment ids of this rank's chunk only
         try:
             ulysses_attention(*args, dist.group.WORLD)
         except ValueError as error:
@@ -153,8 +174,9 @@ def test_heads_not_divisible_by_the_ranks_and_ids_of_a_chunk_are_refused_by_name
     for rank in range(2):
         heads, ids = torch.load(f"{path}.{rank}")
         assert heads.startswith("ulysses_attention: 3 query heads cannot be split over 2 ranks")
-        assert ids.startswith("ulysses_attention: segment_ids has shape [1, 2]; expected the whole rows, "
-                              "[batch, 2 ranks x 2 tokens]")
+        assert ids.startswith(
+            "ulysses_attention: segment_ids has shape [1, 2]; expected the whole rows, [batch, 2 ranks x 2 tokens]"
+        )
 
 
 def collated(tokens=13):
@@ -173,8 +195,10 @@ def test_shard_batch_pads_splits_and_shifts_labels_across_ranks(ranks):
     batch = collated()
     parts = [torch_offload.sequence_parallel._shard(batch, rank, ranks) for rank in range(ranks)]
     padded = -13 % ranks + 13
-    glued = {name: torch.cat([p[name] for p in parts], dim=1) for name in ("input_ids", "labels", "shift_labels",
-                                                                          "attention_mask", "position_ids")}
+    glued = {
+        name: torch.cat([p[name] for p in parts], dim=1)
+        for name in ("input_ids", "labels", "shift_labels", "attention_mask", "position_ids")
+    }
     assert glued["input_ids"].shape == (2, padded) and torch.equal(glued["input_ids"][:, :13], batch["input_ids"])
     # The padding's positions start again at 0: a document of its own, within the model's position table.
     assert torch.equal(glued["position_ids"], torch.cat([torch.arange(13), torch.arange(padded - 13)])[None])
@@ -186,18 +210,30 @@ def test_shard_batch_pads_splits_and_shifts_labels_across_ranks(ranks):
     logits = torch.randn(2, padded, 50, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     want = ForCausalLMLoss(logits[:, :13], batch["labels"], 50)
     local = padded // ranks
-    got = sum(ForCausalLMLoss(logits[:, r * local:(r + 1) * local].contiguous(), p["labels"], 50,
-                              num_items_in_batch=p["num_items_in_batch"], shift_labels=p["shift_labels"])
-              for r, p in enumerate(parts))
+    got = sum(
+        ForCausalLMLoss(
+            logits[:, r * local : (r + 1) * local].contiguous(),
+            p["labels"],
+            50,
+            num_items_in_batch=p["num_items_in_batch"],
+            shift_labels=p["shift_labels"],
+        )
+        for r, p in enumerate(parts)
+    )
     torch.testing.assert_close(got, want)
 
 
 def test_shard_batch_keeps_packed_positions_and_a_given_count_and_refuses_what_it_cannot_split():
-    batch = dict(collated(), position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7]]),
-                 num_items_in_batch=torch.tensor(40))
+    batch = dict(
+        collated(),
+        position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7]]),
+        num_items_in_batch=torch.tensor(40),
+    )
     first, second = (torch_offload.sequence_parallel._shard(batch, rank, 2) for rank in range(2))
-    assert torch.equal(torch.cat([first["position_ids"], second["position_ids"]], 1),
-                       torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 0]]))
+    assert torch.equal(
+        torch.cat([first["position_ids"], second["position_ids"]], 1),
+        torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 0]]),
+    )
     assert first["num_items_in_batch"] == 40
     with pytest.raises(ValueError, match=r"shard_batch: inputs_embeds has shape \[2, 13, 8\]"):
         torch_offload.sequence_parallel._shard(dict(batch, inputs_embeds=torch.zeros(2, 13, 8)), 0, 2)
@@ -225,6 +261,7 @@ def test_shard_batch_takes_the_rank_and_count_from_the_group(tmp_path):
 # apply(model, sequence_parallel=group): a whole model on each rank's chunk of the rows equals one
 # process on the whole rows: every rank's loss is the whole batch's, and the ranks' gradients add up
 # to the whole batch's.
+
 
 def documents_crossing_ranks(tokens=24, documents=(5, 9, 4, 6)):
     """Packed documents, the second crossing the boundary of 2 ranks (12) and of 4 (6, 12, 18); a run of
@@ -254,8 +291,12 @@ APPLIED = {
     "gpt2": ("gpt2", {}, lambda: [documents_crossing_ranks()], {}),
     "gemma": ("gemma", {}, lambda: [documents_crossing_ranks()], {}),
     # Whole layers checkpointed in place (the default on a CPU is the disk tier, as in the cases above).
-    "tokens_1001": ("llama", dict(max_position_embeddings=1024),
-                    lambda: [documents_crossing_ranks(1001, (300, 500, 201))], dict(offload=None)),
+    "tokens_1001": (
+        "llama",
+        dict(max_position_embeddings=1024),
+        lambda: [documents_crossing_ranks(1001, (300, 500, 201))],
+        dict(offload=None),
+    ),
     "right_padded": ("llama", {}, lambda: [padded("right")], dict(offload=None)),
     "left_padded": ("llama", {}, lambda: [padded("left")], dict(offload=None)),
     "accumulation_num_items": ("llama", {}, accumulation_steps, dict(offload=None)),
@@ -312,8 +353,13 @@ def applied_on_ranks(rank, world_size, cases, path, compiled=False):
             losses.append(loss.detach())
         # A graph's code with its subgraphs' (the checkpointed layers' bodies).
         graphs = ["".join(m.code for m in g.modules() if isinstance(m, torch.fx.GraphModule)) for g in counter.graphs]
-        results[case] = (losses, {n: p.grad for n, p in model.named_parameters()}, dict(handle.attention), graphs,
-                         calls.forwards)
+        results[case] = (
+            losses,
+            {n: p.grad for n, p in model.named_parameters()},
+            dict(handle.attention),
+            graphs,
+            calls.forwards,
+        )
         handle.remove()
     torch.save(results, f"{path}.{rank}")
 
@@ -365,15 +411,26 @@ def refusals_on_ranks(rank, world_size, path):
         except (ValueError, TypeError, NotImplementedError) as error:
             messages[name] = f"{type(error).__name__}: {error}"
 
-    refused("heads", lambda: torch_offload.apply(make_model("llama", hidden_size=24, num_attention_heads=3,
-                                                            num_key_value_heads=3), sequence_parallel=group))
+    refused(
+        "heads",
+        lambda: torch_offload.apply(
+            make_model("llama", hidden_size=24, num_attention_heads=3, num_key_value_heads=3), sequence_parallel=group
+        ),
+    )
     refused("loss", lambda: torch_offload.apply(make_model("llama"), sequence_parallel=group, loss=False))
-    refused("mesh", lambda: torch_offload.apply(make_model("llama"), sequence_parallel=init_device_mesh(
-        "cpu", (1, 2), mesh_dim_names=("dp", "sp"))))
+    refused(
+        "mesh",
+        lambda: torch_offload.apply(
+            make_model("llama"), sequence_parallel=init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "sp"))
+        ),
+    )
     refused("type", lambda: torch_offload.apply(make_model("llama"), sequence_parallel="sp"))
-    refused("rope", lambda: torch_offload.apply(make_model("llama", rope_parameters=dict(rope_type="dynamic",
-                                                                                          factor=2.0)),
-                                                sequence_parallel=group))
+    refused(
+        "rope",
+        lambda: torch_offload.apply(
+            make_model("llama", rope_parameters=dict(rope_type="dynamic", factor=2.0)), sequence_parallel=group
+        ),
+    )
     # A window longer than each rank's 12 tokens but shorter than the whole 24.
     windowed = make_model("mistral", sliding_window=16)
     torch_offload.apply(windowed, sequence_parallel=group)
@@ -384,11 +441,15 @@ def refusals_on_ranks(rank, world_size, path):
     refused("no_shift_labels", lambda: model(**{k: v for k, v in batch.items() if k != "shift_labels"}))
     refused("no_position_ids", lambda: model(**{k: v for k, v in batch.items() if k != "position_ids"}))
     attention = model.model.layers[0].self_attn
-    messages["applied"] = (model.config._attn_implementation, vars(attention).get(
-        torch_offload.sequence_parallel.GROUP_ATTRIBUTE) == dist.group.WORLD.group_name)
+    messages["applied"] = (
+        model.config._attn_implementation,
+        vars(attention).get(torch_offload.sequence_parallel.GROUP_ATTRIBUTE) == dist.group.WORLD.group_name,
+    )
     handle.remove()
-    messages["removed"] = (model.config._attn_implementation, torch_offload.sequence_parallel.GROUP_ATTRIBUTE in
-                           vars(attention))
+    messages["removed"] = (
+        model.config._attn_implementation,
+        torch_offload.sequence_parallel.GROUP_ATTRIBUTE in vars(attention),
+    )
     torch.save(messages, f"{path}.{rank}")
 
 
@@ -396,16 +457,24 @@ def test_apply_refuses_what_sequence_parallelism_cannot_compute_and_remove_resto
     path = str(tmp_path / "refusals")
     run_ranks(refusals_on_ranks, 2, path)
     got = torch.load(f"{path}.0")
-    assert got["heads"] == ("ValueError: torch_offload.apply: sequence_parallel: 3 attention heads cannot be split "
-                            "over 2 ranks; the heads must be a multiple of the number of ranks")
+    assert got["heads"] == (
+        "ValueError: torch_offload.apply: sequence_parallel: 3 attention heads cannot be split "
+        "over 2 ranks; the heads must be a multiple of the number of ranks"
+    )
     assert got["loss"].startswith("ValueError: torch_offload.apply: sequence_parallel needs loss=True")
     assert got["mesh"].startswith("ValueError: torch_offload.apply: sequence_parallel is a 2-D DeviceMesh")
-    assert got["type"].startswith("TypeError: torch_offload.apply: sequence_parallel must be a torch.distributed "
-                                  "ProcessGroup or DeviceMesh, got str")
-    assert got["rope"].startswith("ValueError: torch_offload.apply: sequence_parallel: LlamaConfig's rotary "
-                                  "embedding ('dynamic') scales with the largest position of a call")
-    assert got["window"] == ("NotImplementedError: torch_offload sequence parallelism: a sliding window (16 tokens) "
-                             "shorter than the sequence (24 tokens over the ranks) is not supported")
+    assert got["type"].startswith(
+        "TypeError: torch_offload.apply: sequence_parallel must be a torch.distributed "
+        "ProcessGroup or DeviceMesh, got str"
+    )
+    assert got["rope"].startswith(
+        "ValueError: torch_offload.apply: sequence_parallel: LlamaConfig's rotary "
+        "embedding ('dynamic') scales with the largest position of a call"
+    )
+    assert got["window"] == (
+        "NotImplementedError: torch_offload sequence parallelism: a sliding window (16 tokens) "
+        "shorter than the sequence (24 tokens over the ranks) is not supported"
+    )
     assert "called with labels but no shift_labels; pass torch_offload.shard_batch" in got["no_shift_labels"]
     assert "called without position_ids; pass torch_offload.shard_batch" in got["no_position_ids"]
     assert got["applied"] == (torch_offload.sequence_parallel.IMPLEMENTATION, True)

@@ -2,13 +2,14 @@
 one, which still runs every collective): ulysses_attention and attention_block with a group, values and
 gradients against the same ops on the whole rows in one process, and an applied Llama's step. Skipped
 without CUDA."""
+
 import pytest
 import torch
 import torch.distributed as dist
-
-import torch_offload
 from distributed import run_ranks
 from test_sequence_parallel import APPLIED, inputs, one_process, sp_model, whole
+
+import torch_offload
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -20,8 +21,9 @@ def ranks():
 def on_cuda_ranks(rank, world_size, path):
     device = torch.device("cuda", rank)
     # float32: the CUDA attention kernels take no float64.
-    q, k, v, segment_ids, grad_out = (t.to(device, torch.float32 if t.is_floating_point() else t.dtype)
-                                      for t in inputs(4, 2))
+    q, k, v, segment_ids, grad_out = (
+        t.to(device, torch.float32 if t.is_floating_point() else t.dtype) for t in inputs(4, 2)
+    )
     local = q.shape[2] // world_size
     chunk = [t.narrow(2, rank * local, local).clone().requires_grad_() for t in (q, k, v)]
     out = torch_offload.ulysses_attention(*chunk, segment_ids, dist.group.WORLD, scale=0.3)
@@ -30,8 +32,10 @@ def on_cuda_ranks(rank, world_size, path):
     torch_offload.apply(model, sequence_parallel=dist.group.WORLD, offload="cpu")
     losses = []
     for batch in APPLIED["llama_one_kv_head"][2]():
-        batch = {n: t.to(device) if isinstance(t, torch.Tensor) else t
-                 for n, t in torch_offload.shard_batch(batch, dist.group.WORLD).items()}
+        batch = {
+            n: t.to(device) if isinstance(t, torch.Tensor) else t
+            for n, t in torch_offload.shard_batch(batch, dist.group.WORLD).items()
+        }
         loss = model(**batch, use_cache=False).loss
         loss.backward()
         losses.append(loss.detach().cpu())

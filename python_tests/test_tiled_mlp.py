@@ -1,5 +1,6 @@
 """tiled_mlp, TiledMLP and tiled_apply: values and gradients against plain torch, gradcheck,
 opcheck, torch.compile, gradients that are not needed, bf16 accumulation, errors."""
+
 import os
 import subprocess
 import sys
@@ -7,13 +8,13 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from functorch.compile import make_boxed_func
+from op_recording import CountCalls, RecordBackwardMask, gemm_count
+from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 from torch.testing._internal.optests import opcheck
 
 import torch_offload
-from op_recording import CountCalls, RecordBackwardMask, gemm_count
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -51,14 +52,22 @@ def mlp_inputs(x_shape, intermediate=24, gated=True, bias=True, dtype=torch.floa
     w_gate, w_up = rand(intermediate, h, scale=max(h, 1) ** -0.5), rand(intermediate, h, scale=max(h, 1) ** -0.5)
     w_down = rand(h, intermediate, scale=max(intermediate, 1) ** -0.5)
     b_gate, b_up, b_down = rand(intermediate, scale=0.1), rand(intermediate, scale=0.1), rand(h, scale=0.1)
-    return (x, w_gate, w_up if gated else None, w_down,
-            b_gate if bias else None, b_up if bias and gated else None, b_down if bias else None)
+    return (
+        x,
+        w_gate,
+        w_up if gated else None,
+        w_down,
+        b_gate if bias else None,
+        b_up if bias and gated else None,
+        b_down if bias else None,
+    )
 
 
 def call_tiled(inputs, activation="silu", num_shards=0):
     x, w_gate, w_up, w_down, b_gate, b_up, b_down = inputs
-    return torch_offload.tiled_mlp(x, w_gate, w_up, w_down, activation=activation, num_shards=num_shards,
-                                   b_gate=b_gate, b_up=b_up, b_down=b_down)
+    return torch_offload.tiled_mlp(
+        x, w_gate, w_up, w_down, activation=activation, num_shards=num_shards, b_gate=b_gate, b_up=b_up, b_down=b_down
+    )
 
 
 def outputs_and_grads(fn, inputs, grad_out=None):
@@ -253,10 +262,12 @@ def test_b_down_gradient_needs_no_recompute():
 
 
 def test_undefined_grads_for_absent_inputs():
-    x, w_gate, _, w_down, _, _, _ = [t.detach() if t is not None else None
-                                     for t in mlp_inputs((6, 16), gated=False, bias=False)]
-    results = torch.ops.offload.tiled_mlp_backward(torch.ones(6, 16), x, w_gate, None, w_down, None, None, None,
-                                                   "gelu", 2, [True] * 7)
+    x, w_gate, _, w_down, _, _, _ = [
+        t.detach() if t is not None else None for t in mlp_inputs((6, 16), gated=False, bias=False)
+    ]
+    results = torch.ops.offload.tiled_mlp_backward(
+        torch.ones(6, 16), x, w_gate, None, w_down, None, None, None, "gelu", 2, [True] * 7
+    )
     assert [r is not None for r in results] == [True, True, False, True, False, False, False]
 
 
@@ -265,10 +276,13 @@ def opcheck_cases():
     for gated in (True, False):
         for bias in (True, False):
             for requires_grad in (True, False):
-                inputs = [t.detach().requires_grad_(requires_grad) if t is not None else None
-                          for t in mlp_inputs((2, 7, 16), gated=gated, bias=bias)]
-                cases.append((f"{'gated' if gated else 'plain'}-{'bias' if bias else 'nobias'}-grad{requires_grad}",
-                              inputs))
+                inputs = [
+                    t.detach().requires_grad_(requires_grad) if t is not None else None
+                    for t in mlp_inputs((2, 7, 16), gated=gated, bias=bias)
+                ]
+                cases.append(
+                    (f"{'gated' if gated else 'plain'}-{'bias' if bias else 'nobias'}-grad{requires_grad}", inputs)
+                )
     return cases
 
 
@@ -276,8 +290,11 @@ def opcheck_cases():
 @pytest.mark.parametrize("name, inputs", opcheck_cases(), ids=[c[0] for c in opcheck_cases()])
 def test_opcheck_tiled_mlp(name, inputs, activation):
     opcheck(torch.ops.offload.tiled_mlp.default, (*inputs, activation, 3))
-    opcheck(torch.ops.offload.tiled_mlp.default, (inputs[0], inputs[1], inputs[2], inputs[3]),
-            {"b_down": inputs[6], "activation": activation})
+    opcheck(
+        torch.ops.offload.tiled_mlp.default,
+        (inputs[0], inputs[1], inputs[2], inputs[3]),
+        {"b_down": inputs[6], "activation": activation},
+    )
 
 
 @pytest.mark.parametrize(
@@ -345,8 +362,17 @@ def hf_style_activation(class_name, fn):
         (lambda: PlainMLP(act=nn.GELU(approximate="tanh")), "gelu_tanh"),
         (lambda: PlainMLP(act=nn.ReLU()), "relu"),
     ],
-    ids=["llama", "llama_bias_hf_silu", "hf_gelu", "hf_pytorch_gelu_tanh", "hf_gelu_tanh", "hf_new_gelu",
-         "fc_gelu", "fc_gelu_tanh", "fc_relu"],
+    ids=[
+        "llama",
+        "llama_bias_hf_silu",
+        "hf_gelu",
+        "hf_pytorch_gelu_tanh",
+        "hf_gelu_tanh",
+        "hf_new_gelu",
+        "fc_gelu",
+        "fc_gelu_tanh",
+        "fc_relu",
+    ],
 )
 def test_tiled_mlp_module_matches_the_module_it_wraps(make_mlp, activation):
     torch.manual_seed(0)
@@ -432,8 +458,9 @@ def test_tiled_apply_on_a_lora_module_matches_untiled(x_shape, num_shards):
     trainable = [p for p in mlp.parameters() if p.requires_grad]
     frozen = [p for p in mlp.parameters() if not p.requires_grad]
     x = torch.randn(*x_shape, requires_grad=True)
-    got, got_grads = outputs_and_grads(lambda: torch_offload.tiled_apply(mlp, x, trainable, num_shards),
-                                       [x, *trainable])
+    got, got_grads = outputs_and_grads(
+        lambda: torch_offload.tiled_apply(mlp, x, trainable, num_shards), [x, *trainable]
+    )
     want, want_grads = outputs_and_grads(lambda: mlp(x), [x, *trainable])
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, **F32)
@@ -591,21 +618,31 @@ def test_compiled_backward_calls_the_backward_op():
 
 def bad_input_cases():
     x, w_gate, w_up, w_down, b_gate, b_up, b_down = [t.detach() for t in mlp_inputs((3, 16))]
-    good = dict(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, b_gate=b_gate, b_up=b_up, b_down=b_down,
-                activation="silu")
+    good = dict(
+        x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, b_gate=b_gate, b_up=b_up, b_down=b_down, activation="silu"
+    )
     return [
-        ("w_gate_h", dict(good, w_gate=torch.randn(24, 15)),
-         r"w_gate has shape \[24, 15\]; expected \[I, h\] = \[24, 16\]"),
+        (
+            "w_gate_h",
+            dict(good, w_gate=torch.randn(24, 15)),
+            r"w_gate has shape \[24, 15\]; expected \[I, h\] = \[24, 16\]",
+        ),
         ("w_gate_1d", dict(good, w_gate=torch.randn(24)), r"w_gate has shape \[24\]; expected \[I, h\]"),
         ("w_up_I", dict(good, w_up=torch.randn(23, 16)), r"w_up has shape \[23, 16\]; expected \[I, h\] = \[24, 16\]"),
-        ("w_down_I", dict(good, w_down=torch.randn(16, 23)),
-         r"w_down has shape \[16, 23\]; expected \[h, I\] = \[16, 24\]"),
+        (
+            "w_down_I",
+            dict(good, w_down=torch.randn(16, 23)),
+            r"w_down has shape \[16, 23\]; expected \[h, I\] = \[16, 24\]",
+        ),
         ("w_down_h", dict(good, w_down=torch.randn(15, 24)), r"w_down has shape \[15, 24\]"),
         ("dtype", dict(good, w_up=w_up.double()), "w_up has dtype Double but x has Float"),
         ("x_dtype", dict(good, x=x.long()), "x has dtype Long; expected float32, float64, bfloat16 or float16"),
         ("device", dict(good, w_down=w_down.to("meta")), "w_down is on meta but x is on cpu"),
-        ("activation", dict(good, activation="swish"),
-         "activation is 'swish'; expected one of silu, gelu, gelu_tanh, relu"),
+        (
+            "activation",
+            dict(good, activation="swish"),
+            "activation is 'swish'; expected one of silu, gelu, gelu_tanh, relu",
+        ),
         ("b_gate", dict(good, b_gate=torch.randn(23)), r"b_gate has shape \[23\]; expected \[I\] = \[24\]"),
         ("b_up", dict(good, b_up=torch.randn(25)), r"b_up has shape \[25\]; expected \[I\] = \[24\]"),
         ("b_down", dict(good, b_down=torch.randn(24)), r"b_down has shape \[24\]; expected \[h\] = \[16\]"),
@@ -623,8 +660,9 @@ def test_bad_inputs_raise_errors_naming_the_argument(name, kwargs, message):
     # The backward op checks the same.
     backward_args = [kwargs[k] for k in ("b_gate", "b_up", "b_down")]
     with pytest.raises(RuntimeError, match=f"tiled_mlp_backward: {message}"):
-        torch.ops.offload.tiled_mlp_backward(torch.ones(3, 16), *args, *backward_args, kwargs["activation"], 0,
-                                             [True] * 7)
+        torch.ops.offload.tiled_mlp_backward(
+            torch.ones(3, 16), *args, *backward_args, kwargs["activation"], 0, [True] * 7
+        )
 
 
 def test_missing_tensors_and_bad_grad_out_are_rejected_by_name():
@@ -632,18 +670,27 @@ def test_missing_tensors_and_bad_grad_out_are_rejected_by_name():
     with pytest.raises(RuntimeError, match="tiled_mlp: w_gate is NoneType; expected a defined tensor"):
         torch_offload.tiled_mlp(x, None, w_up, w_down)
     with pytest.raises(RuntimeError, match=r"tiled_mlp_backward: grad_out has shape \[3, 15\]; expected x's shape"):
-        torch.ops.offload.tiled_mlp_backward(torch.ones(3, 15), x, w_gate, w_up, w_down, None, None, None, "silu", 0,
-                                             [True] * 7)
+        torch.ops.offload.tiled_mlp_backward(
+            torch.ones(3, 15), x, w_gate, w_up, w_down, None, None, None, "silu", 0, [True] * 7
+        )
 
 
 def test_meta_tensors_give_shapes_only():
     inputs = [t.detach().to("meta") if t is not None else None for t in mlp_inputs((2, 5, 16))]
     out = call_tiled(inputs)
     assert out.is_meta and out.shape == (2, 5, 16)
-    grads = torch.ops.offload.tiled_mlp_backward(torch.empty(2, 5, 16, device="meta"), *inputs, "silu", 0,
-                                                 [True, True, False, True, False, True, True])
+    grads = torch.ops.offload.tiled_mlp_backward(
+        torch.empty(2, 5, 16, device="meta"), *inputs, "silu", 0, [True, True, False, True, False, True, True]
+    )
     assert [g.shape if g is not None else None for g in grads] == [
-        (2, 5, 16), (24, 16), None, (16, 24), None, (24,), (16,)]
+        (2, 5, 16),
+        (24, 16),
+        None,
+        (16, 24),
+        None,
+        (24,),
+        (16,),
+    ]
 
 
 @pytest.mark.parametrize("capability", ["default", "avx2"])
@@ -665,7 +712,13 @@ def test_every_cpu_kernel_variant_matches_the_reference(capability):
         "print(torch.backends.cpu.get_cpu_capability())\n"
     )
     env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
-    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=os.path.dirname(__file__),
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=os.path.dirname(__file__),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() != "AVX512"  # the lowered choice took effect

@@ -1,11 +1,20 @@
 """tiled_mlp on a GPU: the CUDA kernels against the CPU op and plain torch. Skipped without one."""
+
 import pytest
 import torch
-from torch.testing._internal.optests import opcheck
-
 from cuda_allocations import allocation_sizes
-from test_tiled_mlp import ACTIVATIONS, GatedMLP, assert_close_f32, call_tiled, check_autocast, mlp_inputs
-from test_tiled_mlp import outputs_and_grads, reference_mlp, relative_error
+from test_tiled_mlp import (
+    ACTIVATIONS,
+    GatedMLP,
+    assert_close_f32,
+    call_tiled,
+    check_autocast,
+    mlp_inputs,
+    outputs_and_grads,
+    reference_mlp,
+    relative_error,
+)
+from torch.testing._internal.optests import opcheck
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -69,8 +78,10 @@ def test_opcheck_cuda():
     gpu = to_cuda(mlp_inputs((2, 9, 16)))
     opcheck(torch.ops.offload.tiled_mlp.default, (*gpu, "gelu", 2))
     detached = [t.detach() for t in gpu]
-    opcheck(torch.ops.offload.tiled_mlp_backward.default,
-            (torch.randn(2, 9, 16, device="cuda"), *detached, "gelu", 2, [True] * 7))
+    opcheck(
+        torch.ops.offload.tiled_mlp_backward.default,
+        (torch.randn(2, 9, 16, device="cuda"), *detached, "gelu", 2, [True] * 7),
+    )
 
 
 def test_device_mismatch_is_rejected_by_name():
@@ -98,12 +109,16 @@ def test_cuda_bf16_backward_holds_no_float32_product_as_large_as_a_weight():
     assert sum(size >= accumulator for size in sizes) == 3  # the three accumulators, nothing else as large
     assert max(size for size in sizes if size < accumulator) <= inter * h * 2  # the bf16 gradients
     want = torch.nn.functional.linear(
-        torch.nn.functional.silu(x.float() @ w_gate.float().t()) * (x.float() @ w_up.float().t()), w_down.float())
+        torch.nn.functional.silu(x.float() @ w_gate.float().t()) * (x.float() @ w_up.float().t()), w_down.float()
+    )
     assert relative_error(out, want) < 1e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_cuda_autocast_runs_the_op_in_the_autocast_dtype_like_the_linear_layers(dtype):
     torch.manual_seed(0)
-    check_autocast(GatedMLP(hidden=64, intermediate=160, bias=True).cuda(),
-                   torch.randn(2, 300, 64, device="cuda", requires_grad=True), dtype)
+    check_autocast(
+        GatedMLP(hidden=64, intermediate=160, bias=True).cuda(),
+        torch.randn(2, 300, 64, device="cuda", requires_grad=True),
+        dtype,
+    )

@@ -4,15 +4,16 @@ Each autograd node returns every parameter gradient once, so DDP's hooks fire on
 step ("marked ready twice" would raise) and FSDP2 reduce-scatters each gradient once.
 FSDP2's fully_shard runs on the CPU with Gloo in the torch this project pins (2.13).
 """
+
 import torch
 import torch.distributed as dist
+from distributed import run_ranks
+from test_tiled_mlp import GatedMLP, lora_mlp
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_offload
-from distributed import run_ranks
-from test_tiled_mlp import GatedMLP, lora_mlp
 
 MODES = ["tiled_mlp", "tiled_apply"]
 WRAPPERS = ["ddp", "ddp_find_unused", "ddp_static_graph", "fsdp2"]
@@ -52,8 +53,9 @@ class Model(nn.Module):
 
 def batches():
     generator = torch.Generator().manual_seed(5)
-    return [(torch.randn(8, 6, 8, generator=generator), torch.randn(8, 6, 1, generator=generator))
-            for _ in range(STEPS)]
+    return [
+        (torch.randn(8, 6, 8, generator=generator), torch.randn(8, 6, 1, generator=generator)) for _ in range(STEPS)
+    ]
 
 
 def train(model, params, shard=slice(None)):
@@ -74,8 +76,11 @@ def wrap(model, wrapper):
         for block in model.blocks:
             fully_shard(block)
         return fully_shard(model)
-    options = {"ddp": {}, "ddp_find_unused": {"find_unused_parameters": True},
-               "ddp_static_graph": {"static_graph": True}}[wrapper]
+    options = {
+        "ddp": {},
+        "ddp_find_unused": {"find_unused_parameters": True},
+        "ddp_static_graph": {"static_graph": True},
+    }[wrapper]
     return DistributedDataParallel(model, **options)
 
 

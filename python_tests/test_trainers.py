@@ -1,15 +1,16 @@
 """apply() under the trainers users run: transformers' Trainer and TRL's SFTTrainer, with packed
 (padding-free) and padded batches, 4 steps on a tiny model: the losses of every step equal the
 un-applied model's; the same through TorchOffloadCallback."""
+
 import datasets
 import pytest
 import tokenizers
 import torch
 import transformers
 import trl
+from test_real_batches import make_model
 
 import torch_offload
-from test_real_batches import make_model
 
 WORDS = [f"w{i}" for i in range(120)]
 
@@ -19,8 +20,9 @@ def tokenizer():
     model = tokenizers.models.WordLevel(vocab, unk_token="<pad>")
     inner = tokenizers.Tokenizer(model)
     inner.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="<pad>", bos_token="<s>",
-                                                eos_token="</s>")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=inner, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
 
 
 def texts(n=16):
@@ -30,9 +32,21 @@ def texts(n=16):
 
 
 def arguments(tmp_path, cls=transformers.TrainingArguments, **kwargs):
-    return cls(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4, logging_steps=1, optim="sgd",
-               learning_rate=0.5, report_to=[], save_strategy="no", use_cpu=True, seed=0, data_seed=0,
-               dataloader_num_workers=0, **kwargs)
+    return cls(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=4,
+        logging_steps=1,
+        optim="sgd",
+        learning_rate=0.5,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        **kwargs,
+    )
 
 
 def losses(trainer):
@@ -63,8 +77,9 @@ def test_trainer_losses_equal_step_by_step(batches, tmp_path):
         collator = transformers.DataCollatorForLanguageModeling(tok, mlm=False)
 
     def make_trainer(model):
-        return transformers.Trainer(model=model, args=arguments(tmp_path), train_dataset=dataset,
-                                    data_collator=collator)
+        return transformers.Trainer(
+            model=model, args=arguments(tmp_path), train_dataset=dataset, data_collator=collator
+        )
 
     plain, applied = with_and_without_apply(make_trainer)
     assert len(plain) == 4
@@ -77,9 +92,15 @@ def test_sft_trainer_losses_equal_step_by_step(packing, tmp_path):
     dataset = datasets.Dataset.from_dict({"text": texts()})
 
     def make_trainer(model):
-        config = arguments(tmp_path, trl.SFTConfig, packing=packing, padding_free=packing, max_length=64,
-                           gradient_checkpointing=False,  # TRL turns it on by default; apply() checkpoints itself
-                           dataset_text_field="text")
+        config = arguments(
+            tmp_path,
+            trl.SFTConfig,
+            packing=packing,
+            padding_free=packing,
+            max_length=64,
+            gradient_checkpointing=False,  # TRL turns it on by default; apply() checkpoints itself
+            dataset_text_field="text",
+        )
         return trl.SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok)
 
     plain, applied = with_and_without_apply(make_trainer)
@@ -90,9 +111,12 @@ def test_sft_trainer_losses_equal_step_by_step(packing, tmp_path):
 def patches(model):
     """Each module's instance attributes that replace class ones (a patched forward, apply's __getstate__), by
     what they are: the trainers' own (accelerate's, TRL's) and, while applied, apply's."""
-    return {(name, key): getattr(value, "__qualname__", type(value).__qualname__)
-            for name, module in model.named_modules() for key, value in vars(module).items()
-            if key in ("forward", "__getstate__")}
+    return {
+        (name, key): getattr(value, "__qualname__", type(value).__qualname__)
+        for name, module in model.named_modules()
+        for key, value in vars(module).items()
+        if key in ("forward", "__getstate__")
+    }
 
 
 def with_and_without_callback(make_trainer, **apply_options):
@@ -122,8 +146,9 @@ def test_trainer_callback_applies_for_training_only_with_equal_losses(tmp_path):
     collator = transformers.DataCollatorWithFlattening()
 
     def make_trainer(model, callbacks):
-        return transformers.Trainer(model=model, args=arguments(tmp_path), train_dataset=dataset,
-                                    data_collator=collator, callbacks=callbacks)
+        return transformers.Trainer(
+            model=model, args=arguments(tmp_path), train_dataset=dataset, data_collator=collator, callbacks=callbacks
+        )
 
     plain, applied = with_and_without_callback(make_trainer)
     assert len(plain) == 4
@@ -135,10 +160,18 @@ def test_sft_trainer_callback_losses_equal(tmp_path):
     dataset = datasets.Dataset.from_dict({"text": texts()})
 
     def make_trainer(model, callbacks):
-        config = arguments(tmp_path, trl.SFTConfig, packing=True, padding_free=True, max_length=64,
-                           gradient_checkpointing=False, dataset_text_field="text")
-        return trl.SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok,
-                              callbacks=callbacks)
+        config = arguments(
+            tmp_path,
+            trl.SFTConfig,
+            packing=True,
+            padding_free=True,
+            max_length=64,
+            gradient_checkpointing=False,
+            dataset_text_field="text",
+        )
+        return trl.SFTTrainer(
+            model=model, args=config, train_dataset=dataset, processing_class=tok, callbacks=callbacks
+        )
 
     plain, applied = with_and_without_callback(make_trainer)
     assert len(plain) == 4
@@ -146,8 +179,11 @@ def test_sft_trainer_callback_losses_equal(tmp_path):
 
 
 def test_trainer_callback_refuses_unknown_options_at_once():
-    with pytest.raises(TypeError, match=r"TorchOffloadCallback: unknown option 'max_host_byte' \(did you mean "
-                                        r"'max_host_bytes'\?\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"TorchOffloadCallback: unknown option 'max_host_byte' \(did you mean "
+        r"'max_host_bytes'\?\)",
+    ):
         torch_offload.TorchOffloadCallback(max_host_byte=1)
     with pytest.raises(TypeError, match="unknown option 'model'"):  # apply's model comes from the trainer
         torch_offload.TorchOffloadCallback(model=None)

@@ -15,7 +15,8 @@ at::Tensor tiled_mlp_autocast(const at::Tensor& x, const at::Tensor& w_gate, con
                               const at::Tensor& w_down, const std::optional<at::Tensor>& b_gate,
                               const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& b_down,
                               c10::string_view activation, c10::SymInt num_shards) {
-  const c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
   const auto cast = [&](const auto& t) { return at::autocast::cached_cast(dtype, t, kDevice); };
   return tiled_mlp(cast(x), cast(w_gate), cast(w_up), cast(w_down), cast(b_gate), cast(b_up), cast(b_down), activation,
@@ -43,15 +44,15 @@ template <c10::DeviceType kDevice>
 at::Tensor linear_cross_entropy_autocast(const at::Tensor& hidden, const at::Tensor& weight,
                                          const std::optional<at::Tensor>& bias, const at::Tensor& target,
                                          int64_t ignore_index, double label_smoothing, double softcap, double z_loss,
-                                         c10::string_view reduction, c10::SymInt tile_tokens,
-                                         c10::SymInt tile_vocab, double filter_eps,
-                                         std::optional<bool> gradients_in_forward) {
-  const c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
+                                         c10::string_view reduction, c10::SymInt tile_tokens, c10::SymInt tile_vocab,
+                                         double filter_eps, std::optional<bool> gradients_in_forward) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
   const auto cast = [&](const auto& t) { return at::autocast::cached_cast(dtype, t, kDevice); };
   at::Tensor loss = linear_cross_entropy(cast(hidden), cast(weight), cast(bias), target, ignore_index, label_smoothing,
-                                        softcap, z_loss, reduction, std::move(tile_tokens), std::move(tile_vocab),
-                                        filter_eps, gradients_in_forward);
+                                         softcap, z_loss, reduction, std::move(tile_tokens), std::move(tile_vocab),
+                                         filter_eps, gradients_in_forward);
   return loss.scalar_type() == at::kDouble ? loss : loss.to(at::kFloat);  // autocast leaves float64 alone
 }
 
@@ -79,7 +80,8 @@ at::Tensor attention_block_autocast(const at::Tensor& x, const at::Tensor& w_q, 
                                     const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                     const std::optional<at::Tensor>& segment_ids,
                                     std::optional<c10::string_view> group_name) {
-  const c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
   const auto cast = [&](const auto& t) { return at::autocast::cached_cast(dtype, t, kDevice); };
   return attention_block(cast(x), cast(w_q), cast(w_k), cast(w_v), cast(w_o), cast(cos), cast(sin), cast(b_q),
@@ -90,7 +92,8 @@ at::Tensor attention_block_autocast(const at::Tensor& x, const at::Tensor& w_q, 
 template <c10::DeviceType kDevice>
 at::Tensor segment_attention_autocast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const at::Tensor& segment_ids, std::optional<double> scale) {
-  const c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
   const auto cast = [&](const at::Tensor& t) { return at::autocast::cached_cast(dtype, t, kDevice); };
   return segment_attention(cast(q), cast(k), cast(v), segment_ids, scale);

@@ -70,8 +70,8 @@ class TiledMlpFunction : public torch::autograd::Function<TiledMlpFunction> {
                             const std::optional<at::Tensor>& b_down, c10::string_view activation,
                             c10::SymInt num_shards) {
     const auto or_undefined = [](const std::optional<at::Tensor>& t) { return t.value_or(at::Tensor()); };
-    ctx->save_for_backward({x, w_gate, or_undefined(w_up), w_down, or_undefined(b_gate), or_undefined(b_up),
-                            or_undefined(b_down)});
+    ctx->save_for_backward(
+        {x, w_gate, or_undefined(w_up), w_down, or_undefined(b_gate), or_undefined(b_up), or_undefined(b_down)});
     ctx->saved_data["activation"] = std::string(activation);
     ctx->saved_data["num_shards"] = num_shards;
     at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -143,9 +143,9 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     auto& d = ctx->saved_data;
     d["gradients_in_forward"] = gradients_in_forward.has_value();
     if (gradients_in_forward.has_value()) {
-      auto [loss, grad_hidden, grad_weight, grad_bias] = linear_cross_entropy_with_gradients(
-          hidden, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, tile_tokens,
-          *gradients_in_forward);
+      auto [loss, grad_hidden, grad_weight, grad_bias] =
+          linear_cross_entropy_with_gradients(hidden, weight, bias, target, ignore_index, label_smoothing, softcap,
+                                              z_loss, reduction, tile_tokens, *gradients_in_forward);
       d["grad_hidden"] = grad_hidden;
       d["grad_weight"] = grad_weight;
       d["grad_bias"] = grad_bias;
@@ -168,11 +168,13 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto& d = ctx->saved_data;
     if (d.at("gradients_in_forward").toBool()) {
-      TORCH_CHECK(d.count("grad_hidden"), "linear_cross_entropy: trying to backward through the graph a second "
+      TORCH_CHECK(d.count("grad_hidden"),
+                  "linear_cross_entropy: trying to backward through the graph a second "
                   "time; the gradients its forward computed were handed out by the first backward (specify "
                   "retain_graph=True if you need to backward through the graph a second time)");
       // The kept gradients are constants: a gradient of them would be silently wrong.
-      TORCH_CHECK(!at::GradMode::is_enabled(), "linear_cross_entropy: double backward (create_graph=True) is not "
+      TORCH_CHECK(!at::GradMode::is_enabled(),
+                  "linear_cross_entropy: double backward (create_graph=True) is not "
                   "supported");
       // The last backward through the node scales the kept gradients in place; one that keeps the graph
       // (retain_graph=True) scales copies.
@@ -190,7 +192,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       };
       const at::Tensor grad_hidden = scaled("grad_hidden"), grad_weight = scaled("grad_weight"),
                        grad_bias = scaled("grad_bias");
-      return {grad_hidden, grad_weight, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+      return {grad_hidden,  grad_weight,  grad_bias,    at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
               at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
     const variable_list saved = ctx->get_saved_variables();
@@ -199,11 +201,11 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     const std::array<bool, 3> output_mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                           has_bias && ctx->needs_input_grad(2)};
     const auto [grad_hidden, grad_weight, grad_bias] = linear_cross_entropy_backward(
-        grads[0], saved[0], saved[1], has_bias ? std::optional<at::Tensor>(saved[2]) : std::nullopt, saved[3],
-        saved[4], d.at("ignore_index").toInt(), d.at("label_smoothing").toDouble(), d.at("softcap").toDouble(),
+        grads[0], saved[0], saved[1], has_bias ? std::optional<at::Tensor>(saved[2]) : std::nullopt, saved[3], saved[4],
+        d.at("ignore_index").toInt(), d.at("label_smoothing").toDouble(), d.at("softcap").toDouble(),
         d.at("z_loss").toDouble(), d.at("reduction").toStringRef(), d.at("tile_tokens").toSymInt(),
         d.at("tile_vocab").toSymInt(), output_mask, d.at("filter_eps").toDouble());
-    return {grad_hidden, grad_weight, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+    return {grad_hidden,  grad_weight,  grad_bias,    at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -211,22 +213,21 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
 at::Tensor linear_cross_entropy_autograd(const at::Tensor& hidden, const at::Tensor& weight,
                                          const std::optional<at::Tensor>& bias, const at::Tensor& target,
                                          int64_t ignore_index, double label_smoothing, double softcap, double z_loss,
-                                         c10::string_view reduction, c10::SymInt tile_tokens,
-                                         c10::SymInt tile_vocab, double filter_eps,
-                                         std::optional<bool> gradients_in_forward) {
+                                         c10::string_view reduction, c10::SymInt tile_tokens, c10::SymInt tile_vocab,
+                                         double filter_eps, std::optional<bool> gradients_in_forward) {
   check_filter_eps("linear_cross_entropy", filter_eps, label_smoothing);  // before the work, not in backward
   const std::array<bool, 3> wanted{hidden.requires_grad(), weight.requires_grad(),
                                    bias.has_value() && bias->requires_grad()};
   const bool any_wanted = at::GradMode::is_enabled() && (wanted[0] || wanted[1] || wanted[2]);
   std::optional<std::array<bool, 3>> in_forward;
-  const bool by_default =
-      gradients_in_forward_by_default("linear_cross_entropy", hidden, softcap, reduction, filter_eps, gradients_in_forward);
+  const bool by_default = gradients_in_forward_by_default("linear_cross_entropy", hidden, softcap, reduction,
+                                                          filter_eps, gradients_in_forward);
   if (gradients_in_forward.value_or(by_default) && any_wanted) {
     in_forward = wanted;
   }
-  return LinearCrossEntropyFunction::apply(hidden, weight, bias, target, ignore_index, label_smoothing, softcap,
-                                           z_loss, reduction, std::move(tile_tokens), std::move(tile_vocab),
-                                           filter_eps, in_forward);
+  return LinearCrossEntropyFunction::apply(hidden, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss,
+                                           reduction, std::move(tile_tokens), std::move(tile_vocab), filter_eps,
+                                           in_forward);
 }
 
 }  // namespace
@@ -252,11 +253,11 @@ using torch::autograd::variable_list;
 class AttentionBlockFunction : public torch::autograd::Function<AttentionBlockFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
-                            const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
-                            const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
-                            const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
-                            const std::optional<at::Tensor>& b_o, std::optional<double> scale,
-                            const std::optional<at::Tensor>& segment_ids, std::optional<c10::string_view> group_name) {
+                            const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
+                            const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k,
+                            const std::optional<at::Tensor>& b_v, const std::optional<at::Tensor>& b_o,
+                            std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
+                            std::optional<c10::string_view> group_name) {
     check_rotary_needs_no_grad(cos, sin);
     const auto or_undefined = [](const std::optional<at::Tensor>& t) { return t.value_or(at::Tensor()); };
     ctx->save_for_backward({x, w_q, w_k, w_v, w_o, cos, sin, or_undefined(b_q), or_undefined(b_k), or_undefined(b_v),
@@ -285,12 +286,12 @@ class AttentionBlockFunction : public torch::autograd::Function<AttentionBlockFu
     const auto scale = ctx->saved_data["scale"].toOptional<double>();
     const c10::IValue& group = ctx->saved_data["group_name"];
     const auto group_name = group.isNone() ? std::nullopt : std::optional<c10::string_view>(group.toStringRef());
-    const auto [x, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o] = attention_block_backward(
-        grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], saved[6], or_nullopt(saved[7]),
-        or_nullopt(saved[8]), or_nullopt(saved[9]), or_nullopt(saved[10]), scale, or_nullopt(saved[11]), output_mask,
-        group_name);
-    return {x, w_q, w_k, w_v, w_o, at::Tensor(), at::Tensor(), b_q, b_k, b_v, b_o, at::Tensor(), at::Tensor(),
-            at::Tensor()};
+    const auto [x, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o] =
+        attention_block_backward(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], saved[6],
+                                 or_nullopt(saved[7]), or_nullopt(saved[8]), or_nullopt(saved[9]),
+                                 or_nullopt(saved[10]), scale, or_nullopt(saved[11]), output_mask, group_name);
+    return {x,   w_q, w_k, w_v, w_o,          at::Tensor(), at::Tensor(),
+            b_q, b_k, b_v, b_o, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -317,8 +318,7 @@ class SegmentAttentionFunction : public torch::autograd::Function<SegmentAttenti
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
-    const std::array<bool, 3> output_mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
-                                          ctx->needs_input_grad(2)};
+    const std::array<bool, 3> output_mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2)};
     const auto [q, k, v] = segment_attention_backward(grads[0], saved[0], saved[1], saved[2], saved[3],
                                                       ctx->saved_data["scale"].toOptional<double>(), output_mask);
     return {q, k, v, at::Tensor(), at::Tensor()};

@@ -53,11 +53,23 @@ void reject_non_dense(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 constexpr const char* kOpsTakingTensors[] = {
-    "offload_pack",         "offload_unpack",     "tiled_mlp",       "tiled_mlp_backward",
-    "disk_spill",           "disk_restore",       "disk_prefetch",   "disk_wait",
-    "_disk_ticket_location", "linear_cross_entropy", "linear_cross_entropy_forward",
-    "linear_cross_entropy_backward", "attention_block", "attention_block_backward",
-    "segment_attention",    "segment_attention_backward", "ulysses_attention",
+    "offload_pack",
+    "offload_unpack",
+    "tiled_mlp",
+    "tiled_mlp_backward",
+    "disk_spill",
+    "disk_restore",
+    "disk_prefetch",
+    "disk_wait",
+    "_disk_ticket_location",
+    "linear_cross_entropy",
+    "linear_cross_entropy_forward",
+    "linear_cross_entropy_backward",
+    "attention_block",
+    "attention_block_backward",
+    "segment_attention",
+    "segment_attention_backward",
+    "ulysses_attention",
 };
 
 void reject_at_this_key(torch::Library& m) {
@@ -68,13 +80,33 @@ void reject_at_this_key(torch::Library& m) {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(offload, SparseCPU, m) { reject_at_this_key(m); }
-TORCH_LIBRARY_IMPL(offload, SparseCUDA, m) { reject_at_this_key(m); }
-TORCH_LIBRARY_IMPL(offload, SparseCsrCPU, m) { reject_at_this_key(m); }
-TORCH_LIBRARY_IMPL(offload, SparseCsrCUDA, m) { reject_at_this_key(m); }
-TORCH_LIBRARY_IMPL(offload, NestedTensorCPU, m) { reject_at_this_key(m); }
-TORCH_LIBRARY_IMPL(offload, NestedTensorCUDA, m) { reject_at_this_key(m); }
-TORCH_LIBRARY_IMPL(offload, AutogradNestedTensor, m) { reject_at_this_key(m); }
-TORCH_LIBRARY_IMPL(offload, MkldnnCPU, m) { reject_at_this_key(m); }
-TORCH_LIBRARY_IMPL(offload, QuantizedCPU, m) { reject_at_this_key(m); }
-TORCH_LIBRARY_IMPL(offload, QuantizedCUDA, m) { reject_at_this_key(m); }
+TORCH_LIBRARY_IMPL(offload, SparseCPU, m) {
+  reject_at_this_key(m);
+}
+TORCH_LIBRARY_IMPL(offload, SparseCUDA, m) {
+  reject_at_this_key(m);
+}
+TORCH_LIBRARY_IMPL(offload, SparseCsrCPU, m) {
+  reject_at_this_key(m);
+}
+TORCH_LIBRARY_IMPL(offload, SparseCsrCUDA, m) {
+  reject_at_this_key(m);
+}
+TORCH_LIBRARY_IMPL(offload, NestedTensorCPU, m) {
+  reject_at_this_key(m);
+}
+TORCH_LIBRARY_IMPL(offload, NestedTensorCUDA, m) {
+  reject_at_this_key(m);
+}
+TORCH_LIBRARY_IMPL(offload, AutogradNestedTensor, m) {
+  reject_at_this_key(m);
+}
+TORCH_LIBRARY_IMPL(offload, MkldnnCPU, m) {
+  reject_at_this_key(m);
+}
+TORCH_LIBRARY_IMPL(offload, QuantizedCPU, m) {
+  reject_at_this_key(m);
+}
+TORCH_LIBRARY_IMPL(offload, QuantizedCUDA, m) {
+  reject_at_this_key(m);
+}

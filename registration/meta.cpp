@@ -1,10 +1,10 @@
 #include <torch/library.h>
 
+#include "ops/attention_block/attention_block.h"
 #include "ops/disk_spill/disk_spill.h"
+#include "ops/linear_cross_entropy/linear_cross_entropy.h"
 #include "ops/offload/offload.h"
 #include "ops/tiled_mlp/tiled_mlp.h"
-#include "ops/attention_block/attention_block.h"
-#include "ops/linear_cross_entropy/linear_cross_entropy.h"
 
 // Meta kernels keep meta tensors on meta. Under FakeTensor (torch.compile) the
 // device-moving ops need their real result device: torch_offload/_fake.py

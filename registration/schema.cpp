@@ -2,13 +2,13 @@
 // per dispatch key in the other files of this folder.
 #include <torch/library.h>
 
-#include "ops/common/pinned_arena.h"
-#include "ops/tiled_mlp/tiled_mlp.h"
-#include "ops/disk_spill/disk_spill.h"
-#include "ops/offload/activation_store.h"
-#include "ops/linear_cross_entropy/linear_cross_entropy.h"
 #include "ops/attention_block/attention_block.h"
+#include "ops/common/pinned_arena.h"
+#include "ops/disk_spill/disk_spill.h"
+#include "ops/linear_cross_entropy/linear_cross_entropy.h"
+#include "ops/offload/activation_store.h"
 #include "ops/sequence_parallel/ulysses_attention.h"
+#include "ops/tiled_mlp/tiled_mlp.h"
 
 TORCH_LIBRARY(offload, m) {
   m.def("offload_pack(Tensor src, bool non_blocking=False) -> Tensor");
@@ -51,8 +51,7 @@ TORCH_LIBRARY(offload, m) {
 
   // State of torch_offload.offload_activations(): torch.classes.offload.*.
   m.class_<torch_offload::ActivationEntry>("ActivationEntry");
-  m.class_<torch_offload::SavedActivation>("SavedActivation")
-      .def("unpack", &torch_offload::SavedActivation::unpack);
+  m.class_<torch_offload::SavedActivation>("SavedActivation").def("unpack", &torch_offload::SavedActivation::unpack);
   m.class_<torch_offload::ActivationStore>("ActivationStore")
       .def(torch::init<int64_t, int64_t, int64_t, bool, bool, std::optional<std::string>, bool>())
       .def("pack", &torch_offload::ActivationStore::pack)

@@ -3,6 +3,7 @@
 Importing the package loads the shared library once and registers the fake
 (FakeTensor) implementations that torch.compile needs.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -135,11 +136,11 @@ def pinned_arena_stats() -> dict[str, int]:
     return dict(zip(keys, torch.ops.offload.pinned_arena_stats()))
 
 
-from .tiled_mlp import TiledMLP, tiled_apply, tiled_mlp, tiled_mlp_num_shards  # noqa: E402  (uses _require_tensor above)
+from .attention_block import attention_block, attention_block_segment_ids, segment_attention  # noqa: E402
 from .integrations import OffloadHandle, apply  # noqa: E402
 from .linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_tile  # noqa: E402
-from .attention_block import attention_block, attention_block_segment_ids, segment_attention  # noqa: E402
 from .sequence_parallel import shard_batch, ulysses_attention  # noqa: E402
+from .tiled_mlp import TiledMLP, tiled_apply, tiled_mlp, tiled_mlp_num_shards  # noqa: E402  (uses _require_tensor above)
 
 
 def __getattr__(name: str):

@@ -6,6 +6,7 @@ wrong for ops whose result lives elsewhere; these put the result on its device.
 real meta tensors too: meta inputs give meta results, as the C++ Meta kernels
 do, and nothing is ever allocated.
 """
+
 import torch
 
 
@@ -32,6 +33,7 @@ def _disk_spill_fake(src, directory=None, allow_tmpfs=False):
 def _disk_restore_fake(ticket, size, dtype, device):
     if ticket.device.type != "meta" and torch.device(device).type == "meta":
         # As the CPU kernel: restoring consumes the ticket.
-        raise RuntimeError("disk_restore: device is meta, which would drop the ticket's data; "
-                           "expected a cpu or cuda device")
+        raise RuntimeError(
+            "disk_restore: device is meta, which would drop the ticket's data; expected a cpu or cuda device"
+        )
     return torch.empty(size, dtype=dtype, device=_device(ticket, device))

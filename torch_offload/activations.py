@@ -4,10 +4,12 @@ The hooks here are thin: ``torch.classes.offload.ActivationStore`` (C++) decides
 what to offload, deduplicates storages, keeps the host budget, prefetches during
 backward and counts.
 """
+
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.utils.checkpoint
@@ -80,8 +82,10 @@ class offload_activations:
         if tier not in _TIERS:
             raise ValueError(f"offload_activations: tier must be one of {_TIERS}, got {tier!r}")
         if tier == "cpu" and (spill_directory is not None or allow_tmpfs):
-            raise ValueError("offload_activations: spill_directory and allow_tmpfs would be ignored with tier='cpu' "
-                             "(only tier='disk' writes to disk)")
+            raise ValueError(
+                "offload_activations: spill_directory and allow_tmpfs would be ignored with tier='cpu' "
+                "(only tier='disk' writes to disk)"
+            )
         if max_host_bytes is not None and max_host_bytes < 0:
             raise ValueError(f"offload_activations: max_host_bytes must be >= 0 or None, got {max_host_bytes}")
         if max_host_bytes is None:
@@ -104,8 +108,12 @@ class offload_activations:
         # cost of a call into the store: subclasses (Parameter included) and
         # non-strided tensors, CPU tensors when those stay, small tensors, and
         # parameters' views. The store decides the rest.
-        if (type(tensor) is not torch.Tensor or tensor.layout is not torch.strided
-                or (self._keep_cpu_tensors and tensor.is_cpu) or tensor.nbytes < self._min_bytes):
+        if (
+            type(tensor) is not torch.Tensor
+            or tensor.layout is not torch.strided
+            or (self._keep_cpu_tensors and tensor.is_cpu)
+            or tensor.nbytes < self._min_bytes
+        ):
             return _saved_as_is(tensor)
         base = tensor._base
         root = tensor if base is None else base
@@ -113,7 +121,7 @@ class offload_activations:
             return _saved_as_is(tensor)
         return self._store_pack(tensor)
 
-    def __enter__(self) -> "offload_activations":
+    def __enter__(self) -> offload_activations:
         if not self._hooks:
             self._store.skip_storages_of(self._skipped)
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)

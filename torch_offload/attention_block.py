@@ -1,5 +1,6 @@
 """A decoder layer's attention, from its normalized input to its output projection, computed
 one group of heads at a time: ``attention_block`` (the ``torch.ops.offload.attention_block`` op)."""
+
 from __future__ import annotations
 
 import torch
@@ -60,12 +61,19 @@ def attention_block(
     """
     for value, arg in ((x, "x"), (w_q, "w_q"), (w_k, "w_k"), (w_v, "w_v"), (w_o, "w_o"), (cos, "cos"), (sin, "sin")):
         _require_tensor(value, "attention_block", arg)
-    return torch.ops.offload.attention_block(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids,
-                                             group_name)
+    return torch.ops.offload.attention_block(
+        x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids, group_name
+    )
 
 
-def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segment_ids: torch.Tensor, *,
-                      scale: float | None = None) -> torch.Tensor:
+def segment_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segment_ids: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
     """``attention_block``'s attention alone, for attention modules whose projections it does not replace
     (differentiable; the ``torch.ops.offload.segment_attention`` op).
 
@@ -80,14 +88,16 @@ def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return torch.ops.offload.segment_attention(query, key, value, segment_ids, scale)
 
 
-def attention_block_segment_ids(*, position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                batch: int | None = None) -> torch.Tensor | None:
+def attention_block_segment_ids(
+    *, position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, batch: int | None = None
+) -> torch.Tensor | None:
     """``attention_block``'s ``segment_ids`` ``[batch, tokens]`` for a batch as transformers sees it.
 
     With a 2-D ``attention_mask`` (1 for real tokens, 0 for padding): padding gets id -1 and each
     run of real tokens an id of its own, so a row's real tokens are one causal sequence when they
     are contiguous, as transformers' mask has them; where they are not (holes), a real token sees
-    only its own run, unlike transformers (apply() checks this and builds its dense mask then). transformers ignores ``position_ids`` for packing when a mask is given, and so does this.
+    only its own run, unlike transformers (apply() checks this and builds its dense mask then).
+    transformers ignores ``position_ids`` for packing when a mask is given, and so does this.
     Otherwise with ``position_ids`` (``[1 or batch, tokens]``): a new segment wherever a position
     is not the previous one plus 1 (packed documents restarting at 0), as transformers'
     ``find_packed_sequence_indices``. ``None`` when neither is given. Tensor ops only (no data-

@@ -10,6 +10,7 @@ Cohere's ``logit_scale``, Granite's ``logits_scaling``) are folded into the op. 
 apply time compares the fused loss with the model's own on a short random batch; a model
 it does not match keeps its own loss.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -98,9 +99,15 @@ def _fused_loss(request: _LossRequest, hidden: torch.Tensor, head: nn.Linear, ma
     count = request.num_items_in_batch
     if count is None and group is not None:  # the mean over the whole batch's labelled tokens, not this rank's
         count = sequence_parallel.group_sum((target != request.ignore_index).sum(), group)
-    loss = linear_cross_entropy(hidden, head.weight, target, bias=head.bias, ignore_index=request.ignore_index,
-                                reduction="mean" if count is None else "sum",
-                                softcap=math.softcap).float()  # transformers' loss is float32 for any head
+    loss = linear_cross_entropy(
+        hidden,
+        head.weight,
+        target,
+        bias=head.bias,
+        ignore_index=request.ignore_index,
+        reduction="mean" if count is None else "sum",
+        softcap=math.softcap,
+    ).float()  # transformers' loss is float32 for any head
     if count is not None:
         loss = loss / (count.to(loss.device) if isinstance(count, torch.Tensor) else count)
     return loss if group is None else sequence_parallel.global_loss(loss, group)
@@ -149,15 +156,25 @@ def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath, group:
         router_logits = arguments.get("output_router_logits", extra.get("output_router_logits"))
         if router_logits is None:  # as transformers' mixture-of-experts models: the call's, else the config's
             router_logits = getattr(getattr(owner, "config", None), "output_router_logits", False)
-        if (arguments.get("labels") is None or not (isinstance(keep, int) and keep == 0) or router_logits
-                or owner.get_output_embeddings() is not head or extra.get("fused_lm_head")):
+        if (
+            arguments.get("labels") is None
+            or not (isinstance(keep, int) and keep == 0)
+            or router_logits
+            or owner.get_output_embeddings() is not head
+            or extra.get("fused_lm_head")
+        ):
             # No loss asked for, or logits asked for; a mixture of experts' router loss, which the
             # model adds only to a loss of its own; an output layer replaced since apply
             # (resize_token_embeddings); TRL's own fused LM head, patched in before apply (its
             # SFTTrainer, then TorchOffloadCallback), which computes the loss itself: the model's own path.
             return original(*args, **kwargs)
-        request = _LossRequest(arguments["labels"], extra.get("shift_labels"), extra.get("ignore_index", -100),
-                               extra.get("num_items_in_batch"), group)
+        request = _LossRequest(
+            arguments["labels"],
+            extra.get("shift_labels"),
+            extra.get("ignore_index", -100),
+            extra.get("num_items_in_batch"),
+            group,
+        )
         arguments["labels"] = None
         as_tuple = extra.pop("return_dict", None) is False
         if extra_name:
@@ -169,13 +186,18 @@ def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath, group:
         finally:
             _requests.request = previous
         if request.loss is None:
-            raise RuntimeError(f"torch_offload: {type(owner).__name__}'s forward did not call its output layer; "
-                               "apply(..., loss=False) keeps the model's own loss")
+            raise RuntimeError(
+                f"torch_offload: {type(owner).__name__}'s forward did not call its output layer; "
+                "apply(..., loss=False) keeps the model's own loss"
+            )
         fields = {key: value for key, value in output.items() if key not in ("loss", "logits")}
         output = type(output)(loss=request.loss, logits=None, **fields)
         if as_tuple:  # the logits' place kept (as None), so that out[1:] mean what they mean without apply
-            return tuple(output[f.name] if f.name != "logits" else None for f in dataclasses.fields(output)
-                         if f.name == "logits" or output.get(f.name) is not None)
+            return tuple(
+                output[f.name] if f.name != "logits" else None
+                for f in dataclasses.fields(output)
+                if f.name == "logits" or output.get(f.name) is not None
+            )
         return output
 
     return forward, fused_forward, head_forward
@@ -186,12 +208,16 @@ def _check_sequence_parallel_call(arguments: dict, extra: dict) -> None:
     part), and with labels, the labels shifted over the whole rows (a chunk's last token labelled with
     the next rank's first)."""
     if arguments.get("position_ids") is None:
-        raise ValueError("torch_offload sequence parallelism: the model was called without position_ids; pass "
-                         "torch_offload.shard_batch(batch, group)'s (the whole rows' positions, for the rotary "
-                         "embedding and the documents)")
+        raise ValueError(
+            "torch_offload sequence parallelism: the model was called without position_ids; pass "
+            "torch_offload.shard_batch(batch, group)'s (the whole rows' positions, for the rotary "
+            "embedding and the documents)"
+        )
     if arguments.get("labels") is not None and extra.get("shift_labels") is None:
-        raise ValueError("torch_offload sequence parallelism: the model was called with labels but no shift_labels; "
-                         "pass torch_offload.shard_batch(batch, group)'s (labels shifted across the ranks' chunks)")
+        raise ValueError(
+            "torch_offload sequence parallelism: the model was called with labels but no shift_labels; "
+            "pass torch_offload.shard_batch(batch, group)'s (labels shifted across the ranks' chunks)"
+        )
 
 
 @contextlib.contextmanager
@@ -244,8 +270,10 @@ def _probe_problem(owner: nn.Module, head: nn.Linear, original, fused) -> str | 
             return f"its forward cannot be probed ({type(error).__name__}: {error})"
         if not torch.allclose(got.float(), want.float(), rtol=rtol, atol=rtol):
             given = ", ".join(sorted(set(call) - {"input_ids", "labels", "use_cache"})) or "no mask"
-            return (f"the fused loss ({got.item():.6g}) differs from the model's own ({want.item():.6g}) on a batch "
-                    f"with {given}")
+            return (
+                f"the fused loss ({got.item():.6g}) differs from the model's own ({want.item():.6g}) on a batch "
+                f"with {given}"
+            )
     return None
 
 

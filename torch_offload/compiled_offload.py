@@ -9,11 +9,12 @@ to the start of the backward graph. The hooks built here trace to the
 ``torch_offload::store_pack`` / ``store_unpack`` ops, which hand each tensor to an
 ``offload_activations`` store: the same tier, host budget, prefetch and counters as in eager.
 """
+
 from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx
@@ -47,8 +48,9 @@ def _(tensor, store):
 
 
 @torch.library.custom_op("torch_offload::store_unpack", mutates_args=())
-def store_unpack(ticket: torch.Tensor, size: Sequence[int], stride: Sequence[int], dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
+def store_unpack(
+    ticket: torch.Tensor, size: Sequence[int], stride: Sequence[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """The tensor ``store_pack`` took, as it was (``size``, ``stride``, ``dtype``, ``device`` are its)."""
     return _saved[int(ticket)].unpack()
 
@@ -87,11 +89,19 @@ def graph_hooks(context: offload_activations, offloads: Callable[[torch.fx.Node]
         if traced is None:
             return _saved_as_is(tensor)
         nbytes = _hint(tensor.numel()) * tensor.element_size()  # decided once, for the shapes compiled
-        if ((context._keep_cpu_tensors and tensor.device.type == "cpu") or nbytes < context._min_bytes
-                or not offloads(traced["_node"])):
+        if (
+            (context._keep_cpu_tensors and tensor.device.type == "cpu")
+            or nbytes < context._min_bytes
+            or not offloads(traced["_node"])
+        ):
             return tensor
-        return (store_pack(tensor, id(context)), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype,
-                tensor.device)
+        return (
+            store_pack(tensor, id(context)),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+            tensor.device,
+        )
 
     def unpack(packed):
         if isinstance(packed, torch.Tensor):

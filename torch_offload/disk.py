@@ -6,11 +6,12 @@ nothing is left behind on any exit, SIGKILL included; it is closed once no ticke
 uses it, and the I/O threads give freed extents' blocks back to the file system. RAM
 file systems (tmpfs, ramfs) are refused unless ``allow_tmpfs=True``.
 """
+
 from __future__ import annotations
 
 import os
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -8,6 +8,7 @@ under offloaded non-reentrant checkpointing (with the disk tier, only its attent
 recomputed and the rest of what it saves goes to disk). ``.remove()`` on the returned
 handle restores the model.
 """
+
 from __future__ import annotations
 
 import collections
@@ -28,11 +29,11 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from . import masking, sequence_parallel
 from .activations import checkpoint as offloaded_checkpoint
-from .attention_block import attention_block as attention_block_op
 from .activations import offload_activations
-from .disk import default_spill_directory, disk_spill, disk_wait, spill_directory_in_ram
+from .attention_block import attention_block as attention_block_op
 from .causal_lm_loss import fuse_causal_lm_loss
 from .compiled_offload import graph_hooks
+from .disk import default_spill_directory, disk_spill, disk_wait, spill_directory_in_ram
 from .masking import is_segment_ids
 from .tiled_mlp import TiledMLP, _first_argument, _is_plain_linear, _module_in_shards
 
@@ -49,7 +50,8 @@ _PATCHED: weakref.WeakKeyDictionary[nn.Module, list[OffloadHandle]] = weakref.We
 
 def _layer_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     return [
-        (name, module) for name, module in model.named_modules()
+        (name, module)
+        for name, module in model.named_modules()
         if isinstance(module, nn.ModuleList) and len(module) > 0 and all(hasattr(m, "mlp") for m in module)
     ]
 
@@ -73,8 +75,9 @@ def _find_layers(model: nn.Module, path: str | None) -> tuple[str, nn.ModuleList
         except AttributeError as error:
             raise ValueError(f"torch_offload.apply: layers={path!r}: {error}") from None
         if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-            raise ValueError(f"torch_offload.apply: layers={path!r} is a {type(layers).__name__}, "
-                             "not a non-empty nn.ModuleList")
+            raise ValueError(
+                f"torch_offload.apply: layers={path!r} is a {type(layers).__name__}, not a non-empty nn.ModuleList"
+            )
         return path, layers
     found = _layer_lists(model)
     if not found:
@@ -156,8 +159,11 @@ def _probing(mlp: nn.Module, training: bool):
     modes = [(m, m.training) for m in mlp.modules()]
     with torch.random.fork_rng(devices=[like.device] if like.device.type == "cuda" else []), torch.no_grad():
         torch.manual_seed(0)
-        params = {name: torch.randn_like(p) / (p.shape[-1] if p.dim() else 1) ** 0.5  # a layer keeps x's scale
-                  for name, p in mlp.named_parameters() if p.is_floating_point()}
+        params = {
+            name: torch.randn_like(p) / (p.shape[-1] if p.dim() else 1) ** 0.5  # a layer keeps x's scale
+            for name, p in mlp.named_parameters()
+            if p.is_floating_point()
+        }
         x = torch.randn(2, 3, width)
         mlp.train(training)
         try:
@@ -207,8 +213,9 @@ def _row_wise_problem(mlp: nn.Module) -> str | None:
                     continue
                 rows = x.reshape(6, -1)
                 want = whole.reshape(6, *whole.shape[2:])
-                halves = torch.cat([functional_call(mlp, params, (rows[:3],)),
-                                    functional_call(mlp, params, (rows[3:],))])
+                halves = torch.cat(
+                    [functional_call(mlp, params, (rows[:3],)), functional_call(mlp, params, (rows[3:],))]
+                )
                 if not (_close(functional_call(mlp, params, (rows,)), want) and _close(halves, want)):
                     return "its output for a token depends on the other tokens"
     except _PROBE_ERRORS as error:
@@ -292,8 +299,9 @@ class OffloadHandle:
       although the model's masks are apply's segment ids (``torch_offload.masking``), by reason.
     """
 
-    def __init__(self, layer_path: str, layers: nn.ModuleList, offload: str | None,
-                 context: offload_activations | None):
+    def __init__(
+        self, layer_path: str, layers: nn.ModuleList, offload: str | None, context: offload_activations | None
+    ):
         self.layer_path = layer_path
         self.layers = layers
         self.offload = offload
@@ -358,15 +366,25 @@ class OffloadHandle:
         """Restores every attribute apply set; refuses, changing nothing, if one was replaced since.
 
         A backward still to come recomputes with apply's forwards all the same (``_Recompute``)."""
-        replaced = [p.name for i, p in enumerate(self._patches) if not p.intact()
-                    and not any(q.store is p.store and q.key == p.key and q.previous is p.value  # wrapped by apply
-                                for q in self._patches[i + 1:])]
-        replaced += [f"{type(config).__name__}._attn_implementation"
-                     for config, _, ours in self._attention_implementations
-                     if vars(config).get(_IMPLEMENTATION_KEY) != ours]
+        replaced = [
+            p.name
+            for i, p in enumerate(self._patches)
+            if not p.intact()
+            and not any(
+                q.store is p.store and q.key == p.key and q.previous is p.value  # wrapped by apply
+                for q in self._patches[i + 1 :]
+            )
+        ]
+        replaced += [
+            f"{type(config).__name__}._attn_implementation"
+            for config, _, ours in self._attention_implementations
+            if vars(config).get(_IMPLEMENTATION_KEY) != ours
+        ]
         if replaced:
-            raise RuntimeError(f"torch_offload: handle.remove(): {', '.join(replaced)} changed after apply() "
-                               "(another wrapper?); undo that change first")
+            raise RuntimeError(
+                f"torch_offload: handle.remove(): {', '.join(replaced)} changed after apply() "
+                "(another wrapper?); undo that change first"
+            )
         while self._patches:
             self._undo_last_patch()
         while self._attention_implementations:
@@ -384,15 +402,21 @@ def _sequence_parallel_group(sequence_parallel: Any, loss: bool) -> Any:
 
     if isinstance(sequence_parallel, DeviceMesh):
         if sequence_parallel.ndim != 1:
-            raise ValueError(f"torch_offload.apply: sequence_parallel is a {sequence_parallel.ndim}-D DeviceMesh; "
-                             "pass its sequence dimension (e.g. mesh[\"sp\"])")
+            raise ValueError(
+                f"torch_offload.apply: sequence_parallel is a {sequence_parallel.ndim}-D DeviceMesh; "
+                'pass its sequence dimension (e.g. mesh["sp"])'
+            )
         sequence_parallel = sequence_parallel.get_group()
     if not isinstance(sequence_parallel, ProcessGroup):
-        raise TypeError("torch_offload.apply: sequence_parallel must be a torch.distributed ProcessGroup or "
-                        f"DeviceMesh, got {type(sequence_parallel).__name__}")
+        raise TypeError(
+            "torch_offload.apply: sequence_parallel must be a torch.distributed ProcessGroup or "
+            f"DeviceMesh, got {type(sequence_parallel).__name__}"
+        )
     if not loss:
-        raise ValueError("torch_offload.apply: sequence_parallel needs loss=True: the model's own loss would be "
-                         "each rank's mean, not the whole batch's")
+        raise ValueError(
+            "torch_offload.apply: sequence_parallel needs loss=True: the model's own loss would be "
+            "each rank's mean, not the whole batch's"
+        )
     return sequence_parallel
 
 
@@ -400,47 +424,62 @@ def _sequence_parallel_group(sequence_parallel: Any, loss: bool) -> Any:
 _ROPE_OF_THE_CALLS_POSITIONS = ("dynamic", "longrope")
 
 
-def _attend_over_ranks(handle: OffloadHandle, model: nn.Module, names: list[str], layers: nn.ModuleList,
-                       group: Any) -> None:
+def _attend_over_ranks(
+    handle: OffloadHandle, model: nn.Module, names: list[str], layers: nn.ModuleList, group: Any
+) -> None:
     """The model's attention over ``group``'s ranks: its attention implementation becomes
     sequence_parallel.IMPLEMENTATION (ulysses_attention for the modules' own forwards) and each attention
     module is told the group; modules already through attention_block run it with the group."""
     if handle.loss != "linear_cross_entropy":
-        raise ValueError(f"torch_offload.apply: sequence_parallel needs the fused loss, and this model's is "
-                         f"{handle.loss!r}: its own would be each rank's mean, not the whole batch's")
+        raise ValueError(
+            f"torch_offload.apply: sequence_parallel needs the fused loss, and this model's is "
+            f"{handle.loss!r}: its own would be each rank's mean, not the whole batch's"
+        )
     configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "to_dict")}
     for config in configs.values():
         implementation = vars(config).get(_IMPLEMENTATION_KEY)
         if implementation is None:  # a composite config (a VLM's) whose parts have their own
             continue
         if implementation not in ("sdpa", "eager") or getattr(config, "model_type", None) not in (
-                _SEGMENT_MASK_MODEL_TYPES):
-            raise ValueError(f"torch_offload.apply: sequence_parallel supports the attention of "
-                             f"{', '.join(sorted(_SEGMENT_MASK_MODEL_TYPES))} models with 'sdpa' or 'eager' "
-                             f"attention; {type(config).__name__} has model_type "
-                             f"{getattr(config, 'model_type', None)!r} and attention {implementation!r}")
+            _SEGMENT_MASK_MODEL_TYPES
+        ):
+            raise ValueError(
+                f"torch_offload.apply: sequence_parallel supports the attention of "
+                f"{', '.join(sorted(_SEGMENT_MASK_MODEL_TYPES))} models with 'sdpa' or 'eager' "
+                f"attention; {type(config).__name__} has model_type "
+                f"{getattr(config, 'model_type', None)!r} and attention {implementation!r}"
+            )
         rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
         if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in _ROPE_OF_THE_CALLS_POSITIONS:
-            raise ValueError(f"torch_offload.apply: sequence_parallel: {type(config).__name__}'s rotary embedding "
-                             f"({rope.get('rope_type', rope.get('type'))!r}) scales with the largest position of a "
-                             "call, which differs between ranks")
+            raise ValueError(
+                f"torch_offload.apply: sequence_parallel: {type(config).__name__}'s rotary embedding "
+                f"({rope.get('rope_type', rope.get('type'))!r}) scales with the largest position of a "
+                "call, which differs between ranks"
+            )
         heads = getattr(config, "num_attention_heads", None)
         if isinstance(heads, int) and heads % group.size():
-            raise ValueError(f"torch_offload.apply: sequence_parallel: {heads} attention heads cannot be split over "
-                             f"{group.size()} ranks; the heads must be a multiple of the number of ranks")
+            raise ValueError(
+                f"torch_offload.apply: sequence_parallel: {heads} attention heads cannot be split over "
+                f"{group.size()} ranks; the heads must be a multiple of the number of ranks"
+            )
     sequence_parallel.register()
     for name, layer in zip(names, layers):
         attention = _attention_of(layer)
         if attention is None:
             raise ValueError(f"torch_offload.apply: sequence_parallel: {name} has no single attention module")
-        handle._patch(f"{name}.{attention}.{sequence_parallel.GROUP_ATTRIBUTE}", getattr(layer, attention),
-                      sequence_parallel.GROUP_ATTRIBUTE, group.group_name)
+        handle._patch(
+            f"{name}.{attention}.{sequence_parallel.GROUP_ATTRIBUTE}",
+            getattr(layer, attention),
+            sequence_parallel.GROUP_ATTRIBUTE,
+            group.group_name,
+        )
         if handle.attention.get(f"{name}.{attention}") != "attention_block":  # not the op with the group
             handle.attention[f"{name}.{attention}"] = "ulysses_attention"
     for config in configs.values():
         if vars(config).get(_IMPLEMENTATION_KEY) is not None:
-            handle._attention_implementations.append((config, vars(config)[_IMPLEMENTATION_KEY],
-                                                      sequence_parallel.IMPLEMENTATION))
+            handle._attention_implementations.append(
+                (config, vars(config)[_IMPLEMENTATION_KEY], sequence_parallel.IMPLEMENTATION)
+            )
             vars(config)[_IMPLEMENTATION_KEY] = sequence_parallel.IMPLEMENTATION
 
 
@@ -459,8 +498,11 @@ def _use_segment_masks(handle: OffloadHandle, model: nn.Module) -> None:
     if can_set is not None and not can_set():  # attention not through transformers' AttentionInterface
         return
     configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "to_dict")}
-    configs = [c for c in configs.values() if vars(c).get(_IMPLEMENTATION_KEY) == "sdpa"
-               and getattr(c, "model_type", None) in _SEGMENT_MASK_MODEL_TYPES]
+    configs = [
+        c
+        for c in configs.values()
+        if vars(c).get(_IMPLEMENTATION_KEY) == "sdpa" and getattr(c, "model_type", None) in _SEGMENT_MASK_MODEL_TYPES
+    ]
     if configs:
         masking.register()
     for config in configs:
@@ -470,8 +512,9 @@ def _use_segment_masks(handle: OffloadHandle, model: nn.Module) -> None:
 
 def _tile_mlp(handle: OffloadHandle, name: str, layer: nn.Module, num_shards: int, recorded: dict[type, str]) -> None:
     mlp = layer.mlp
-    recorded_key = next((key for module in mlp.modules() for cls, key in recorded.items() if isinstance(module, cls)),
-                        None)
+    recorded_key = next(
+        (key for module in mlp.modules() for cls, key in recorded.items() if isinstance(module, cls)), None
+    )
     # A mixture of experts' router logits, recorded for the aux loss: shards would split them and detach them.
     problem = f"the model records its {recorded_key}" if recorded_key is not None else _unprobeable(mlp)
     if problem is not None:
@@ -522,8 +565,17 @@ _ATTENTION_ARGUMENTS = ("hidden_states", "position_embeddings", "attention_mask"
 # Other arguments transformers passes an attention module that do not change what SDPA computes
 # without a mask (packed sequences' position_ids make transformers build one). Any other argument
 # sends the call to the module's own forward.
-_NEUTRAL_ARGUMENTS = frozenset({"position_ids", "use_cache", "cache_position", "num_items_in_batch", "shift_labels",
-                                "output_attentions", "output_hidden_states"})
+_NEUTRAL_ARGUMENTS = frozenset(
+    {
+        "position_ids",
+        "use_cache",
+        "cache_position",
+        "num_items_in_batch",
+        "shift_labels",
+        "output_attentions",
+        "output_hidden_states",
+    }
+)
 
 
 # The attention implementations whose masks the op computes: SDPA's (where there is no mask) and
@@ -544,22 +596,34 @@ def _config_change(config: Any) -> str | None:
 
 def _projection_layout(attention: nn.Module) -> tuple[str, ...] | None:
     children = dict(attention.named_children())
-    return next((layout for layout in (_SEPARATE, _FUSED)
-                 if set(children) == set(layout) and all(type(children[n]) is nn.Linear for n in layout)), None)
+    return next(
+        (
+            layout
+            for layout in (_SEPARATE, _FUSED)
+            if set(children) == set(layout) and all(type(children[n]) is nn.Linear for n in layout)
+        ),
+        None,
+    )
 
 
 def _op_weights(attention: nn.Module, layout: tuple[str, ...], weights: dict[str, torch.Tensor | None]) -> dict:
     """The op's w_q, w_k, w_v, w_o and biases from the projections' ``weights`` (``"q_proj.weight"``...)."""
     if layout == _SEPARATE:
-        return {**{f"w_{n[0]}": weights[f"{n}.weight"] for n in _SEPARATE},
-                **{f"b_{n[0]}": weights.get(f"{n}.bias") for n in _SEPARATE}}
+        return {
+            **{f"w_{n[0]}": weights[f"{n}.weight"] for n in _SEPARATE},
+            **{f"b_{n[0]}": weights.get(f"{n}.bias") for n in _SEPARATE},
+        }
     qkv, bias = weights["qkv_proj.weight"], weights.get("qkv_proj.bias")
     q_rows = attention.config.num_attention_heads * attention.head_dim
     sizes = [q_rows, (qkv.shape[0] - q_rows) // 2, (qkv.shape[0] - q_rows) // 2]
     split = dict(zip("qkv", qkv.split(sizes)))  # views: the gradients reach qkv_proj.weight
     split_bias = dict(zip("qkv", bias.split(sizes) if bias is not None else (None,) * 3))
-    return {**{f"w_{n}": split[n] for n in "qkv"}, **{f"b_{n}": split_bias[n] for n in "qkv"},
-            "w_o": weights["o_proj.weight"], "b_o": weights.get("o_proj.bias")}
+    return {
+        **{f"w_{n}": split[n] for n in "qkv"},
+        **{f"b_{n}": split_bias[n] for n in "qkv"},
+        "w_o": weights["o_proj.weight"],
+        "b_o": weights.get("o_proj.bias"),
+    }
 
 
 def _attention_block_problem(attention: nn.Module) -> str | None:
@@ -571,7 +635,8 @@ def _attention_block_problem(attention: nn.Module) -> str | None:
         return "it or a projection has hooks or a forward of its own (the op would bypass them)"
     parameters = inspect.signature(attention.forward).parameters
     if any(name not in parameters for name in _ATTENTION_ARGUMENTS) or not any(
-            name in parameters for name in _CACHE_ARGUMENTS):
+        name in parameters for name in _CACHE_ARGUMENTS
+    ):
         return f"its forward does not take {', '.join(_ATTENTION_ARGUMENTS)} and a key/value cache"
     head_dim, scaling = getattr(attention, "head_dim", None), getattr(attention, "scaling", None)
     if not isinstance(head_dim, int) or not isinstance(scaling, float) or not getattr(attention, "is_causal", False):
@@ -589,16 +654,20 @@ def _attention_block_problem(attention: nn.Module) -> str | None:
             for scale, x in inputs.items():
                 angles = torch.randn(1, x.shape[1], head_dim // 2).to(x.device, x.dtype).repeat(1, 1, 2)
                 rotary = (angles.cos(), angles.sin())
-                want = functional_call(attention, params, (), {"hidden_states": x, "position_embeddings": rotary,
-                                                                 "attention_mask": None})
+                want = functional_call(
+                    attention, params, (), {"hidden_states": x, "position_embeddings": rotary, "attention_mask": None}
+                )
                 want = want[0] if isinstance(want, tuple) else want
                 if not _finite(want):
                     continue
-                got = attention_block_op(x, cos=rotary[0], sin=rotary[1], **_op_weights(attention, layout, params),
-                                         scale=scaling)
+                got = attention_block_op(
+                    x, cos=rotary[0], sin=rotary[1], **_op_weights(attention, layout, params), scale=scaling
+                )
                 if not _close(got, want):
-                    return ("its forward computes something else than the op (a probe on random weights at input "
-                            f"scale {scale:g} differs)")
+                    return (
+                        "its forward computes something else than the op (a probe on random weights at input "
+                        f"scale {scale:g} differs)"
+                    )
     except _PROBE_ERRORS as error:
         return f"the op cannot compute it ({type(error).__name__}: {error})"
     return None
@@ -611,15 +680,19 @@ def _attention_block_forward(attention: nn.Module, fallback, group: str | None =
     signature = inspect.signature(attention.forward)
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
     config = getattr(attention, "config", None)
-    windows = [w for w in (getattr(attention, "sliding_window", None), getattr(config, "sliding_window", None))
-               if w is not None]
+    windows = [
+        w
+        for w in (getattr(attention, "sliding_window", None), getattr(config, "sliding_window", None))
+        if w is not None
+    ]
 
     @functools.wraps(attention.forward)
     def forward(*args, **kwargs):
         call = signature.bind(*args, **kwargs).arguments
         x, rotary = call["hidden_states"], call.get("position_embeddings")
-        others = {name: value for name, value in call.items()
-                  if name not in _ATTENTION_ARGUMENTS and name != var_keyword}
+        others = {
+            name: value for name, value in call.items() if name not in _ATTENTION_ARGUMENTS and name != var_keyword
+        }
         others.update(call.get(var_keyword) or {})
         caches = [others.pop(name, None) for name in _CACHE_ARGUMENTS]
         cache = next((c for c in caches if c is not None), None)
@@ -628,22 +701,30 @@ def _attention_block_forward(attention: nn.Module, fallback, group: str | None =
         # Read at each call: a projection replaced or hooked since apply (a LoRA wrapper, FSDP2 on a
         # Linear) would be bypassed by the op.
         projections = [getattr(attention, name, None) for name in layout]
-        if (cache is not None and torch.is_grad_enabled()
-                and not torch.compiler.is_compiling()):  # dynamo cannot trace warnings.warn
-            warnings.warn("torch_offload: attention_block is not used while the model fills a key/value cache "
-                          "(use_cache=True, transformers' default even in training): the attention modules run "
-                          "their own forward; pass use_cache=False or set model.config.use_cache = False",
-                          UserWarning, stacklevel=2)
+        if (
+            cache is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        ):  # dynamo cannot trace warnings.warn
+            warnings.warn(
+                "torch_offload: attention_block is not used while the model fills a key/value cache "
+                "(use_cache=True, transformers' default even in training): the attention modules run "
+                "their own forward; pass use_cache=False or set model.config.use_cache = False",
+                UserWarning,
+                stacklevel=2,
+            )
         mask = call.get("attention_mask")
         implementation = getattr(config, "_attn_implementation", None)
         if group is None:
             # SDPA's or ours: no mask then means causal, segment ids mean causal per segment
-            segments = (mask if implementation == masking.IMPLEMENTATION and is_segment_ids(mask)
-                        and mask.shape == x.shape[:2] else None)
+            segments = (
+                mask
+                if implementation == masking.IMPLEMENTATION and is_segment_ids(mask) and mask.shape == x.shape[:2]
+                else None
+            )
             ours = implementation in _CAUSAL_IMPLEMENTATIONS and (mask is None or segments is not None)
         else:  # sequence_parallel.mask's: this rank's real-token flags, or None (all real)
             ours = implementation == sequence_parallel.IMPLEMENTATION and (
-                mask is None or (mask.dtype == torch.bool and mask.shape == x.shape[:2]))
+                mask is None or (mask.dtype == torch.bool and mask.shape == x.shape[:2])
+            )
         plain_causal = (
             torch.is_grad_enabled()  # inference keeps the module's own path
             and all(_is_plain_linear(p) for p in projections)
@@ -652,8 +733,10 @@ def _attention_block_forward(attention: nn.Module, fallback, group: str | None =
             and cache is None
             and all(value is None or name in _NEUTRAL_ARGUMENTS for name, value in others.items())
             and not (attention.training and getattr(attention, "attention_dropout", 0.0))
-            and x.dim() == 3 and all(x.shape[1] * ranks <= w for w in windows)
-            and rotary is not None and not any(t.requires_grad for t in rotary)
+            and x.dim() == 3
+            and all(x.shape[1] * ranks <= w for w in windows)
+            and rotary is not None
+            and not any(t.requires_grad for t in rotary)
             and rotary[0].shape[-1] == attention.head_dim  # a partial rotary embedding is not the op's
             # The op rotates in x's dtype; tables of a wider dtype (OLMo's float32 ones for a bfloat16
             # model) make the module rotate in theirs. Narrower ones are promoted exactly, as the module does.
@@ -664,11 +747,18 @@ def _attention_block_forward(attention: nn.Module, fallback, group: str | None =
             return fallback(*args, **kwargs)
         if group is not None:
             segments = sequence_parallel.whole_rows_segment_ids(mask, others.get("position_ids"), x.shape[0], group)
-        weights = {f"{name}.{kind}": getattr(p, kind) for name, p in zip(layout, projections)
-                   for kind in ("weight", "bias")}
-        out = attention_block_op(x, cos=rotary[0].to(x.dtype), sin=rotary[1].to(x.dtype),
-                                 **_op_weights(attention, layout, weights),
-                                 scale=attention.scaling, segment_ids=segments, group_name=group)
+        weights = {
+            f"{name}.{kind}": getattr(p, kind) for name, p in zip(layout, projections) for kind in ("weight", "bias")
+        }
+        out = attention_block_op(
+            x,
+            cos=rotary[0].to(x.dtype),
+            sin=rotary[1].to(x.dtype),
+            **_op_weights(attention, layout, weights),
+            scale=attention.scaling,
+            segment_ids=segments,
+            group_name=group,
+        )
         return out, None
 
     return forward
@@ -743,8 +833,12 @@ def _fuse_attention(handle: OffloadHandle, name: str, layer: nn.Module, checkpoi
     # The op saves only its input and recomputes itself in backward: checkpointing it again
     # would compute its forward twice. Calls the op cannot take get the module's own path.
     fallback = _checkpoint_forward(handle, module, offload=True) if checkpointed else module.forward
-    handle._patch(f"{name}.{attention}.forward", module, "forward",
-                  _attention_block_forward(module, fallback, handle.sequence_parallel, handle._sequence_parallel_ranks))
+    handle._patch(
+        f"{name}.{attention}.forward",
+        module,
+        "forward",
+        _attention_block_forward(module, fallback, handle.sequence_parallel, handle._sequence_parallel_ranks),
+    )
 
 
 # The names a decoder layer's or attention module's key/value cache goes by (transformers from 5.24,
@@ -763,8 +857,11 @@ class _CacheArguments:
     """
 
     def __init__(self, forward):
-        positional = [p.name for p in inspect.signature(forward).parameters.values()
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        positional = [
+            p.name
+            for p in inspect.signature(forward).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
         self.where = {name: positional.index(name) for name in _CACHE_ARGUMENTS if name in positional}
 
     def _present(self, args: tuple, kwargs: dict) -> list[tuple[str | int, Any]]:
@@ -777,21 +874,33 @@ class _CacheArguments:
 
     def drop_empty(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         present = self._present(args, kwargs)
-        if not present or not all(callable(getattr(cache, "get_seq_length", None)) and cache.get_seq_length() == 0
-                                  for _, cache in present):
+        if not present or not all(
+            callable(getattr(cache, "get_seq_length", None)) and cache.get_seq_length() == 0 for _, cache in present
+        ):
             return args, kwargs  # a cache that holds tokens (a continuation) is kept: the call is not checkpointed
         args, kwargs = list(args), dict(kwargs, use_cache=False) if "use_cache" in kwargs else dict(kwargs)
         for where, _ in present:
             (args if isinstance(where, int) else kwargs)[where] = None
         if not torch.compiler.is_compiling():  # dynamo cannot trace warnings.warn
-            warnings.warn("torch_offload.apply: checkpointed layers in training mode run with use_cache=False and no "
-                          "key/value cache (backward's recomputation would fill it a second time), as transformers' "
-                          "gradient checkpointing does; the model returns an empty cache", UserWarning, stacklevel=2)
+            warnings.warn(
+                "torch_offload.apply: checkpointed layers in training mode run with use_cache=False and no "
+                "key/value cache (backward's recomputation would fill it a second time), as transformers' "
+                "gradient checkpointing does; the model returns an empty cache",
+                UserWarning,
+                stacklevel=2,
+            )
         return tuple(args), kwargs
 
 
-def _wrap_layer(handle: OffloadHandle, index: int, name: str, layer: nn.Module, checkpoint: str | None,
-                offload_layer: bool, fuse_attention: bool) -> None:
+def _wrap_layer(
+    handle: OffloadHandle,
+    index: int,
+    name: str,
+    layer: nn.Module,
+    checkpoint: str | None,
+    offload_layer: bool,
+    fuse_attention: bool,
+) -> None:
     context = handle.context if offload_layer else None
     original = layer.forward
     caches = _CacheArguments(original)
@@ -817,8 +926,9 @@ def _wrap_layer(handle: OffloadHandle, index: int, name: str, layer: nn.Module, 
         if fuse_attention:
             _fuse_attention(handle, name, layer, checkpointed=True)
         if handle.attention.get(f"{name}.{attention}") != "attention_block":
-            handle._patch(f"{name}.{attention}.forward", module, "forward",
-                          _checkpoint_forward(handle, module, offload=True))
+            handle._patch(
+                f"{name}.{attention}.forward", module, "forward", _checkpoint_forward(handle, module, offload=True)
+            )
         run = original
     else:
         if fuse_attention:
@@ -867,6 +977,7 @@ def _offload_in_compiled_graphs(handle: OffloadHandle, model: nn.Module, offload
     eager (dynamo compiles what it calls), since hooks must be entered outside compiled code.
     Called eagerly, the hooks keep every tensor as it is, and the layers' own contexts offload.
     """
+
     def offloads(node: torch.fx.Node) -> bool:
         # As in eager, where the layer that saves a tensor (uses it) decides, not the one that made it.
         return any(user.meta.get("custom", {}).get(_LAYER) in offloaded for user in node.users)
@@ -894,16 +1005,23 @@ def _resolve_offload(model: nn.Module, offload: str | None, options: dict[str, A
         if directory is None:
             directory = default_spill_directory()
             if not (os.path.isdir(directory) and os.access(directory, os.W_OK | os.X_OK)):
-                warnings.warn(f"torch_offload.apply: offload='auto' keeps this CPU model's activations in memory: "
-                              f"the default spill directory {directory!r} is not a writable directory (set "
-                              "spill_directory or $TORCH_OFFLOAD_SPILL_DIR for the disk tier)", UserWarning,
-                              stacklevel=3)
+                warnings.warn(
+                    f"torch_offload.apply: offload='auto' keeps this CPU model's activations in memory: "
+                    f"the default spill directory {directory!r} is not a writable directory (set "
+                    "spill_directory or $TORCH_OFFLOAD_SPILL_DIR for the disk tier)",
+                    UserWarning,
+                    stacklevel=3,
+                )
                 return None
         return None if spill_directory_in_ram(directory) and not options.get("allow_tmpfs") else "disk"
     if offload == "cpu" and not _on_accelerator(model):
-        warnings.warn("torch_offload.apply: offload='cpu' moves nothing while the model is in host memory (its "
-                      "activations are already there), so this is plain checkpointing until it moves to a GPU; "
-                      "offload='disk' sends them to disk", UserWarning, stacklevel=3)
+        warnings.warn(
+            "torch_offload.apply: offload='cpu' moves nothing while the model is in host memory (its "
+            "activations are already there), so this is plain checkpointing until it moves to a GPU; "
+            "offload='disk' sends them to disk",
+            UserWarning,
+            stacklevel=3,
+        )
     return offload
 
 
@@ -917,25 +1035,36 @@ def check_option_names(names: Any, caller: str, own: tuple[str, ...] = ()) -> No
     known = [*own, *(name for name in inspect.signature(offload_activations).parameters if name not in _SET_BY_APPLY)]
     unknown = [name for name in names if name not in known]
     if unknown:
-        hints = [f"{name!r}" + "".join(f" (did you mean {m!r}?)" for m in difflib.get_close_matches(name, known, 1))
-                 for name in unknown]
-        raise TypeError(f"{caller}: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; "
-                        f"apply's own options and those of offload_activations: {', '.join(sorted(known))}")
+        hints = [
+            f"{name!r}" + "".join(f" (did you mean {m!r}?)" for m in difflib.get_close_matches(name, known, 1))
+            for name in unknown
+        ]
+        raise TypeError(
+            f"{caller}: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; "
+            f"apply's own options and those of offload_activations: {', '.join(sorted(known))}"
+        )
 
 
 def _check_offload_options(options: dict[str, Any], offload: str | None, requested: str | None) -> None:
     """A misspelt option, or one the chosen configuration would ignore, is an error: never silently dropped."""
     check_option_names(options, "torch_offload.apply")
     if offload is None and options:
-        why = ("offload=None" if requested is None else
-               "offload='auto', which is None for a model in host memory whose spill directory is in RAM "
-               "(allow_tmpfs=True spills there all the same)")
-        raise ValueError(f"torch_offload.apply: {', '.join(map(repr, options))} would be ignored with {why}: "
-                         "without a tier nothing is offloaded (offload='disk' or 'cpu' uses them)")
+        why = (
+            "offload=None"
+            if requested is None
+            else "offload='auto', which is None for a model in host memory whose spill directory is in RAM "
+            "(allow_tmpfs=True spills there all the same)"
+        )
+        raise ValueError(
+            f"torch_offload.apply: {', '.join(map(repr, options))} would be ignored with {why}: "
+            "without a tier nothing is offloaded (offload='disk' or 'cpu' uses them)"
+        )
     disk_only = [name for name in ("spill_directory", "allow_tmpfs") if name in options]
     if offload == "cpu" and disk_only:
-        raise ValueError(f"torch_offload.apply: {', '.join(map(repr, disk_only))} would be ignored with "
-                         "offload='cpu': only offload='disk' writes to disk")
+        raise ValueError(
+            f"torch_offload.apply: {', '.join(map(repr, disk_only))} would be ignored with "
+            "offload='cpu': only offload='disk' writes to disk"
+        )
 
 
 def _resolve_checkpoint(checkpoint: bool | str, offload: str | None) -> str | None:
@@ -944,11 +1073,14 @@ def _resolve_checkpoint(checkpoint: bool | str, offload: str | None) -> str | No
     if checkpoint is False:
         return None
     if checkpoint not in _CHECKPOINTS:
-        raise ValueError(f"torch_offload.apply: checkpoint must be True, False or one of {_CHECKPOINTS}, "
-                         f"got {checkpoint!r}")
+        raise ValueError(
+            f"torch_offload.apply: checkpoint must be True, False or one of {_CHECKPOINTS}, got {checkpoint!r}"
+        )
     if checkpoint == "attention" and offload is None:
-        raise ValueError("torch_offload.apply: checkpoint='attention' needs offload='cpu' or 'disk' (without a "
-                         "tier, what the rest of each layer saves stays in memory); use checkpoint='layer'")
+        raise ValueError(
+            "torch_offload.apply: checkpoint='attention' needs offload='cpu' or 'disk' (without a "
+            "tier, what the rest of each layer saves stays in memory); use checkpoint='layer'"
+        )
     return checkpoint
 
 
@@ -1065,8 +1197,10 @@ def apply(
     names = [f"{layer_path}.{index}" for index in range(len(layer_list))]
     for name, layer in zip(names, layer_list):
         if layer in _PATCHED or getattr(layer, "mlp", None) in _PATCHED:
-            raise ValueError(f"torch_offload.apply: {name} is already changed by an earlier apply(); "
-                             "call that handle's remove() first")
+            raise ValueError(
+                f"torch_offload.apply: {name} is already changed by an earlier apply(); "
+                "call that handle's remove() first"
+            )
     group = _sequence_parallel_group(sequence_parallel, loss)
     requested, offload = offload, _resolve_offload(model, offload, offload_options)
     _check_offload_options(offload_options, offload, requested)
@@ -1076,8 +1210,13 @@ def apply(
         options = {"offload_cpu_tensors": offload == "disk", "module": model, **offload_options}
         context = offload_activations(tier=offload, **options)  # checks the directory at first use
         if offload == "disk":  # a spill directory that cannot be used fails here, not in the first step
-            disk_wait(disk_spill(torch.zeros(1), directory=options.get("spill_directory"),
-                                 allow_tmpfs=options.get("allow_tmpfs", False)))
+            disk_wait(
+                disk_spill(
+                    torch.zeros(1),
+                    directory=options.get("spill_directory"),
+                    allow_tmpfs=options.get("allow_tmpfs", False),
+                )
+            )
     handle = OffloadHandle(layer_path, layer_list, offload, context)
     if group is not None:
         handle.sequence_parallel, handle._sequence_parallel_ranks = group.group_name, group.size()
@@ -1098,18 +1237,27 @@ def apply(
         if context is not None:
             _offload_in_compiled_graphs(handle, model, set(range(len(layer_list) - keep_last)))
         if not handle._patches:
-            raise ValueError(f"torch_offload.apply: nothing to change in {layer_path} with tiled_mlp={tiled_mlp}, "
-                             f"checkpoint={checkpoint}, offload={offload!r}, keep_last={keep_last}"
-                             + (f" (MLPs: {sorted(set(handle.mlp_tiling.values()))})" if handle.mlp_tiling else ""))
+            raise ValueError(
+                f"torch_offload.apply: nothing to change in {layer_path} with tiled_mlp={tiled_mlp}, "
+                f"checkpoint={checkpoint}, offload={offload!r}, keep_last={keep_last}"
+                + (f" (MLPs: {sorted(set(handle.mlp_tiling.values()))})" if handle.mlp_tiling else "")
+            )
     except BaseException:
         handle.remove()
         raise
     if handle.loss.startswith("unfused"):
-        warnings.warn(f"torch_offload.apply: the loss stays the model's own ({handle.loss.removeprefix('unfused: ')})",
-                      UserWarning, stacklevel=2)
+        warnings.warn(
+            f"torch_offload.apply: the loss stays the model's own ({handle.loss.removeprefix('unfused: ')})",
+            UserWarning,
+            stacklevel=2,
+        )
     untiled = {name: how for name, how in handle.mlp_tiling.items() if how.startswith("untiled")}
     if untiled:
         first, how = next(iter(untiled.items()))
-        warnings.warn(f"torch_offload.apply: {len(untiled)} of {len(handle.mlp_tiling)} MLPs stay untiled "
-                      f"({first}: {how.removeprefix('untiled: ')}); see handle.mlp_tiling", UserWarning, stacklevel=2)
+        warnings.warn(
+            f"torch_offload.apply: {len(untiled)} of {len(handle.mlp_tiling)} MLPs stay untiled "
+            f"({first}: {how.removeprefix('untiled: ')}); see handle.mlp_tiling",
+            UserWarning,
+            stacklevel=2,
+        )
     return handle

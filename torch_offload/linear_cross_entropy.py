@@ -1,5 +1,6 @@
 """The LM head's cross-entropy computed in tiles of tokens x vocabulary, so that its [tokens, V]
 logits never exist: ``linear_cross_entropy`` (the ``torch.ops.offload.linear_cross_entropy`` op)."""
+
 from __future__ import annotations
 
 import torch
@@ -41,8 +42,9 @@ def linear_cross_entropy(
 
     - gradients in forward (3 GEMMs): for each tile of tokens, its logits over the whole
       vocabulary go into one reused slab of at most 64 MiB or 512 tokens, whichever is
-      more (``tile_tokens`` tokens when fewer), become the loss's gradient by them on the spot, and give hidden's and the
-      weight's gradients; backward only scales those by the incoming gradient.
+      more (``tile_tokens`` tokens when fewer), become the loss's gradient by them on the spot,
+      and give hidden's and the weight's gradients; backward only scales those by the incoming
+      gradient.
     - recompute (4 GEMMs): forward streams over tiles of ``tile_tokens`` tokens x
       ``tile_vocab`` vocabulary rows with an online log-sum-exp and saves the inputs and a
       float32 log-sum-exp per token; backward recomputes each tile's logits.
@@ -67,8 +69,20 @@ def linear_cross_entropy(
     for value, arg in ((hidden, "hidden"), (weight, "weight"), (target, "target")):
         _require_tensor(value, "linear_cross_entropy", arg)
     return torch.ops.offload.linear_cross_entropy(
-        hidden, weight, bias, target, ignore_index, label_smoothing, softcap or 0.0, z_loss, reduction,
-        tile_tokens, tile_vocab, _filter_threshold(filter_eps, hidden.dtype), gradients_in_forward)
+        hidden,
+        weight,
+        bias,
+        target,
+        ignore_index,
+        label_smoothing,
+        softcap or 0.0,
+        z_loss,
+        reduction,
+        tile_tokens,
+        tile_vocab,
+        _filter_threshold(filter_eps, hidden.dtype),
+        gradients_in_forward,
+    )
 
 
 def _filter_threshold(filter_eps: float | str | None, dtype: torch.dtype) -> float:
@@ -78,7 +92,7 @@ def _filter_threshold(filter_eps: float | str | None, dtype: torch.dtype) -> flo
     if filter_eps == "auto":
         return torch.finfo(dtype).eps / 32
     if isinstance(filter_eps, str):
-        raise RuntimeError(f"linear_cross_entropy: filter_eps is {filter_eps!r}; expected None, \"auto\" or a float")
+        raise RuntimeError(f'linear_cross_entropy: filter_eps is {filter_eps!r}; expected None, "auto" or a float')
     return float(filter_eps)
 
 

@@ -18,6 +18,7 @@ into a dense ``[batch, 1, T, T]`` mask for SDPA. ``apply()`` switches a model of
   modules ``attention_block`` does not replace, and their own forwards), anything else to
   transformers' SDPA function unchanged.
 """
+
 from __future__ import annotations
 
 import collections
@@ -35,8 +36,12 @@ _FALLBACKS: dict[int, collections.Counter] = {}
 
 def is_segment_ids(mask: Any) -> bool:
     """Whether an attention module's ``attention_mask`` is this implementation's segment ids."""
-    return isinstance(mask, torch.Tensor) and mask.dim() == 2 and not mask.is_floating_point() and (
-        mask.dtype != torch.bool)
+    return (
+        isinstance(mask, torch.Tensor)
+        and mask.dim() == 2
+        and not mask.is_floating_point()
+        and (mask.dtype != torch.bool)
+    )
 
 
 def fallbacks(config: Any) -> collections.Counter:
@@ -96,18 +101,46 @@ def _real_tokens_are_contiguous(mask: torch.Tensor) -> torch.Tensor:
     return (starts.sum(1) <= 1).all()
 
 
-def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-         mask_function=None, attention_mask: torch.Tensor | None = None, use_vmap: bool = False,
-         config: Any = None, **kwargs):
+def mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    use_vmap: bool = False,
+    config: Any = None,
+    **kwargs,
+):
     """The mask function registered for IMPLEMENTATION: segment ids, None, or SDPA's dense mask."""
     from transformers import masking_utils as mu
 
-    dense = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                 kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                 use_vmap=use_vmap, config=config, **kwargs)
+    dense = dict(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        use_vmap=use_vmap,
+        config=config,
+        **kwargs,
+    )
     if torch.compiler.is_compiling():
-        segments = _compiled_segments(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
-                                      attention_mask, use_vmap, config, kwargs.get("device"))
+        segments = _compiled_segments(
+            batch_size,
+            q_length,
+            kv_length,
+            q_offset,
+            kv_offset,
+            mask_function,
+            attention_mask,
+            use_vmap,
+            config,
+            kwargs.get("device"),
+        )
         return mu.sdpa_mask(**dense) if segments is _DENSE else segments
     reason = None
     try:
@@ -136,8 +169,9 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_o
 _DENSE = object()
 
 
-def _compiled_segments(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, use_vmap,
-                       config, device):
+def _compiled_segments(
+    batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, use_vmap, config, device
+):
     """mask()'s answer under torch.compile, where dynamo cannot read a nested function's closure: the
     factories' cells are out of reach, their code objects are not. The families apply() switches
     (integrations._SEGMENT_MASK_MODEL_TYPES) compose only causal, their config's sliding window and,
@@ -151,22 +185,35 @@ def _compiled_segments(batch_size, q_length, kv_length, q_offset, kv_offset, mas
     not know, e.g. a bidirectional block)."""
     factories = _FACTORIES
     window = getattr(config, "sliding_window", None)
-    if (use_vmap or q_length != kv_length or not isinstance(q_offset, int) or q_offset or kv_offset
-            or not getattr(config, "is_causal", True) or (window is not None and q_length > window)
-            or (mask_function is not factories["causal"]
-                and getattr(mask_function, "__code__", None) is not factories["and"])):
+    if (
+        use_vmap
+        or q_length != kv_length
+        or not isinstance(q_offset, int)
+        or q_offset
+        or kv_offset
+        or not getattr(config, "is_causal", True)
+        or (window is not None and q_length > window)
+        or (
+            mask_function is not factories["causal"]
+            and getattr(mask_function, "__code__", None) is not factories["and"]
+        )
+    ):
         return _DENSE
     rows = torch.arange(batch_size, device=device)[:, None]
     queries = torch.arange(1, q_length, device=device)[None, :]
     head = torch.zeros((), dtype=torch.long, device=device)
-    torch._assert_async(~mask_function(rows, head, queries - 1, queries).any(),
-                        "torch_offload: under torch.compile the mask transformers composed lets a query see a later "
-                        "key, which segment ids cannot describe")
+    torch._assert_async(
+        ~mask_function(rows, head, queries - 1, queries).any(),
+        "torch_offload: under torch.compile the mask transformers composed lets a query see a later "
+        "key, which segment ids cannot describe",
+    )
     if attention_mask is not None:
         real = attention_mask[:, -kv_length:]
-        torch._assert_async(_real_tokens_are_contiguous(real),
-                            "torch_offload: under torch.compile an attention_mask's real tokens must be contiguous "
-                            "in each row (padding only before or after them); this batch has a hole")
+        torch._assert_async(
+            _real_tokens_are_contiguous(real),
+            "torch_offload: under torch.compile an attention_mask's real tokens must be contiguous "
+            "in each row (padding only before or after them); this batch has a hole",
+        )
         return attention_block_segment_ids(attention_mask=real)
     follows = mask_function(rows, head, queries, queries - 1)
     starts = torch.nn.functional.pad(~follows.expand(batch_size, q_length - 1), (1, 0), value=False)
@@ -197,11 +244,20 @@ def _attention_with_dropout_per_run(module, query, key, value, segment_ids, **kw
     for b, runs in enumerate(_runs(segment_ids)):
         # Padding sees all of the sequence before it (not causal: every key precedes it), or no key
         # at all, where SDPA gives 0.
-        pieces = [query.new_zeros(1, e - s, query.shape[1], value.shape[-1]) if keys is None else
-                  sdpa_attention_forward(module, query[b:b + 1, :, s:e], key[b:b + 1, :, keys[0]:keys[1]],
-                                         value[b:b + 1, :, keys[0]:keys[1]], None,
-                                         is_causal=keys == (s, e), **kwargs)[0]
-                  for s, e, keys in runs]
+        pieces = [
+            query.new_zeros(1, e - s, query.shape[1], value.shape[-1])
+            if keys is None
+            else sdpa_attention_forward(
+                module,
+                query[b : b + 1, :, s:e],
+                key[b : b + 1, :, keys[0] : keys[1]],
+                value[b : b + 1, :, keys[0] : keys[1]],
+                None,
+                is_causal=keys == (s, e),
+                **kwargs,
+            )[0]
+            for s, e, keys in runs
+        ]
         rows.append(torch.cat(pieces, dim=1))  # [1, T, heads, D], as SDPA's function returns it
     return torch.cat(rows, dim=0), None
 
@@ -214,15 +270,24 @@ def _dense_mask(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sequence = segment_ids >= 0
     keys_run = torch.where(sequence, run, 0).cummax(dim=1).values  # own run, or the nearest sequence's; 0: none
     positions = torch.arange(segment_ids.shape[1], device=segment_ids.device)
-    allowed = ((keys_run[:, :, None] == run[:, None, :]) & sequence[:, None, :]
-               & (positions[None, None, :] <= positions[None, :, None]))
+    allowed = (
+        (keys_run[:, :, None] == run[:, None, :])
+        & sequence[:, None, :]
+        & (positions[None, None, :] <= positions[None, :, None])
+    )
     has_keys = keys_run > 0
     allowed |= ~has_keys[:, :, None] & (positions[None, None, :] == positions[None, :, None])
     return allowed[:, None], has_keys
 
 
-def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: torch.Tensor | None, **kwargs):
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+):
     """The attention function registered for IMPLEMENTATION (query, key, value [B, heads, T, D]).
 
     With segment ids: the segment_attention op (no [T, T] tensor; one attention call per run). Attention
@@ -240,8 +305,9 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
         out, _ = sdpa_attention_forward(module, query, key, value, allowed, is_causal=False, **kwargs)
         return out * has_keys[:, :, None, None], None
     groups = query.shape[1] // key.shape[1]
-    out = segment_attention(query, repeat_kv(key, groups), repeat_kv(value, groups), attention_mask,
-                            scale=kwargs.get("scaling"))
+    out = segment_attention(
+        query, repeat_kv(key, groups), repeat_kv(value, groups), attention_mask, scale=kwargs.get("scaling")
+    )
     return out.transpose(1, 2).contiguous(), None  # [B, T, heads, D], as SDPA's function returns it
 
 

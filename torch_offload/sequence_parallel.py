@@ -7,6 +7,7 @@ with one more all-to-all: the ``offload::ulysses_attention`` op, a C++ composite
 functional collectives (Gloo on CPUs, NCCL on GPUs) and ``segment_attention``, differentiable and traced
 by dynamo.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,15 @@ def group_name(group: dist.ProcessGroup | None) -> str:
     return (group if group is not None else dist.group.WORLD).group_name
 
 
-def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segment_ids: torch.Tensor,
-                      group: dist.ProcessGroup | str | None = None, *, scale: float | None = None) -> torch.Tensor:
+def ulysses_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segment_ids: torch.Tensor,
+    group: dist.ProcessGroup | str | None = None,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
     """Causal attention of a sequence split over ``group``'s ranks, each rank holding a contiguous chunk:
     the ``offload::ulysses_attention`` op.
 
@@ -83,17 +91,26 @@ def _shard(batch: dict, rank: int, ranks: int) -> dict:
     if "input_ids" not in batch:
         raise ValueError("shard_batch: the batch has no input_ids; expected a causal LM batch (input_ids [batch, T])")
     if "shift_labels" in batch:
-        raise ValueError("shard_batch: the batch has shift_labels; pass labels, which shard_batch shifts over the "
-                         "whole rows")
+        raise ValueError(
+            "shard_batch: the batch has shift_labels; pass labels, which shard_batch shifts over the whole rows"
+        )
     tokens = batch["input_ids"].shape[-1]
     for name, value in batch.items():
-        if name not in _SEQUENCE_KEYS and isinstance(value, torch.Tensor) and value.dim() >= 2 and (
-                value.shape[1] == tokens):
-            raise ValueError(f"shard_batch: {name} has shape {list(value.shape)}, one entry per token, and is not "
-                             f"one shard_batch splits ({', '.join(_SEQUENCE_KEYS)})")
+        if (
+            name not in _SEQUENCE_KEYS
+            and isinstance(value, torch.Tensor)
+            and value.dim() >= 2
+            and (value.shape[1] == tokens)
+        ):
+            raise ValueError(
+                f"shard_batch: {name} has shape {list(value.shape)}, one entry per token, and is not "
+                f"one shard_batch splits ({', '.join(_SEQUENCE_KEYS)})"
+            )
         if name in _SEQUENCE_KEYS and (not isinstance(value, torch.Tensor) or value.shape[-1] != tokens):
-            raise ValueError(f"shard_batch: {name} has shape {list(getattr(value, 'shape', []))}; expected "
-                             f"[batch, {tokens}] like input_ids")
+            raise ValueError(
+                f"shard_batch: {name} has shape {list(getattr(value, 'shape', []))}; expected "
+                f"[batch, {tokens}] like input_ids"
+            )
     padding = -tokens % ranks
     local = (tokens + padding) // ranks
     out = dict(batch)
@@ -112,7 +129,7 @@ def _shard(batch: dict, rank: int, ranks: int) -> dict:
             value = torch.cat([value, torch.arange(padding, device=value.device).expand(value.shape[0], -1)], dim=1)
         elif name != "shift_labels":
             value = torch.nn.functional.pad(value, (0, padding), value=_SEQUENCE_KEYS[name])
-        out[name] = value[:, rank * local:(rank + 1) * local].contiguous()  # transformers views them flat
+        out[name] = value[:, rank * local : (rank + 1) * local].contiguous()  # transformers views them flat
     return out
 
 
@@ -133,47 +150,71 @@ def global_loss(local: torch.Tensor, group: str) -> torch.Tensor:
     return local + (group_sum(local, group) - local.detach())
 
 
-def whole_rows_segment_ids(real: torch.Tensor | None, position_ids: torch.Tensor | None, batch: int,
-                           group: str) -> torch.Tensor:
+def whole_rows_segment_ids(
+    real: torch.Tensor | None, position_ids: torch.Tensor | None, batch: int, group: str
+) -> torch.Tensor:
     """The whole rows' segment ids from this rank's part of a call: from the gathered real-token flags
     (``mask``'s result) where the batch has an attention_mask, else from the gathered position_ids (packed
     documents restarting), as transformers reads a batch."""
     if real is not None:
         return attention_block_segment_ids(attention_mask=_gathered(real.to(torch.int32), group))
     if position_ids is None:
-        raise ValueError("torch_offload sequence parallelism: the attention got no position_ids; call the model "
-                         "with shard_batch's position_ids")
+        raise ValueError(
+            "torch_offload sequence parallelism: the attention got no position_ids; call the model "
+            "with shard_batch's position_ids"
+        )
     return attention_block_segment_ids(position_ids=_gathered(position_ids, group), batch=batch)
 
 
 def check_window(window: int | None, tokens: int) -> None:
     """Sliding-window attention is not computed: refused where the window is shorter than the whole rows."""
     if isinstance(window, int) and window < tokens:
-        raise NotImplementedError(f"torch_offload sequence parallelism: a sliding window ({window} tokens) shorter "
-                                  f"than the sequence ({tokens} tokens over the ranks) is not supported")
+        raise NotImplementedError(
+            f"torch_offload sequence parallelism: a sliding window ({window} tokens) shorter "
+            f"than the sequence ({tokens} tokens over the ranks) is not supported"
+        )
 
 
-def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-         mask_function=None, attention_mask: torch.Tensor | None = None, config=None, **kwargs):
+def mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    config=None,
+    **kwargs,
+):
     """The mask function registered for IMPLEMENTATION: this rank's [batch, tokens / ranks] real-token
     flags (or None: all real); the attention function gathers the whole rows' segments itself (and
     checks sliding windows against the whole rows, which this rank's part does not know)."""
     if q_length != kv_length or not isinstance(q_offset, int) or q_offset or kv_offset:
-        raise NotImplementedError("torch_offload sequence parallelism: a key/value cache (queries offset from keys) "
-                                  "is not supported; call the model with use_cache=False")
+        raise NotImplementedError(
+            "torch_offload sequence parallelism: a key/value cache (queries offset from keys) "
+            "is not supported; call the model with use_cache=False"
+        )
     return None if attention_mask is None else attention_mask[:, -kv_length:]
 
 
-def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: torch.Tensor | None, **kwargs):
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+):
     """The attention function registered for IMPLEMENTATION: ulysses_attention over the module's group,
     with the whole rows' segment ids: from the gathered real-token flags where the batch has an
     attention_mask, else from the gathered position_ids (packed documents restarting), as transformers
     reads a batch."""
     group = getattr(module, GROUP_ATTRIBUTE, None)
     if group is None:
-        raise RuntimeError(f"torch_offload sequence parallelism: {type(module).__name__} has no process group; "
-                           "its model's attention implementation is set by apply(model, sequence_parallel=group)")
+        raise RuntimeError(
+            f"torch_offload sequence parallelism: {type(module).__name__} has no process group; "
+            "its model's attention implementation is set by apply(model, sequence_parallel=group)"
+        )
     if kwargs.get("dropout", 0.0):
         raise NotImplementedError("torch_offload sequence parallelism: attention dropout is not supported")
     segment_ids = whole_rows_segment_ids(attention_mask, kwargs.get("position_ids"), query.shape[0], group)

@@ -4,12 +4,13 @@
 - ``TiledMLP``: wraps a Hugging Face style MLP module so that it calls the op.
 - ``tiled_apply``: the generic fallback for any token-wise module (LoRA/PEFT-wrapped, quantized).
 """
+
 from __future__ import annotations
 
 import inspect
 import math
 import types
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +49,9 @@ def tiled_mlp(
     return torch.ops.offload.tiled_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, num_shards)
 
 
-def tiled_mlp_num_shards(tokens: int, intermediate: int, *, gated: bool = True,
-                         dtype: torch.dtype = torch.float32) -> int:
+def tiled_mlp_num_shards(
+    tokens: int, intermediate: int, *, gated: bool = True, dtype: torch.dtype = torch.float32
+) -> int:
     """The shard count ``tiled_mlp`` picks for ``num_shards <= 0``.
 
     A shard holds at most 128 MiB of ``[tokens, I]`` buffers (3 of them for a gated MLP,
@@ -113,8 +115,12 @@ def _is_plain_linear(module) -> bool:
     # the instance, and leave the bound nn.Linear.forward there when removed. Reading it is what
     # dynamo guards on: a hook added after compiling recompiles.
     forward = getattr(module, "forward", None)
-    if (not isinstance(module, nn.Linear) or not isinstance(forward, types.MethodType)
-            or module._forward_hooks or module._forward_pre_hooks):
+    if (
+        not isinstance(module, nn.Linear)
+        or not isinstance(forward, types.MethodType)
+        or module._forward_hooks
+        or module._forward_pre_hooks
+    ):
         return False
     if torch.compiler.is_compiling():
         # dynamo reads no bound method's __func__ or __self__: the class's forward it must be (an instance's
@@ -147,8 +153,9 @@ def _mlp_width(mlp: nn.Module) -> int:
     return max(max(p.shape) for p in mlp.parameters())
 
 
-def _module_in_shards(fn: Callable[[torch.Tensor], torch.Tensor], module: nn.Module, x: torch.Tensor,
-                      num_shards: int) -> torch.Tensor:
+def _module_in_shards(
+    fn: Callable[[torch.Tensor], torch.Tensor], module: nn.Module, x: torch.Tensor, num_shards: int
+) -> torch.Tensor:
     """``fn(x)`` through ``tiled_apply`` with ``module``'s trainable parameters; 0 shards: tiled_mlp's count."""
     shards = num_shards or tiled_mlp_num_shards(x.numel() // x.shape[-1], _mlp_width(module), dtype=x.dtype)
     return tiled_apply(fn, x, [p for p in module.parameters() if p.requires_grad], shards)
@@ -185,8 +192,10 @@ class TiledMLP(nn.Module):
                 _check_linear(getattr(mlp, attr), attr)
         parameters = list(inspect.signature(mlp.forward).parameters.values())
         if len(parameters) != 1 or parameters[0].kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
-            raise ValueError(f"TiledMLP: {type(mlp).__name__}.forward takes {inspect.signature(mlp.forward)}, not "
-                             "one input; use torch_offload.tiled_apply for this module instead")
+            raise ValueError(
+                f"TiledMLP: {type(mlp).__name__}.forward takes {inspect.signature(mlp.forward)}, not "
+                "one input; use torch_offload.tiled_apply for this module instead"
+            )
         self.input_name = parameters[0].name  # callers may pass it by that name
         self.layer_names = tuple(attr for attr in layout if attr)
         self._layout = layout
@@ -199,11 +208,14 @@ class TiledMLP(nn.Module):
         """The wrapped MLP's one input, by position or by the name its own forward gives it."""
         x, args, kwargs = _first_argument(self.input_name, args, kwargs)
         if args or kwargs:
-            raise TypeError(f"TiledMLP.forward() takes one argument, {self.input_name!r}; got "
-                            f"{1 + len(args) + len(kwargs)}")
+            raise TypeError(
+                f"TiledMLP.forward() takes one argument, {self.input_name!r}; got {1 + len(args) + len(kwargs)}"
+            )
         gate, up, down = layers = [getattr(self, attr) if attr else None for attr in self._layout]
-        if (not all(_is_plain_linear(layer) for layer in layers if layer is not None)
-                or _activation_of(self._wrapped) is not self._activation_fn):  # replaced since: the op's is not it
+        if (
+            not all(_is_plain_linear(layer) for layer in layers if layer is not None)
+            or _activation_of(self._wrapped) is not self._activation_fn
+        ):  # replaced since: the op's is not it
             return _module_in_shards(self._wrapped, self, x, self.num_shards)
         return tiled_mlp(
             x,
@@ -217,7 +229,7 @@ class TiledMLP(nn.Module):
             b_down=down.bias,
         )
 
-    def train(self, mode: bool = True) -> "TiledMLP":
+    def train(self, mode: bool = True) -> TiledMLP:
         self._wrapped.training = mode  # not our child: model.train()/eval() would miss it (copies restore it)
         return super().train(mode)
 
@@ -225,8 +237,9 @@ class TiledMLP(nn.Module):
         return f"activation={self.activation!r}, num_shards={self.num_shards}"
 
 
-def tiled_apply(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: Iterable[torch.Tensor],
-                num_shards: int) -> torch.Tensor:
+def tiled_apply(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: Iterable[torch.Tensor], num_shards: int
+) -> torch.Tensor:
     """``fn(x)`` computed in ``num_shards`` shards of tokens, recomputed shard by shard in backward.
 
     The generic fallback of ``tiled_mlp`` for any token-wise module (LoRA/PEFT-wrapped,
@@ -276,8 +289,11 @@ class _TiledApply(torch.autograd.Function):
         ctx.fn, ctx.num_shards, ctx.params = fn, num_shards, params
         ctx.rng_states = (torch.get_rng_state(), torch.cuda.get_rng_state(x.device) if x.is_cuda else None)
         device_type = x.device.type
-        ctx.autocast = {"device_type": device_type, "enabled": torch.is_autocast_enabled(device_type),
-                        "dtype": torch.get_autocast_dtype(device_type)}
+        ctx.autocast = {
+            "device_type": device_type,
+            "enabled": torch.is_autocast_enabled(device_type),
+            "dtype": torch.get_autocast_dtype(device_type),
+        }
         ctx.save_for_backward(x)
         shards = _shards(flat.shape[0], num_shards)
         # The output is made in its final shape, not returned as a view: a caller may add to
@@ -303,8 +319,10 @@ class _TiledApply(torch.autograd.Function):
         want_x = ctx.needs_input_grad[2]
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[3:]) if need]
         reduced = (torch.bfloat16, torch.float16)
-        sums = [torch.zeros_like(ctx.params[i], dtype=torch.float32 if ctx.params[i].dtype in reduced else None)
-                for i in wanted]
+        sums = [
+            torch.zeros_like(ctx.params[i], dtype=torch.float32 if ctx.params[i].dtype in reduced else None)
+            for i in wanted
+        ]
         grad_x = torch.zeros_like(flat) if want_x else None
         cpu_state, cuda_state = ctx.rng_states
         with torch.random.fork_rng(devices=[x.device] if x.is_cuda else []):
@@ -319,7 +337,7 @@ class _TiledApply(torch.autograd.Function):
                 grads = torch.autograd.grad(y, inputs, grad_flat.narrow(0, start, rows), allow_unused=True)
                 if want_x and grads[0] is not None:
                     grad_x.narrow(0, start, rows).copy_(grads[0])
-                for total, grad in zip(sums, grads[int(want_x):]):
+                for total, grad in zip(sums, grads[int(want_x) :]):
                     if grad is not None:
                         total.add_(grad)
         param_grads = [None] * len(ctx.params)

@@ -1,4 +1,5 @@
 """apply() for transformers' Trainer and every trainer built on it (TRL's SFTTrainer, ...) as a callback."""
+
 from __future__ import annotations
 
 import inspect

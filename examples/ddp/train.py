@@ -9,6 +9,7 @@ CPUs, pinned host memory on GPUs); DDP averages the gradients (Gloo on CPUs, NCC
 GPUs). Rank 0 writes the loss of each step, averaged over the ranks, to --out: it
 equals the one-process run's, which sees the whole batch.
 """
+
 import argparse
 import json
 import os
@@ -38,9 +39,18 @@ def main():
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
-                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ_LEN,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = transformers.LlamaForCausalLM(config).to(device).train()
     spill = tempfile.TemporaryDirectory()
     handle = torch_offload.apply(model, offload="cpu" if gpu else "disk", spill_directory=spill.name, min_bytes=0)
@@ -50,7 +60,7 @@ def main():
     # One batch, learned again each step, so that a few steps show the loss going down.
     per_rank = BATCH // world
     batch = torch.randint(3, 256, (BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(1))
-    ids = batch[rank * per_rank:(rank + 1) * per_rank].to(device)
+    ids = batch[rank * per_rank : (rank + 1) * per_rank].to(device)
     losses = []
     for _ in range(args.steps):
         optimizer.zero_grad(set_to_none=True)

@@ -13,6 +13,7 @@ rank's gradients are its share: they are summed over the group before the optimi
 every rank holds one process's gradients and the ranks stay identical. Rank 0 prints the losses and
 writes them to --out: they equal the one-process run's.
 """
+
 import argparse
 import json
 import os
@@ -56,8 +57,11 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
 
     ids = token_batch(args.tokens)
-    batch = dict(input_ids=ids, labels=ids,
-                 position_ids=torch.arange(args.tokens).remainder(args.tokens // PACKED_DOCUMENTS)[None])
+    batch = dict(
+        input_ids=ids,
+        labels=ids,
+        position_ids=torch.arange(args.tokens).remainder(args.tokens // PACKED_DOCUMENTS)[None],
+    )
     if distributed:
         batch = torch_offload.shard_batch(batch, group)  # this rank's tokens, labels shifted across ranks
     batch = {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in batch.items()}

@@ -62,15 +62,18 @@ inline at::Tensor disk_spill(const at::Tensor& src, std::optional<std::string_vi
   TORCH_CHECK(src.defined(), "disk_spill: src is an undefined tensor; expected a defined tensor");
   static const auto handle =
       detail::op<at::Tensor(const at::Tensor&, std::optional<c10::string_view>, bool)>("offload::disk_spill");
-  return handle.call(src, directory ? std::optional<c10::string_view>(c10::string_view(directory->data(), directory->size())) : std::nullopt,
+  return handle.call(src,
+                     directory ? std::optional<c10::string_view>(c10::string_view(directory->data(), directory->size()))
+                               : std::nullopt,
                      allow_tmpfs);
 }
 
 // The spilled tensor back on `device`; a ticket is restored once.
 inline at::Tensor disk_restore(const at::Tensor& ticket, at::IntArrayRef size, c10::ScalarType dtype,
                                c10::Device device) {
-  static const auto handle = detail::op<at::Tensor(const at::Tensor&, c10::SymIntArrayRef, c10::ScalarType, c10::Device)>(
-      "offload::disk_restore");
+  static const auto handle =
+      detail::op<at::Tensor(const at::Tensor&, c10::SymIntArrayRef, c10::ScalarType, c10::Device)>(
+          "offload::disk_restore");
   return handle.call(ticket, c10::fromIntArrayRefSlow(size), dtype, device);
 }
 
@@ -157,10 +160,9 @@ inline int64_t tiled_mlp_num_shards(int64_t tokens, int64_t intermediate, bool g
 // "Fused linear cross-entropy").
 inline at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
                                        const std::optional<at::Tensor>& bias, const at::Tensor& target,
-                                       int64_t ignore_index = -100, double label_smoothing = 0.0,
-                                       double softcap = 0.0, double z_loss = 0.0,
-                                       std::string_view reduction = "mean", c10::SymInt tile_tokens = 0,
-                                       c10::SymInt tile_vocab = 0, double filter_eps = 0.0,
+                                       int64_t ignore_index = -100, double label_smoothing = 0.0, double softcap = 0.0,
+                                       double z_loss = 0.0, std::string_view reduction = "mean",
+                                       c10::SymInt tile_tokens = 0, c10::SymInt tile_vocab = 0, double filter_eps = 0.0,
                                        std::optional<bool> gradients_in_forward = std::nullopt) {
   TORCH_CHECK(hidden.defined(), "linear_cross_entropy: hidden is an undefined tensor; expected a defined tensor");
   static const auto handle =
@@ -175,9 +177,9 @@ inline at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tenso
 // grad_loss, computed in forward from whole-vocabulary slabs of tile_tokens tokens (<= 0:
 // 64 MiB or 512 tokens, whichever is more); reduction "mean" or "sum". The gradients are in the loss's dtype.
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_with_gradients(
-    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-    const at::Tensor& target, int64_t ignore_index, double label_smoothing, double softcap, double z_loss,
-    std::string_view reduction, c10::SymInt tile_tokens, std::array<bool, 3> output_mask) {
+    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const at::Tensor& target,
+    int64_t ignore_index, double label_smoothing, double softcap, double z_loss, std::string_view reduction,
+    c10::SymInt tile_tokens, std::array<bool, 3> output_mask) {
   TORCH_CHECK(hidden.defined(), "linear_cross_entropy: hidden is an undefined tensor; expected a defined tensor");
   static const auto handle = detail::op<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
       const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, int64_t, double,
@@ -190,9 +192,9 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_e
 // The forward that the autograd formula uses: (loss, log-sum-exp of each token
 // [tokens], float32, or float64 for float64 hidden), the latter for backward.
 inline std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward(
-    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-    const at::Tensor& target, int64_t ignore_index, double label_smoothing, double softcap, double z_loss,
-    std::string_view reduction, c10::SymInt tile_tokens, c10::SymInt tile_vocab) {
+    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const at::Tensor& target,
+    int64_t ignore_index, double label_smoothing, double softcap, double z_loss, std::string_view reduction,
+    c10::SymInt tile_tokens, c10::SymInt tile_vocab) {
   TORCH_CHECK(hidden.defined(), "linear_cross_entropy: hidden is an undefined tensor; expected a defined tensor");
   static const auto handle = detail::op<std::tuple<at::Tensor, at::Tensor>(
       const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, int64_t, double,
@@ -256,8 +258,8 @@ inline at::Tensor attention_block(const at::Tensor& x, const at::Tensor& w_q, co
                                   std::optional<std::string_view> group_name = std::nullopt) {
   TORCH_CHECK(x.defined(), "attention_block: x is an undefined tensor; expected a defined tensor");
   static const auto handle = detail::op<at::Tensor(
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-      const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::optional<double>,
       const std::optional<at::Tensor>&, std::optional<std::string_view>)>("offload::attention_block");
   return handle.call(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids, group_name);
@@ -279,10 +281,10 @@ inline AttentionBlockGradients attention_block_backward(
               "attention_block_backward: grad_out is an undefined tensor; expected a defined tensor");
   TORCH_CHECK(x.defined(), "attention_block_backward: x is an undefined tensor; expected a defined tensor");
   static const auto handle = detail::op<AttentionBlockGradients(
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-      std::optional<double>, const std::optional<at::Tensor>&, std::array<bool, 9>, std::optional<std::string_view>)>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::optional<double>,
+      const std::optional<at::Tensor>&, std::array<bool, 9>, std::optional<std::string_view>)>(
       "offload::attention_block_backward");
   return handle.call(grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids, output_mask,
                      group_name);

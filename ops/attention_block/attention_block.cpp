@@ -17,10 +17,10 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros_like.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 #include <c10/core/SymBool.h>
 #include <c10/util/Exception.h>
 
@@ -102,8 +102,8 @@ void check_segment_ids(const char* op, const at::Tensor& segment_ids, const at::
   }
   TORCH_CHECK(segment_ids.scalar_type() == at::kLong || segment_ids.scalar_type() == at::kInt, op,
               ": segment_ids has dtype ", segment_ids.scalar_type(), "; expected int64 or int32");
-  TORCH_CHECK(segment_ids.device() == ref.device(), op, ": segment_ids is on ", segment_ids.device(), " but ",
-              ref_name, " is on ", ref.device());
+  TORCH_CHECK(segment_ids.device() == ref.device(), op, ": segment_ids is on ", segment_ids.device(), " but ", ref_name,
+              " is on ", ref.device());
   TORCH_CHECK(segment_ids.dim() == 2, op, ": segment_ids has shape ", segment_ids.sym_sizes(),
               "; expected [batch, tokens] = [", batch, ", ", tokens, "]");
   TORCH_SYM_CHECK(segment_ids.sym_size(0).sym_eq(batch).sym_and(segment_ids.sym_size(1).sym_eq(tokens)), op,
@@ -206,8 +206,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attend_backward(const AttentionKe
     const SegmentRun& keys = runs[run.keys];
     AttentionResult piece = result.pieces[i];
     piece.out = run_of(result.out, run);
-    const auto [piece_dq, piece_dk, piece_dv] = kernels.backward(
-        run_of(grad_out, run), run_of(q, run), run_of(k, keys), run_of(v, keys), piece, scale, !run.padding);
+    const auto [piece_dq, piece_dk, piece_dv] = kernels.backward(run_of(grad_out, run), run_of(q, run), run_of(k, keys),
+                                                                 run_of(v, keys), piece, scale, !run.padding);
     run_of(dq, run).copy_(piece_dq);
     run_of(dk, keys).add_(piece_dk);
     run_of(dv, keys).add_(piece_dv);
@@ -223,8 +223,7 @@ void check_segment_attention(const char* op, const at::Tensor& q, const at::Tens
   TORCH_CHECK(at::isFloatingType(q.scalar_type()), op, ": query has dtype ", q.scalar_type(),
               "; expected a floating point dtype");
   check_tensor(op, "key", k, q, "query", q.scalar_type(), q.sym_sizes(), "query's [batch, heads, tokens, head_dim]");
-  check_tensor(op, "value", v, q, "query", q.scalar_type(), q.sym_sizes(),
-               "query's [batch, heads, tokens, head_dim]");
+  check_tensor(op, "value", v, q, "query", q.scalar_type(), q.sym_sizes(), "query's [batch, heads, tokens, head_dim]");
   TORCH_CHECK(segment_ids.defined(), op, ": segment_ids is undefined; expected [batch, tokens] integer ids");
   check_segment_ids(op, segment_ids, q, "query", q.sym_size(0), q.sym_size(2));
   TORCH_CHECK(!scale.has_value() || (std::isfinite(*scale) && *scale > 0), op, ": scale is ", scale.value_or(0),
@@ -249,8 +248,8 @@ struct Layout {
         scale(scale_opt.value_or(1.0 / std::sqrt(static_cast<double>(head_dim)))) {
     // Per key/value head: q, out, dq, dout and the repeated k, v, dk, dv (repeats each),
     // plus k and v themselves.
-    const int64_t bytes = std::max<int64_t>(
-        1, (8 * repeats + 2) * batch * tokens * head_dim * static_cast<int64_t>(x.element_size()));
+    const int64_t bytes =
+        std::max<int64_t>(1, (8 * repeats + 2) * batch * tokens * head_dim * static_cast<int64_t>(x.element_size()));
     kv_heads_per_group = std::clamp<int64_t>(kGroupBytes / bytes, 1, kv_heads);
   }
 };
@@ -289,8 +288,9 @@ at::Tensor repeat_kv(const at::Tensor& t, const Layout& l) {
     return t;
   }
   const int64_t n = t.size(1);
-  return t.unsqueeze(2).expand({l.batch, n, l.repeats, l.tokens, l.head_dim}).reshape({l.batch, n * l.repeats,
-                                                                                       l.tokens, l.head_dim});
+  return t.unsqueeze(2)
+      .expand({l.batch, n, l.repeats, l.tokens, l.head_dim})
+      .reshape({l.batch, n * l.repeats, l.tokens, l.head_dim});
 }
 
 // The gradient of repeat_kv's input.
@@ -329,8 +329,8 @@ int64_t kv_heads_per_group(const char* op, const Layout& l, const Shards& shards
   if (!shards.active()) {
     return l.kv_heads_per_group;
   }
-  TORCH_CHECK_VALUE(l.heads % shards.ranks == 0, op, ": ", l.heads, " query heads cannot be split over ",
-                    shards.ranks, " ranks; the query heads must be a multiple of the number of ranks");
+  TORCH_CHECK_VALUE(l.heads % shards.ranks == 0, op, ": ", l.heads, " query heads cannot be split over ", shards.ranks,
+                    " ranks; the query heads must be a multiple of the number of ranks");
   const int64_t step = shards.ranks / std::gcd(shards.ranks, l.repeats);
   return std::min(l.kv_heads, (l.kv_heads_per_group + step - 1) / step * step);
 }
@@ -358,8 +358,7 @@ void project(Group& g, const Layout& l, const at::Tensor& x_rows, const at::Tens
   };
   g.q = rotary(linear(w_q, b_q, g.q_start, g.q_rows), l, cos, sin);
   g.k = repeat_kv(rotary(linear(w_k, b_k, g.kv_start, g.kv_rows), l, cos, sin), l);
-  g.v = repeat_kv(linear(w_v, b_v, g.kv_start, g.kv_rows).view({l.batch, l.tokens, -1, l.head_dim}).transpose(1, 2),
-                  l);
+  g.v = repeat_kv(linear(w_v, b_v, g.kv_start, g.kv_rows).view({l.batch, l.tokens, -1, l.head_dim}).transpose(1, 2), l);
   g.q = shards.to_tokens(g.q);
   g.k = shards.to_tokens(g.k);
   g.v = shards.to_tokens(g.v);
@@ -373,7 +372,7 @@ at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tenso
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                 const std::optional<at::Tensor>& segment_ids,
-    std::optional<c10::string_view> group_name) {
+                                std::optional<c10::string_view> group_name) {
   const at::Tensor bq = value_or_undefined(b_q), bk = value_or_undefined(b_k), bv = value_or_undefined(b_v),
                    bo = value_or_undefined(b_o), segments = value_or_undefined(segment_ids);
   check_arguments("attention_block", x, w_q, w_k, w_v, w_o, cos, sin, bq, bk, bv, bo, scale);
@@ -420,8 +419,8 @@ AttentionBlockGradients attention_block_backward_impl(
   const int64_t rows = l.batch * l.tokens;
 
   // What is asked for, and present. Nothing else is computed.
-  const bool want_x = output_mask[0], want_w_q = output_mask[1], want_w_k = output_mask[2],
-             want_w_v = output_mask[3], want_w_o = output_mask[4];
+  const bool want_x = output_mask[0], want_w_q = output_mask[1], want_w_k = output_mask[2], want_w_v = output_mask[3],
+             want_w_o = output_mask[4];
   const bool want_b_q = output_mask[5] && bq.defined(), want_b_k = output_mask[6] && bk.defined(),
              want_b_v = output_mask[7] && bv.defined(), want_b_o = output_mask[8] && bo.defined();
   // Every gradient but w_o's and b_o's goes back through the attention.
@@ -460,8 +459,8 @@ AttentionBlockGradients attention_block_backward_impl(
       if (!want_inner) {
         continue;
       }
-      at::Tensor grad_attention = shards.to_tokens(
-          at::mm(grad_rows, w_o_group).view({l.batch, l.tokens, -1, l.head_dim}).transpose(1, 2));
+      at::Tensor grad_attention =
+          shards.to_tokens(at::mm(grad_rows, w_o_group).view({l.batch, l.tokens, -1, l.head_dim}).transpose(1, 2));
       auto [dq, dk, dv] = attend_backward(kernels, grad_attention, g.q, g.k, g.v, attention, l.scale, runs);
       // Freed before the gradients go back to the rank's tokens: the exchanges allocate their size again.
       g.q.reset(), g.k.reset(), g.v.reset(), grad_attention.reset();
@@ -496,8 +495,14 @@ AttentionBlockGradients attention_block_backward_impl(
 
   const auto to_dtype = [&](const at::Tensor& t) { return t.defined() ? t.to(x.scalar_type()) : t; };
   return {want_x ? to_dtype(grad_x).view(x.sizes()) : grad_x,
-          to_dtype(grad_w_q), to_dtype(grad_w_k), to_dtype(grad_w_v), to_dtype(grad_w_o),
-          to_dtype(grad_b_q), to_dtype(grad_b_k), to_dtype(grad_b_v), to_dtype(grad_b_o)};
+          to_dtype(grad_w_q),
+          to_dtype(grad_w_k),
+          to_dtype(grad_w_v),
+          to_dtype(grad_w_o),
+          to_dtype(grad_b_q),
+          to_dtype(grad_b_k),
+          to_dtype(grad_b_v),
+          to_dtype(grad_b_o)};
 }
 
 namespace {
@@ -626,8 +631,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_attention_backward(const at::
                                                                       const at::Tensor& k, const at::Tensor& v,
                                                                       const AttentionResult& result, double scale,
                                                                       bool causal) {
-  const auto flash_backward = [&](const at::Tensor& g, const at::Tensor& q_, const at::Tensor& k_,
-                                  const at::Tensor& v_, const at::Tensor& out, const at::Tensor& lse, bool causal_) {
+  const auto flash_backward = [&](const at::Tensor& g, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+                                  const at::Tensor& out, const at::Tensor& lse, bool causal_) {
     return at::_scaled_dot_product_flash_attention_for_cpu_backward(g, q_, k_, v_, out, lse, 0.0, causal_, {}, scale);
   };
   if (!causal || !split_into_balanced_pieces(q)) {
@@ -662,13 +667,12 @@ constexpr AttentionKernels cpu_attention_kernels{cpu_attention_forward, cpu_atte
 
 }  // namespace
 
-at::Tensor attention_block_cpu(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
-                               const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
-                               const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
-                               const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
-                               const std::optional<at::Tensor>& b_o, std::optional<double> scale,
-                               const std::optional<at::Tensor>& segment_ids,
-    std::optional<c10::string_view> group_name) {
+at::Tensor attention_block_cpu(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v,
+                               const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
+                               const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k,
+                               const std::optional<at::Tensor>& b_v, const std::optional<at::Tensor>& b_o,
+                               std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
+                               std::optional<c10::string_view> group_name) {
   return attention_block_impl(cpu_attention_kernels, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale,
                               segment_ids, group_name);
 }
@@ -679,8 +683,8 @@ AttentionBlockGradients attention_block_backward_cpu(
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
     std::array<bool, 9> output_mask, std::optional<c10::string_view> group_name) {
-  return attention_block_backward_impl(cpu_attention_kernels, grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k,
-                                       b_v, b_o, scale, segment_ids, output_mask, group_name);
+  return attention_block_backward_impl(cpu_attention_kernels, grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v,
+                                       b_o, scale, segment_ids, output_mask, group_name);
 }
 
 // Meta: the same checks (on symbolic shapes), then results shaped like the real ones.
@@ -690,9 +694,9 @@ at::Tensor attention_block_meta(const at::Tensor& x, const at::Tensor& w_q, cons
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                 const std::optional<at::Tensor>& segment_ids,
-    std::optional<c10::string_view> group_name) {
-  check_arguments("attention_block", x, w_q, w_k, w_v, w_o, cos, sin, value_or_undefined(b_q),
-                  value_or_undefined(b_k), value_or_undefined(b_v), value_or_undefined(b_o), scale);
+                                std::optional<c10::string_view> group_name) {
+  check_arguments("attention_block", x, w_q, w_k, w_v, w_o, cos, sin, value_or_undefined(b_q), value_or_undefined(b_k),
+                  value_or_undefined(b_v), value_or_undefined(b_o), scale);
   const Shards shards(group_name);
   check_segment_ids("attention_block", value_or_undefined(segment_ids), x, shards.ranks);
   return at::empty_symint({x.sym_size(0), x.sym_size(1), w_o.sym_size(0)}, x.options());
@@ -707,8 +711,15 @@ AttentionBlockGradients attention_block_backward_meta(
   const char* op = "attention_block_backward";
   const Shards shards(group_name);
   check_segment_ids(op, value_or_undefined(segment_ids), x, shards.ranks);
-  const std::array<at::Tensor, 9> inputs{x, w_q, w_k, w_v, w_o, value_or_undefined(b_q), value_or_undefined(b_k),
-                                         value_or_undefined(b_v), value_or_undefined(b_o)};
+  const std::array<at::Tensor, 9> inputs{x,
+                                         w_q,
+                                         w_k,
+                                         w_v,
+                                         w_o,
+                                         value_or_undefined(b_q),
+                                         value_or_undefined(b_k),
+                                         value_or_undefined(b_v),
+                                         value_or_undefined(b_o)};
   check_arguments(op, x, w_q, w_k, w_v, w_o, cos, sin, inputs[5], inputs[6], inputs[7], inputs[8], scale);
   check_tensor(op, "grad_out", grad_out, x, "x", x.scalar_type(), {x.sym_size(0), x.sym_size(1), w_o.sym_size(0)},
                "[batch, tokens, out_features]");

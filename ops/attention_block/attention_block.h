@@ -28,13 +28,11 @@ struct AttentionResult {
   std::vector<AttentionResult> pieces;
 };
 struct AttentionKernels {
-  AttentionResult (*forward)(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                             bool causal);
+  AttentionResult (*forward)(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal);
   // (dq, dk, dv)
   std::tuple<at::Tensor, at::Tensor, at::Tensor> (*backward)(const at::Tensor& grad_out, const at::Tensor& q,
                                                              const at::Tensor& k, const at::Tensor& v,
-                                                             const AttentionResult& result, double scale,
-                                                             bool causal);
+                                                             const AttentionResult& result, double scale, bool causal);
 };
 
 at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tensor& x, const at::Tensor& w_q,
@@ -43,7 +41,7 @@ at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tenso
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                 const std::optional<at::Tensor>& segment_ids,
-    std::optional<c10::string_view> group_name);
+                                std::optional<c10::string_view> group_name);
 AttentionBlockGradients attention_block_backward_impl(
     const AttentionKernels& kernels, const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q,
     const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
@@ -66,20 +64,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_impl(
 void check_rotary_needs_no_grad(const at::Tensor& cos, const at::Tensor& sin);
 
 // The kernels registered per dispatch key.
-at::Tensor attention_block_cpu(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
-                               const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
-                               const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
-                               const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
-                               const std::optional<at::Tensor>& b_o, std::optional<double> scale,
-                               const std::optional<at::Tensor>& segment_ids,
-    std::optional<c10::string_view> group_name);
+at::Tensor attention_block_cpu(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v,
+                               const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
+                               const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k,
+                               const std::optional<at::Tensor>& b_v, const std::optional<at::Tensor>& b_o,
+                               std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
+                               std::optional<c10::string_view> group_name);
 at::Tensor attention_block_meta(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
                                 const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
                                 const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                 const std::optional<at::Tensor>& segment_ids,
-    std::optional<c10::string_view> group_name);
+                                std::optional<c10::string_view> group_name);
 AttentionBlockGradients attention_block_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
@@ -99,7 +96,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask);
 at::Tensor segment_attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const at::Tensor& segment_ids, std::optional<double> scale);
+                                  const at::Tensor& segment_ids, std::optional<double> scale);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_meta(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask);
@@ -111,7 +108,7 @@ at::Tensor attention_block_cuda(const at::Tensor& x, const at::Tensor& w_q, cons
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                 const std::optional<at::Tensor>& segment_ids,
-    std::optional<c10::string_view> group_name);
+                                std::optional<c10::string_view> group_name);
 AttentionBlockGradients attention_block_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
@@ -119,7 +116,7 @@ AttentionBlockGradients attention_block_backward_cuda(
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
     std::array<bool, 9> output_mask, std::optional<c10::string_view> group_name);
 at::Tensor segment_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const at::Tensor& segment_ids, std::optional<double> scale);
+                                  const at::Tensor& segment_ids, std::optional<double> scale);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask);

@@ -33,9 +33,8 @@ AttentionResult cuda_attention_forward(const at::Tensor& q, const at::Tensor& k,
   return {out, logsumexp, {seed, offset}, {}};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_attention_backward(const at::Tensor& grad_out,
-                                                                       const at::Tensor& q, const at::Tensor& k,
-                                                                       const at::Tensor& v,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_attention_backward(const at::Tensor& grad_out, const at::Tensor& q,
+                                                                       const at::Tensor& k, const at::Tensor& v,
                                                                        const AttentionResult& result, double scale,
                                                                        bool causal) {
   const auto& [seed, offset] = result.aux;
@@ -55,7 +54,7 @@ at::Tensor attention_block_cuda(const at::Tensor& x, const at::Tensor& w_q, cons
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                 const std::optional<at::Tensor>& segment_ids,
-    std::optional<c10::string_view> group_name) {
+                                std::optional<c10::string_view> group_name) {
   check_cuda_support("attention_block", x, cos);
   return attention_block_impl(cuda_attention_kernels, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale,
                               segment_ids, group_name);
@@ -68,8 +67,8 @@ AttentionBlockGradients attention_block_backward_cuda(
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
     std::array<bool, 9> output_mask, std::optional<c10::string_view> group_name) {
   check_cuda_support("attention_block_backward", x, cos);
-  return attention_block_backward_impl(cuda_attention_kernels, grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k,
-                                       b_v, b_o, scale, segment_ids, output_mask, group_name);
+  return attention_block_backward_impl(cuda_attention_kernels, grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v,
+                                       b_o, scale, segment_ids, output_mask, group_name);
 }
 
 at::Tensor segment_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

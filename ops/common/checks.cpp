@@ -17,11 +17,11 @@ void check_tensor(const char* op, const char* arg, const at::Tensor& t, const at
   TORCH_CHECK(t.device() == ref.device(), op, ": ", arg, " is on ", t.device(), " but ", ref_name, " is on ",
               ref.device(), "; every tensor must be on ", ref_name, "'s device");
   TORCH_CHECK(t.scalar_type() == dtype, op, ": ", arg, " has dtype ", t.scalar_type(), "; expected ", dtype);
-  TORCH_CHECK(t.dim() == static_cast<int64_t>(want.size()), op, ": ", arg, " has shape ", t.sym_sizes(),
-              "; expected ", what, " = ", want);
+  TORCH_CHECK(t.dim() == static_cast<int64_t>(want.size()), op, ": ", arg, " has shape ", t.sym_sizes(), "; expected ",
+              what, " = ", want);
   for (size_t i = 0; i < want.size(); ++i) {
-    TORCH_SYM_CHECK(t.sym_size(static_cast<int64_t>(i)).sym_eq(want[i]), op, ": ", arg, " has shape ",
-                    t.sym_sizes(), "; expected ", what, " = ", want);
+    TORCH_SYM_CHECK(t.sym_size(static_cast<int64_t>(i)).sym_eq(want[i]), op, ": ", arg, " has shape ", t.sym_sizes(),
+                    "; expected ", what, " = ", want);
   }
 }
 
@@ -31,10 +31,9 @@ void check_device_available(c10::Device device, const char* op, const char* arg)
   }
   if (device.is_cuda()) {
     const int64_t count = at::hasCUDA() ? at::getNumGPUs() : 0;
-    TORCH_CHECK(count > 0, op, ": ", arg, " is ", device,
-                " but no CUDA device is available in this process");
-    TORCH_CHECK(!device.has_index() || device.index() < count, op, ": ", arg, " is ", device,
-                " but only ", count, " CUDA device(s) exist");
+    TORCH_CHECK(count > 0, op, ": ", arg, " is ", device, " but no CUDA device is available in this process");
+    TORCH_CHECK(!device.has_index() || device.index() < count, op, ": ", arg, " is ", device, " but only ", count,
+                " CUDA device(s) exist");
     return;
   }
   TORCH_CHECK(false, op, ": ", arg, " is ", device, "; expected a cpu or cuda device");

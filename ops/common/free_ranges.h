@@ -15,9 +15,7 @@ class FreeRanges {
   std::optional<size_t> take(size_t bytes);
   // True when [offset, offset + bytes) is one free range.
   bool is_one_range(size_t offset, size_t bytes) const;
-  void clear() {
-    ranges_.clear();
-  }
+  void clear() { ranges_.clear(); }
 
  private:
   std::map<size_t, size_t> ranges_;  // offset -> length

@@ -133,8 +133,7 @@ bool PinnedArena::add_fence(const void* ptr, std::shared_ptr<Fence> fence) {
     return false;
   }
   auto& fences = slice->fences;
-  fences.erase(std::remove_if(fences.begin(), fences.end(), [](const auto& f) { return f->done(); }),
-               fences.end());
+  fences.erase(std::remove_if(fences.begin(), fences.end(), [](const auto& f) { return f->done(); }), fences.end());
   fences.push_back(std::move(fence));
   return true;
 }

@@ -33,9 +33,9 @@ struct HostMemory {
 };
 
 struct ArenaStats {
-  int64_t budget_bytes;     // most pinned bytes the arena may hold
-  int64_t reserved_bytes;   // pinned bytes held now, in chunks
-  int64_t in_use_bytes;     // bytes in slices not yet reusable
+  int64_t budget_bytes;       // most pinned bytes the arena may hold
+  int64_t reserved_bytes;     // pinned bytes held now, in chunks
+  int64_t in_use_bytes;       // bytes in slices not yet reusable
   int64_t chunk_allocations;  // HostMemory::allocate calls so far
   int64_t slice_allocations;  // slices handed out so far
 };
@@ -90,7 +90,7 @@ class PinnedArena {
   size_t in_use_bytes_ = 0;
   int64_t chunk_allocations_ = 0;
   int64_t slice_allocations_ = 0;
-  std::vector<Chunk> chunks_;  // a freed chunk keeps its index with base == nullptr
+  std::vector<Chunk> chunks_;          // a freed chunk keeps its index with base == nullptr
   std::map<uintptr_t, Slice> slices_;  // by start address
   mutable std::mutex mutex_;
 };

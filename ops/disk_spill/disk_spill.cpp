@@ -64,8 +64,9 @@ at::Tensor spill_host_tensor(const at::Tensor& host, std::optional<c10::string_v
 // worker copies it to its own buffer first, and only once a non-blocking offload_pack's
 // device-to-host copy into it has landed.
 at::Tensor spill_pinned_tensor(const at::Tensor& host, std::optional<c10::string_view> directory, bool allow_tmpfs) {
-  return spill_host_tensor(host, directory, allow_tmpfs, [host] { wait_for_pending_pack(host); },
-                           /*bounce_source=*/true);
+  return spill_host_tensor(
+      host, directory, allow_tmpfs, [host] { wait_for_pending_pack(host); },
+      /*bounce_source=*/true);
 }
 #endif
 
@@ -87,8 +88,7 @@ at::Tensor disk_spill_cpu(const at::Tensor& src, std::optional<c10::string_view>
   return spill_host_tensor(src.contiguous(), directory, allow_tmpfs, nullptr, /*bounce_source=*/false);
 }
 
-at::Tensor disk_spill_meta(const at::Tensor& src, std::optional<c10::string_view> /*directory*/,
-                           bool /*allow_tmpfs*/) {
+at::Tensor disk_spill_meta(const at::Tensor& src, std::optional<c10::string_view> /*directory*/, bool /*allow_tmpfs*/) {
   return at::empty({2}, src.options().dtype(at::kLong));
 }
 
@@ -104,7 +104,8 @@ at::Tensor disk_restore_cpu(const at::Tensor& ticket, c10::SymIntArrayRef size, 
   const int64_t id = ticket_id(ticket, "disk_restore");
   check_device_available(device, "disk_restore", "device");
   // Restoring consumes the ticket: a meta tensor would keep none of its data.
-  TORCH_CHECK(!device.is_meta(), "disk_restore: device is meta, which would drop the ticket's data; "
+  TORCH_CHECK(!device.is_meta(),
+              "disk_restore: device is meta, which would drop the ticket's data; "
               "expected a cpu or cuda device");
   at::Tensor host = SpillEngine::instance().restore(id, C10_AS_INTARRAYREF_SLOW(size), dtype);
   return device.is_cpu() ? host : offload_unpack(host, device);
@@ -131,17 +132,16 @@ std::vector<int64_t> disk_ticket_location_cpu(const at::Tensor& ticket) {
   return SpillEngine::instance().location(ticket_id(ticket, "_disk_ticket_location"));
 }
 
-void disk_spill_configure_kernel(int64_t num_threads, int64_t extent_bytes, bool checksums,
-                                 int64_t max_in_flight_bytes, int64_t restore_cache_bytes) {
+void disk_spill_configure_kernel(int64_t num_threads, int64_t extent_bytes, bool checksums, int64_t max_in_flight_bytes,
+                                 int64_t restore_cache_bytes) {
   SpillEngine::instance().configure(
       SpillConfig{num_threads, extent_bytes, checksums, max_in_flight_bytes, restore_cache_bytes});
 }
 
 std::vector<int64_t> disk_spill_stats_kernel() {
   const SpillStats s = SpillEngine::instance().stats();
-  return {s.bytes_written, s.bytes_read, s.extents_live, s.peak_file_bytes,
-          s.write_ns, s.read_ns, s.tickets_live, s.restore_cache_hits,
-          s.restore_cache_kept_bytes};
+  return {s.bytes_written, s.bytes_read,   s.extents_live,       s.peak_file_bytes,         s.write_ns,
+          s.read_ns,       s.tickets_live, s.restore_cache_hits, s.restore_cache_kept_bytes};
 }
 
 }  // namespace torch_offload

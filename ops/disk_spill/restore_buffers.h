@@ -34,12 +34,8 @@ class RestoreBuffers {
   void set_capacity(size_t bytes);  // capacity in data bytes; also frees what is kept
   void clear();
   // Held across fork(), so that the child finds the buffers at rest and can clear them.
-  void lock() {
-    mutex_.lock();
-  }
-  void unlock() {
-    mutex_.unlock();
-  }
+  void lock() { mutex_.lock(); }
+  void unlock() { mutex_.unlock(); }
 
   int64_t hits() const;
   size_t kept_bytes() const;

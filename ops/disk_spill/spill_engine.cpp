@@ -53,9 +53,7 @@ std::string message_of(const std::exception& e) {
 struct ExtentLayout {
   size_t payload, head, middle, tail;
 
-  size_t span() const {
-    return SpillFile::kBlock * (1 + (head > 0) + (tail > 0)) + middle;
-  }
+  size_t span() const { return SpillFile::kBlock * (1 + (head > 0) + (tail > 0)) + middle; }
   size_t payload_at() const {  // the payload's first byte, from the extent's start
     return SpillFile::kBlock + (head > 0 ? SpillFile::kBlock - head : 0);
   }
@@ -104,7 +102,7 @@ struct SpillEngine::Ticket {
   std::shared_ptr<SpillFile> file;
   int64_t nbytes;
   size_t extent_bytes;
-  size_t memory_offset;  // of the source's data within a block; the restore buffer's data gets the same
+  size_t memory_offset;         // of the source's data within a block; the restore buffer's data gets the same
   std::vector<size_t> offsets;  // file offset of each extent
   c10::ScalarType dtype;
   std::vector<int64_t> sizes;
@@ -262,9 +260,8 @@ int64_t SpillEngine::spill(const at::Tensor& source, std::shared_ptr<SpillFile> 
   ticket->extent_bytes = static_cast<size_t>(config_.extent_bytes);
   ticket->checksums = config_.checksums;
   // Backpressure: bound the host memory held by writes not yet done.
-  done_cv_.wait(lock, [&] {
-    return in_flight_bytes_ == 0 || in_flight_bytes_ + ticket->nbytes <= config_.max_in_flight_bytes;
-  });
+  done_cv_.wait(
+      lock, [&] { return in_flight_bytes_ == 0 || in_flight_bytes_ + ticket->nbytes <= config_.max_in_flight_bytes; });
   const size_t extents = (static_cast<size_t>(ticket->nbytes) + ticket->extent_bytes - 1) / ticket->extent_bytes;
   if (extents > 0) {
     start_workers_locked();  // before the ticket exists: if no thread starts, nothing is left registered
@@ -319,9 +316,7 @@ void SpillEngine::start_reads_locked(const std::shared_ptr<Ticket>& ticket) {
   try {
     ticket->destination = at::from_blob(
         memory + offset, ticket->sizes,
-        [offset, bytes](void* data) {
-          instance().restore_buffers_.recycle(static_cast<char*>(data) - offset, bytes);
-        },
+        [offset, bytes](void* data) { instance().restore_buffers_.recycle(static_cast<char*>(data) - offset, bytes); },
         at::TensorOptions().dtype(ticket->dtype));
   } catch (...) {
     restore_buffers_.recycle(memory, bytes);
@@ -352,8 +347,7 @@ at::Tensor SpillEngine::restore(int64_t id, at::IntArrayRef sizes, c10::ScalarTy
   std::unique_lock<std::mutex> lock(mutex_);
   auto ticket = find_locked(id, "disk_restore");
   TORCH_CHECK(!ticket->restored, "disk_restore: ticket ", id, " was already restored; a ticket is restored once");
-  TORCH_CHECK(dtype == ticket->dtype, "disk_restore: dtype is ", dtype, " but ticket ", id, " holds ",
-              ticket->dtype);
+  TORCH_CHECK(dtype == ticket->dtype, "disk_restore: dtype is ", dtype, " but ticket ", id, " holds ", ticket->dtype);
   TORCH_CHECK(sizes == at::IntArrayRef(ticket->sizes), "disk_restore: size is ", sizes, " but ticket ", id,
               " holds a tensor of size ", at::IntArrayRef(ticket->sizes));
   done_cv_.wait(lock, [&] { return ticket->writes_pending == 0; });
@@ -483,8 +477,13 @@ std::string SpillEngine::run_job(const Job& job, char* staging, std::unique_ptr<
     std::memset(staging, 0, 3 * SpillFile::kBlock);
     std::memcpy(head_bytes, memory, extent.head);
     std::memcpy(tail_block, tail_bytes, extent.tail);
-    *header = ExtentHeader{kMagic, nonce_, static_cast<uint64_t>(ticket.id), job.index, extent.payload,
-                           ticket.checksums ? kHasChecksum : 0, ticket.checksums ? crc32c(memory, extent.payload) : 0,
+    *header = ExtentHeader{kMagic,
+                           nonce_,
+                           static_cast<uint64_t>(ticket.id),
+                           job.index,
+                           extent.payload,
+                           ticket.checksums ? kHasChecksum : 0,
+                           ticket.checksums ? crc32c(memory, extent.payload) : 0,
                            0};
     header->header_crc = header_checksum(*header);
     const bool bounced = ticket.bounce_source && bulk >= 0;
@@ -530,7 +529,8 @@ std::string SpillEngine::run_job(const Job& job, char* staging, std::unique_ptr<
     const uint32_t crc = crc32c(memory, extent.payload);
     if (crc != header->payload_crc) {
       return where + "failed its checksum (stored " + std::to_string(header->payload_crc) + ", computed " +
-             std::to_string(crc) + "): the data on disk is corrupted, or the tensor's memory changed while it was written "
+             std::to_string(crc) +
+             "): the data on disk is corrupted, or the tensor's memory changed while it was written "
              "(a write through .data after disk_spill)";
     }
   }

@@ -78,9 +78,7 @@ class SpillEngine {
   SpillStats stats() const;
   // [fd, file offset of the first extent, offset of its payload within it]: for tests that corrupt data.
   std::vector<int64_t> location(int64_t ticket) const;
-  uint64_t nonce() const {
-    return nonce_;
-  }
+  uint64_t nonce() const { return nonce_; }
 
  private:
   struct Ticket;
@@ -94,7 +92,7 @@ class SpillEngine {
   // hole punched over each takes milliseconds per 64 MiB (tens with online
   // discard), which the thread that freed the ticket must not wait for.
   struct FreedExtents {
-    std::shared_ptr<SpillFile> file;  // closed by the thread that drops the last reference
+    std::shared_ptr<SpillFile> file;                // closed by the thread that drops the last reference
     std::vector<std::pair<size_t, size_t>> ranges;  // offset, bytes
   };
 

@@ -49,13 +49,13 @@ const char* ram_filesystem_name(int64_t f_type) {
 }
 
 SpillFile::SpillFile(const std::string& directory, bool allow_tmpfs) : directory_(directory) {
-  struct stat info {};
+  struct stat info{};
   TORCH_CHECK(::stat(directory.c_str(), &info) == 0, "disk_spill: directory '", directory,
               "' cannot be used: ", std::strerror(errno));
   TORCH_CHECK(S_ISDIR(info.st_mode), "disk_spill: directory '", directory, "' is not a directory");
   TORCH_CHECK(::access(directory.c_str(), W_OK | X_OK) == 0, "disk_spill: directory '", directory,
               "' is not writable: ", std::strerror(errno));
-  struct statfs fs {};
+  struct statfs fs{};
   TORCH_CHECK(::statfs(directory.c_str(), &fs) == 0, "disk_spill: directory '", directory,
               "' cannot be inspected: ", std::strerror(errno));
   ram_filesystem_ = ram_filesystem_name(static_cast<int64_t>(fs.f_type));
@@ -75,7 +75,8 @@ SpillFile::~SpillFile() {
 
 void SpillFile::check_allowed(bool allow_tmpfs) const {
   TORCH_CHECK(allow_tmpfs || ram_filesystem_ == nullptr, "disk_spill: directory '", directory_, "' is on ",
-              ram_filesystem_, ", which is RAM, not disk; choose a directory on a disk "
+              ram_filesystem_,
+              ", which is RAM, not disk; choose a directory on a disk "
               "(TORCH_OFFLOAD_SPILL_DIR), or pass allow_tmpfs=True");
 }
 
@@ -94,8 +95,7 @@ void SpillFile::release(size_t offset, size_t bytes) {
   // Before the range is free: once allocate() may hand it out, a hole could
   // punch through new data. File systems without holes (ramfs) keep the blocks
   // until the file is closed.
-  ::fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset),
-              static_cast<off_t>(bytes));
+  ::fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset), static_cast<off_t>(bytes));
   std::lock_guard<std::mutex> lock(mutex_);
   free_.add(offset, bytes);
 }

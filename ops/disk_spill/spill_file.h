@@ -45,12 +45,8 @@ class SpillFile {
   int write_all(iovec* parts, int count, size_t offset);
   int read_all(iovec* parts, int count, size_t offset);
 
-  const std::string& directory() const {
-    return directory_;
-  }
-  int fd() const {
-    return fd_;
-  }
+  const std::string& directory() const { return directory_; }
+  int fd() const { return fd_; }
   bool direct_io() const;
   size_t peak_bytes() const;
   // In a child after fork(): the descriptor is the parent's file, whose extents

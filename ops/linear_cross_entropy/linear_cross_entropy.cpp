@@ -62,9 +62,8 @@ std::vector<int64_t> linear_cross_entropy_tile_kernel(int64_t tokens, int64_t vo
   TORCH_CHECK(tokens >= 0 && vocab >= 0, "linear_cross_entropy_tile: tokens is ", tokens, " and vocab is ", vocab,
               "; expected sizes >= 0");
   const int64_t tile_tokens = even_split(tokens, kMaxTileTokens);
-  const int64_t budget_vocab =
-      std::clamp(kTileBytes / (tile_tokens * static_cast<int64_t>(c10::elementSize(dtype))), kMinTileVocab,
-                 kMaxTileVocab);
+  const int64_t budget_vocab = std::clamp(kTileBytes / (tile_tokens * static_cast<int64_t>(c10::elementSize(dtype))),
+                                          kMinTileVocab, kMaxTileVocab);
   return {tile_tokens, even_split(vocab, budget_vocab)};
 }
 
@@ -105,8 +104,7 @@ Reduction check_arguments(const char* op, const at::Tensor& hidden, const at::Te
   TORCH_CHECK(target.scalar_type() == at::kLong || target.scalar_type() == at::kInt, op, ": target has dtype ",
               target.scalar_type(), "; expected int64 (or int32) class indices");
   check_tensor(op, "target", target, hidden, "hidden", target.scalar_type(),
-               hidden.sym_sizes().slice(0, hidden.dim() - 1),
-               "hidden's shape without h");
+               hidden.sym_sizes().slice(0, hidden.dim() - 1), "hidden's shape without h");
   TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, op, ": label_smoothing is ", label_smoothing,
               "; expected a value in [0, 1]");
   TORCH_CHECK(softcap >= 0.0 && softcap < std::numeric_limits<double>::infinity(), op, ": softcap is ", softcap,
@@ -235,8 +233,9 @@ bool gradients_in_forward_by_default(const char* op, const at::Tensor& hidden, d
                                      std::string_view reduction, double filter_eps,
                                      std::optional<bool> gradients_in_forward) {
   const bool applies = reduction != "none" && filter_eps == 0.0 && softcap == 0.0;
-  TORCH_CHECK_VALUE(!gradients_in_forward.value_or(false) || applies, op, ": gradients_in_forward is True with reduction \"",
-                    reduction, "\", filter_eps ", filter_eps, " and softcap ", softcap,
+  TORCH_CHECK_VALUE(!gradients_in_forward.value_or(false) || applies, op,
+                    ": gradients_in_forward is True with reduction \"", reduction, "\", filter_eps ", filter_eps,
+                    " and softcap ", softcap,
                     "; it needs a scalar loss (\"mean\" or \"sum\"), filter_eps 0 and softcap 0");
   const auto dtype = hidden.scalar_type();
   return applies && (dtype == at::kFloat || dtype == at::kDouble || (dtype == at::kBFloat16 && hidden.is_cuda()));
@@ -245,8 +244,8 @@ bool gradients_in_forward_by_default(const char* op, const at::Tensor& hidden, d
 void check_filter_eps(const char* op, double filter_eps, double label_smoothing) {
   TORCH_CHECK(filter_eps >= 0.0 && filter_eps < std::numeric_limits<double>::infinity(), op, ": filter_eps is ",
               filter_eps, "; expected a finite value >= 0 (0: no gradient filtering)");
-  TORCH_CHECK(filter_eps == 0.0 || label_smoothing == 0.0, op, ": filter_eps is ", filter_eps,
-              " with label_smoothing ", label_smoothing,
+  TORCH_CHECK(filter_eps == 0.0 || label_smoothing == 0.0, op, ": filter_eps is ", filter_eps, " with label_smoothing ",
+              label_smoothing,
               "; gradient filtering needs label_smoothing = 0 (smoothing's gradient reaches every logit)");
 }
 
@@ -350,10 +349,10 @@ LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_impl(
 
 LinearCrossEntropyGradients linear_cross_entropy_backward_impl(
     const CrossEntropyTileKernels& kernels, const at::Tensor& grad_loss, const at::Tensor& hidden,
-    const at::Tensor& weight, const std::optional<at::Tensor>& bias_opt, const at::Tensor& target, const at::Tensor& lse,
-    int64_t ignore_index, double label_smoothing, double softcap, double z_loss, std::string_view reduction,
-    const c10::SymInt& tile_tokens, const c10::SymInt& tile_vocab, std::array<bool, 3> output_mask,
-    double filter_eps) {
+    const at::Tensor& weight, const std::optional<at::Tensor>& bias_opt, const at::Tensor& target,
+    const at::Tensor& lse, int64_t ignore_index, double label_smoothing, double softcap, double z_loss,
+    std::string_view reduction, const c10::SymInt& tile_tokens, const c10::SymInt& tile_vocab,
+    std::array<bool, 3> output_mask, double filter_eps) {
   const char* op = "linear_cross_entropy_backward";
   const at::Tensor bias = value_or_undefined(bias_opt);
   const Reduction parsed =
@@ -454,7 +453,8 @@ const CrossEntropyTileKernels& cpu_cross_entropy_kernels() {
 #endif
 }
 
-at::Tensor linear_cross_entropy_cpu(TORCH_OFFLOAD_LCE_ARGS, double filter_eps, std::optional<bool> gradients_in_forward) {
+at::Tensor linear_cross_entropy_cpu(TORCH_OFFLOAD_LCE_ARGS, double filter_eps,
+                                    std::optional<bool> gradients_in_forward) {
   // filter_eps and gradients_in_forward choose how gradients are computed (the autograd kernel's business),
   // checked alike when there are none.
   check_filter_eps("linear_cross_entropy", filter_eps, label_smoothing);
@@ -493,7 +493,8 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_meta(TORCH_OFFLO
   return {loss, lse};
 }
 
-at::Tensor linear_cross_entropy_meta(TORCH_OFFLOAD_LCE_ARGS, double filter_eps, std::optional<bool> gradients_in_forward) {
+at::Tensor linear_cross_entropy_meta(TORCH_OFFLOAD_LCE_ARGS, double filter_eps,
+                                     std::optional<bool> gradients_in_forward) {
   check_filter_eps("linear_cross_entropy", filter_eps, label_smoothing);
   gradients_in_forward_by_default("linear_cross_entropy", hidden, softcap, reduction, filter_eps, gradients_in_forward);
   return std::get<0>(linear_cross_entropy_forward_meta(hidden, weight, bias, target, ignore_index, label_smoothing,

@@ -40,8 +40,8 @@ struct CrossEntropyTileKernels {
   // weight g in the reduction (0 for ignored tokens). Returns whether the tile's
   // gradient counts: false only when options.filter_eps > 0 and every entry of
   // every row is negligible (gradient_is_negligible), so its GEMMs can be skipped.
-  bool (*backward)(const CrossEntropyOptions& options, const at::Tensor& logits, const at::Tensor& target,
-                   int64_t col0, const at::Tensor& lse, const at::Tensor& grad_scale);
+  bool (*backward)(const CrossEntropyOptions& options, const at::Tensor& logits, const at::Tensor& target, int64_t col0,
+                   const at::Tensor& lse, const at::Tensor& grad_scale);
 };
 
 // The device-generic forward: (loss, log-sum-exp per token [T] in float32, or
@@ -55,8 +55,7 @@ LinearCrossEntropyGradients linear_cross_entropy_backward_impl(
     const CrossEntropyTileKernels& kernels, const at::Tensor& grad_loss, const at::Tensor& hidden,
     const at::Tensor& weight, const std::optional<at::Tensor>& bias, const at::Tensor& target, const at::Tensor& lse,
     int64_t ignore_index, double label_smoothing, double softcap, double z_loss, std::string_view reduction,
-    const c10::SymInt& tile_tokens, const c10::SymInt& tile_vocab, std::array<bool, 3> output_mask,
-    double filter_eps);
+    const c10::SymInt& tile_tokens, const c10::SymInt& tile_vocab, std::array<bool, 3> output_mask, double filter_eps);
 
 // The 3-GEMM path for a scalar loss ("mean" or "sum"): (loss, and the gradients output_mask asks for with
 // respect to hidden, weight and bias, for a unit grad_loss, in the accumulation type; undefined where not
@@ -86,30 +85,33 @@ void check_filter_eps(const char* op, double filter_eps, double label_smoothing)
 std::vector<int64_t> linear_cross_entropy_tile_kernel(int64_t tokens, int64_t vocab, c10::ScalarType dtype);
 
 // The kernels registered per dispatch key.
-#define TORCH_OFFLOAD_LCE_ARGS                                                                                   \
-  const at::Tensor &hidden, const at::Tensor &weight, const std::optional<at::Tensor>&bias,                      \
-      const at::Tensor &target, int64_t ignore_index, double label_smoothing, double softcap, double z_loss,     \
-      c10::string_view reduction, c10::SymInt tile_tokens, c10::SymInt tile_vocab
-#define TORCH_OFFLOAD_LCE_BACKWARD_ARGS                                                                          \
-  const at::Tensor &grad_loss, const at::Tensor &hidden, const at::Tensor &weight,                              \
+#define TORCH_OFFLOAD_LCE_ARGS                                                                                        \
+  const at::Tensor &hidden, const at::Tensor &weight, const std::optional<at::Tensor>&bias, const at::Tensor &target, \
+      int64_t ignore_index, double label_smoothing, double softcap, double z_loss, c10::string_view reduction,        \
+      c10::SymInt tile_tokens, c10::SymInt tile_vocab
+#define TORCH_OFFLOAD_LCE_BACKWARD_ARGS                                                                            \
+  const at::Tensor &grad_loss, const at::Tensor &hidden, const at::Tensor &weight,                                 \
       const std::optional<at::Tensor>&bias, const at::Tensor &target, const at::Tensor &lse, int64_t ignore_index, \
-      double label_smoothing, double softcap, double z_loss, c10::string_view reduction, c10::SymInt tile_tokens, \
+      double label_smoothing, double softcap, double z_loss, c10::string_view reduction, c10::SymInt tile_tokens,  \
       c10::SymInt tile_vocab, std::array<bool, 3> output_mask, double filter_eps
-#define TORCH_OFFLOAD_LCE_WITH_GRADIENTS_ARGS                                                                    \
-  const at::Tensor &hidden, const at::Tensor &weight, const std::optional<at::Tensor>&bias,                      \
-      const at::Tensor &target, int64_t ignore_index, double label_smoothing, double softcap, double z_loss,     \
-      c10::string_view reduction, c10::SymInt tile_tokens, std::array<bool, 3> output_mask
+#define TORCH_OFFLOAD_LCE_WITH_GRADIENTS_ARGS                                                                         \
+  const at::Tensor &hidden, const at::Tensor &weight, const std::optional<at::Tensor>&bias, const at::Tensor &target, \
+      int64_t ignore_index, double label_smoothing, double softcap, double z_loss, c10::string_view reduction,        \
+      c10::SymInt tile_tokens, std::array<bool, 3> output_mask
 
-at::Tensor linear_cross_entropy_cpu(TORCH_OFFLOAD_LCE_ARGS, double filter_eps, std::optional<bool> gradients_in_forward);
+at::Tensor linear_cross_entropy_cpu(TORCH_OFFLOAD_LCE_ARGS, double filter_eps,
+                                    std::optional<bool> gradients_in_forward);
 LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_cpu(TORCH_OFFLOAD_LCE_WITH_GRADIENTS_ARGS);
 std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_cpu(TORCH_OFFLOAD_LCE_ARGS);
 LinearCrossEntropyGradients linear_cross_entropy_backward_cpu(TORCH_OFFLOAD_LCE_BACKWARD_ARGS);
-at::Tensor linear_cross_entropy_meta(TORCH_OFFLOAD_LCE_ARGS, double filter_eps, std::optional<bool> gradients_in_forward);
+at::Tensor linear_cross_entropy_meta(TORCH_OFFLOAD_LCE_ARGS, double filter_eps,
+                                     std::optional<bool> gradients_in_forward);
 LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_meta(TORCH_OFFLOAD_LCE_WITH_GRADIENTS_ARGS);
 std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_meta(TORCH_OFFLOAD_LCE_ARGS);
 LinearCrossEntropyGradients linear_cross_entropy_backward_meta(TORCH_OFFLOAD_LCE_BACKWARD_ARGS);
 #ifdef TORCH_OFFLOAD_WITH_CUDA
-at::Tensor linear_cross_entropy_cuda(TORCH_OFFLOAD_LCE_ARGS, double filter_eps, std::optional<bool> gradients_in_forward);
+at::Tensor linear_cross_entropy_cuda(TORCH_OFFLOAD_LCE_ARGS, double filter_eps,
+                                     std::optional<bool> gradients_in_forward);
 LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_cuda(TORCH_OFFLOAD_LCE_WITH_GRADIENTS_ARGS);
 std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_cuda(TORCH_OFFLOAD_LCE_ARGS);
 LinearCrossEntropyGradients linear_cross_entropy_backward_cuda(TORCH_OFFLOAD_LCE_BACKWARD_ARGS);

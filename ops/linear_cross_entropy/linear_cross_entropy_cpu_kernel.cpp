@@ -82,8 +82,8 @@ void forward_row(scalar_t* row, int64_t cols, at::opmath_type<scalar_t> softcap,
   *row_sum_z = sum_z;
 }
 
-void forward_tile(const CrossEntropyOptions& options, const at::Tensor& logits, const at::Tensor& target,
-                  int64_t col0, const at::Tensor& max, const at::Tensor& sum_exp, const at::Tensor& target_z,
+void forward_tile(const CrossEntropyOptions& options, const at::Tensor& logits, const at::Tensor& target, int64_t col0,
+                  const at::Tensor& max, const at::Tensor& sum_exp, const at::Tensor& target_z,
                   const at::Tensor& sum_z) {
   const int64_t rows = logits.size(0);
   const int64_t cols = logits.size(1);
@@ -155,57 +155,56 @@ at::opmath_type<scalar_t> backward_row(scalar_t* row, int64_t cols, at::opmath_t
   return max_abs;
 }
 
-bool backward_tile(const CrossEntropyOptions& options, const at::Tensor& logits, const at::Tensor& target,
-                   int64_t col0, const at::Tensor& lse, const at::Tensor& grad_scale) {
+bool backward_tile(const CrossEntropyOptions& options, const at::Tensor& logits, const at::Tensor& target, int64_t col0,
+                   const at::Tensor& lse, const at::Tensor& grad_scale) {
   const int64_t rows = logits.size(0);
   const int64_t cols = logits.size(1);
   const bool filter = options.filter_eps > 0;
   std::atomic<bool> counts{!filter};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "linear_cross_entropy_backward_cpu",
-                                  [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
-    scalar_t* data = logits.data_ptr<scalar_t>();
-    const int64_t* targets = target.const_data_ptr<int64_t>();
-    const opmath_t* lses = lse.const_data_ptr<opmath_t>();
-    const opmath_t* scales = grad_scale.const_data_ptr<opmath_t>();
-    const auto softcap = static_cast<opmath_t>(options.softcap);
-    const auto eps = static_cast<opmath_t>(options.label_smoothing);
-    const auto uniform = eps / static_cast<opmath_t>(options.vocab);
-    const auto z_loss = static_cast<opmath_t>(options.z_loss);
-    const auto filter_eps = static_cast<opmath_t>(options.filter_eps);
-    const auto row_kernel = [&](auto softcap_flag, auto track_flag) {
-      return &backward_row<decltype(softcap_flag)::value, decltype(track_flag)::value, scalar_t>;
-    };
-    const auto gradient_row =
-        options.softcap > 0 ? (filter ? row_kernel(std::true_type{}, std::true_type{})
-                                      : row_kernel(std::true_type{}, std::false_type{}))
-                            : (filter ? row_kernel(std::false_type{}, std::true_type{})
-                                      : row_kernel(std::false_type{}, std::false_type{}));
-    at::parallel_for(0, rows, row_grain(cols), [&](int64_t begin, int64_t end) {
-      bool rows_count = false;
-      for (int64_t r = begin; r < end; ++r) {
-        scalar_t* row = data + r * cols;
-        const opmath_t g = scales[r];
-        const opmath_t prob_scale = g * (opmath_t(1) + opmath_t(2) * z_loss * lses[r]);
-        const int64_t column = targets[r] - col0;
-        const bool has_target = column >= 0 && column < cols;
-        const opmath_t target_logit = has_target ? static_cast<opmath_t>(row[column]) : opmath_t(0);
-        opmath_t max_abs = gradient_row(row, cols, lses[r], prob_scale, g * uniform, softcap);
-        if (has_target) {
-          const opmath_t subtract = g * uniform + g * (opmath_t(1) - eps);
-          const opmath_t d =
-              options.softcap > 0 ? logit_gradient<true>(target_logit, lses[r], prob_scale, subtract, softcap)
-                                  : logit_gradient<false>(target_logit, lses[r], prob_scale, subtract, softcap);
-          row[column] = static_cast<scalar_t>(d);
-          max_abs = max_of(max_abs, std::abs(d));
-        }
-        rows_count = rows_count || (filter && !gradient_is_negligible(max_abs, g, filter_eps));
-      }
-      if (rows_count) {
-        counts.store(true, std::memory_order_relaxed);
-      }
-    });
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, logits.scalar_type(), "linear_cross_entropy_backward_cpu", [&] {
+        using opmath_t = at::opmath_type<scalar_t>;
+        scalar_t* data = logits.data_ptr<scalar_t>();
+        const int64_t* targets = target.const_data_ptr<int64_t>();
+        const opmath_t* lses = lse.const_data_ptr<opmath_t>();
+        const opmath_t* scales = grad_scale.const_data_ptr<opmath_t>();
+        const auto softcap = static_cast<opmath_t>(options.softcap);
+        const auto eps = static_cast<opmath_t>(options.label_smoothing);
+        const auto uniform = eps / static_cast<opmath_t>(options.vocab);
+        const auto z_loss = static_cast<opmath_t>(options.z_loss);
+        const auto filter_eps = static_cast<opmath_t>(options.filter_eps);
+        const auto row_kernel = [&](auto softcap_flag, auto track_flag) {
+          return &backward_row<decltype(softcap_flag)::value, decltype(track_flag)::value, scalar_t>;
+        };
+        const auto gradient_row = options.softcap > 0 ? (filter ? row_kernel(std::true_type{}, std::true_type{})
+                                                                : row_kernel(std::true_type{}, std::false_type{}))
+                                                      : (filter ? row_kernel(std::false_type{}, std::true_type{})
+                                                                : row_kernel(std::false_type{}, std::false_type{}));
+        at::parallel_for(0, rows, row_grain(cols), [&](int64_t begin, int64_t end) {
+          bool rows_count = false;
+          for (int64_t r = begin; r < end; ++r) {
+            scalar_t* row = data + r * cols;
+            const opmath_t g = scales[r];
+            const opmath_t prob_scale = g * (opmath_t(1) + opmath_t(2) * z_loss * lses[r]);
+            const int64_t column = targets[r] - col0;
+            const bool has_target = column >= 0 && column < cols;
+            const opmath_t target_logit = has_target ? static_cast<opmath_t>(row[column]) : opmath_t(0);
+            opmath_t max_abs = gradient_row(row, cols, lses[r], prob_scale, g * uniform, softcap);
+            if (has_target) {
+              const opmath_t subtract = g * uniform + g * (opmath_t(1) - eps);
+              const opmath_t d = options.softcap > 0
+                                     ? logit_gradient<true>(target_logit, lses[r], prob_scale, subtract, softcap)
+                                     : logit_gradient<false>(target_logit, lses[r], prob_scale, subtract, softcap);
+              row[column] = static_cast<scalar_t>(d);
+              max_abs = max_of(max_abs, std::abs(d));
+            }
+            rows_count = rows_count || (filter && !gradient_is_negligible(max_abs, g, filter_eps));
+          }
+          if (rows_count) {
+            counts.store(true, std::memory_order_relaxed);
+          }
+        });
+      });
   return counts.load();
 }
 

@@ -63,8 +63,8 @@ struct SumOp {
 
 // Block r folds row r of the tile into the running log-sum-exp (see CrossEntropyTileKernels).
 template <bool kSoftcap, typename scalar_t, typename acc_t>
-__global__ void forward_tile_kernel(scalar_t* logits, int64_t cols, const int64_t* target, int64_t col0,
-                                    acc_t* max, acc_t* sum_exp, acc_t* target_z, acc_t* sum_z, acc_t softcap) {
+__global__ void forward_tile_kernel(scalar_t* logits, int64_t cols, const int64_t* target, int64_t col0, acc_t* max,
+                                    acc_t* sum_exp, acc_t* target_z, acc_t* sum_z, acc_t softcap) {
   const int64_t r = blockIdx.x;
   scalar_t* row = logits + r * cols;
   acc_t row_max = -std::numeric_limits<acc_t>::infinity();
@@ -97,9 +97,9 @@ __global__ void forward_tile_kernel(scalar_t* logits, int64_t cols, const int64_
 // logits <- d loss / d logits, element by element; with gradient filtering (counts
 // not null), *counts <- 1 where an entry is not negligible.
 template <bool kSoftcap, typename scalar_t, typename acc_t>
-__global__ void backward_tile_kernel(scalar_t* logits, int64_t rows, int64_t cols, const int64_t* target,
-                                     int64_t col0, const acc_t* lse, const acc_t* grad_scale, acc_t softcap,
-                                     acc_t eps, acc_t uniform, acc_t z_loss, acc_t filter_eps, int* counts) {
+__global__ void backward_tile_kernel(scalar_t* logits, int64_t rows, int64_t cols, const int64_t* target, int64_t col0,
+                                     const acc_t* lse, const acc_t* grad_scale, acc_t softcap, acc_t eps, acc_t uniform,
+                                     acc_t z_loss, acc_t filter_eps, int* counts) {
   const int64_t n = rows * cols;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{blockDim.x} * gridDim.x) {
     const int64_t r = i / cols;
@@ -127,8 +127,8 @@ void forward_tile_cuda(const CrossEntropyOptions& options, const at::Tensor& log
     using acc_t = at::opmath_type<scalar_t>;
     const auto launch = [&](auto softcap_flag) {
       forward_tile_kernel<decltype(softcap_flag)::value><<<rows, kThreads, 0, stream>>>(
-          logits.data_ptr<scalar_t>(), logits.size(1), target.const_data_ptr<int64_t>(), col0,
-          max.data_ptr<acc_t>(), sum_exp.data_ptr<acc_t>(), target_z.data_ptr<acc_t>(), sum_z.data_ptr<acc_t>(),
+          logits.data_ptr<scalar_t>(), logits.size(1), target.const_data_ptr<int64_t>(), col0, max.data_ptr<acc_t>(),
+          sum_exp.data_ptr<acc_t>(), target_z.data_ptr<acc_t>(), sum_z.data_ptr<acc_t>(),
           static_cast<acc_t>(options.softcap));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
@@ -147,29 +147,28 @@ bool backward_tile_cuda(const CrossEntropyOptions& options, const at::Tensor& lo
     return options.filter_eps <= 0;
   }
   // Filtering reads the flag back: one device synchronization per tile.
-  const at::Tensor counts =
-      options.filter_eps > 0 ? at::zeros({1}, logits.options().dtype(at::kInt)) : at::Tensor();
+  const at::Tensor counts = options.filter_eps > 0 ? at::zeros({1}, logits.options().dtype(at::kInt)) : at::Tensor();
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const int blocks = static_cast<int>(std::min<int64_t>(kMaxBlocks, (n + kThreads - 1) / kThreads));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "linear_cross_entropy_backward_cuda",
-                                  [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const auto launch = [&](auto softcap_flag) {
-      backward_tile_kernel<decltype(softcap_flag)::value><<<blocks, kThreads, 0, stream>>>(
-          logits.data_ptr<scalar_t>(), logits.size(0), logits.size(1), target.const_data_ptr<int64_t>(), col0,
-          lse.const_data_ptr<acc_t>(), grad_scale.const_data_ptr<acc_t>(), static_cast<acc_t>(options.softcap),
-          static_cast<acc_t>(options.label_smoothing),
-          static_cast<acc_t>(options.label_smoothing / static_cast<double>(options.vocab)),
-          static_cast<acc_t>(options.z_loss), static_cast<acc_t>(options.filter_eps),
-          counts.defined() ? counts.data_ptr<int>() : nullptr);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (options.softcap > 0) {
-      launch(std::true_type{});
-    } else {
-      launch(std::false_type{});
-    }
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, logits.scalar_type(), "linear_cross_entropy_backward_cuda", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        const auto launch = [&](auto softcap_flag) {
+          backward_tile_kernel<decltype(softcap_flag)::value><<<blocks, kThreads, 0, stream>>>(
+              logits.data_ptr<scalar_t>(), logits.size(0), logits.size(1), target.const_data_ptr<int64_t>(), col0,
+              lse.const_data_ptr<acc_t>(), grad_scale.const_data_ptr<acc_t>(), static_cast<acc_t>(options.softcap),
+              static_cast<acc_t>(options.label_smoothing),
+              static_cast<acc_t>(options.label_smoothing / static_cast<double>(options.vocab)),
+              static_cast<acc_t>(options.z_loss), static_cast<acc_t>(options.filter_eps),
+              counts.defined() ? counts.data_ptr<int>() : nullptr);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        };
+        if (options.softcap > 0) {
+          launch(std::true_type{});
+        } else {
+          launch(std::false_type{});
+        }
+      });
   return !counts.defined() || counts.item<int>() != 0;
 }
 

@@ -170,8 +170,8 @@ at::Tensor SavedActivation::unpack() const {
                 "one of the variables needed for gradient computation has been modified by an inplace "
                 "operation: [",
                 c10::toString(dtype_), " ", entry_ || as_is_.is_nested() ? c10::IntArrayRef(sizes_) : as_is_.sizes(),
-                "] is at version ", now, "; expected version ",
-                saved_version_, " instead (it was saved for backward, then changed in place)");
+                "] is at version ", now, "; expected version ", saved_version_,
+                " instead (it was saved for backward, then changed in place)");
   }
   if (!entry_) {
     return as_is_;
@@ -274,9 +274,9 @@ c10::intrusive_ptr<ActivationEntry> ActivationStore::entry_for_locked(const at::
     kept = std::move(bytes);  // over the host budget: stays on its device, never an error
     kept_on_device_bytes_ += nbytes;
   }
-  auto entry = c10::make_intrusive<ActivationEntry>(c10::intrusive_ptr<ActivationStore>::reclaim_copy(this),
-                                                    next_sequence_++, key, t, std::move(packed), std::move(ticket),
-                                                    std::move(kept));
+  auto entry =
+      c10::make_intrusive<ActivationEntry>(c10::intrusive_ptr<ActivationStore>::reclaim_copy(this), next_sequence_++,
+                                           key, t, std::move(packed), std::move(ticket), std::move(kept));
   // Replaces only the record of an entry already being released (find_locked
   // found it dead). Every live entry keeps its record: that weak reference is
   // what makes its last strong one call release_resources().
@@ -321,8 +321,8 @@ void ActivationStore::prefetch_before_locked(ActivationEntry& restoring) {
   // Every live entry between the last scan's stop and its start was looked at:
   // go on from the stop when this restore lies in that stretch, else start below it.
   const int64_t sequence = restoring.sequence_;
-  const bool resumes = sequence <= prefetch_from_ &&
-                       (prefetch_next_ == nullptr || prefetch_next_->sequence_ < sequence);
+  const bool resumes =
+      sequence <= prefetch_from_ && (prefetch_next_ == nullptr || prefetch_next_->sequence_ < sequence);
   ActivationEntry* entry = resumes ? prefetch_next_ : restoring.older_;
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
   // Entries whose last reference went but whose release waits for this lock are

@@ -73,14 +73,14 @@ class ActivationEntry : public torch::CustomClassHolder {
   // addresses in key_ from being reused while the entry lives.
   const c10::weak_intrusive_ptr<c10::StorageImpl> source_;
   const c10::VariableVersion version_counter_;
-  at::Tensor packed_;     // host bytes when offloaded
-  at::Tensor ticket_;     // disk_spill ticket when spilled
-  at::Tensor kept_;       // device bytes when no tier took it
+  at::Tensor packed_;  // host bytes when offloaded
+  at::Tensor ticket_;  // disk_spill ticket when spilled
+  at::Tensor kept_;    // device bytes when no tier took it
   // Restored ahead of need during backward (host tier); the stream that restores the
   // entry waits for its copy then, not the stream that was current when it started.
   PendingUnpack prefetched_;
   bool disk_prefetched_ = false;  // disk_prefetch issued (disk tier)
-  at::Tensor restored_;   // restored bytes, shared by every view of this range
+  at::Tensor restored_;           // restored bytes, shared by every view of this range
   // Live entries in pack order (a list under the store's mutex): each pack,
   // release and prefetch step is O(1), however many entries there are.
   ActivationEntry* older_ = nullptr;
@@ -158,7 +158,7 @@ class ActivationStore : public torch::CustomClassHolder {
   int64_t next_sequence_ = 0;
   std::unordered_map<DedupKey, c10::weak_intrusive_ptr<ActivationEntry>, DedupKeyHash> by_key_;
   std::unordered_multimap<const c10::StorageImpl*, ActivationEntry*> by_storage_;  // the live entries
-  ActivationEntry* newest_ = nullptr;  // the live entries' list
+  ActivationEntry* newest_ = nullptr;                                              // the live entries' list
   int64_t live_entries_ = 0;
   // The last prefetch scan: the restore that started it, and the next (older)
   // entry it would have looked at (null: it reached the oldest).

@@ -30,9 +30,9 @@ PendingUnpack start_unpack(const at::Tensor& packed, c10::Device device) {
     wait_for_pending_pack(packed);
   }
 #endif
-  return {packed.to(packed.options().device(device), /*non_blocking=*/false, /*copy=*/true,
-                    at::MemoryFormat::Contiguous),
-          nullptr};
+  return {
+      packed.to(packed.options().device(device), /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Contiguous),
+      nullptr};
 }
 
 at::Tensor finish_unpack(const PendingUnpack& pending) {

@@ -71,8 +71,9 @@ at::Tensor offload_pack_cuda(const at::Tensor& src, bool non_blocking) {
   // Over the pinned budget the copy goes to pageable memory and is synchronous
   // with the host: slower, never a failure.
   at::Tensor packed = slice != nullptr
-      ? at::from_blob(slice, src.sizes(), [](void* ptr) { host_arena().release(ptr); }, host_options)
-      : at::empty(src.sizes(), host_options);
+                          ? at::from_blob(
+                                slice, src.sizes(), [](void* ptr) { host_arena().release(ptr); }, host_options)
+                          : at::empty(src.sizes(), host_options);
   if (nbytes == 0) {
     return packed;
   }

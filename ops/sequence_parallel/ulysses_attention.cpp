@@ -70,15 +70,15 @@ at::Tensor ulysses_attention_composite(const at::Tensor& query, const at::Tensor
                                        const at::Tensor& segment_ids, const std::string& group_name,
                                        std::optional<double> scale) {
   constexpr const char* op = "ulysses_attention";
-  TORCH_CHECK_VALUE(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, op,
-              ": query, key and value have shapes ", query.sym_sizes(), ", ", key.sym_sizes(), ", ",
-              value.sym_sizes(), "; expected [batch, heads, tokens / ranks, head_dim] each");
+  TORCH_CHECK_VALUE(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, op, ": query, key and value have shapes ",
+                    query.sym_sizes(), ", ", key.sym_sizes(), ", ", value.sym_sizes(),
+                    "; expected [batch, heads, tokens / ranks, head_dim] each");
   const int64_t ranks = group_size(group_name);
   const int64_t heads = query.size(1), kv_heads = key.size(1);
   TORCH_CHECK_VALUE(heads % ranks == 0, op, ": ", heads, " query heads cannot be split over ", ranks,
-              " ranks; the query heads must be a multiple of the number of ranks");
+                    " ranks; the query heads must be a multiple of the number of ranks");
   TORCH_CHECK_VALUE(kv_heads > 0 && heads % kv_heads == 0 && value.size(1) == kv_heads, op, ": ", heads,
-              " query heads are not a multiple of key's ", kv_heads, " heads (value has ", value.size(1), ")");
+                    " query heads are not a multiple of key's ", kv_heads, " heads (value has ", value.size(1), ")");
   // Everything checked before the first exchange: a rank that threw after it would leave the others waiting.
   TORCH_CHECK_VALUE(key.sym_size(0) == query.sym_size(0) && key.sym_size(2) == query.sym_size(2) &&
                         key.sym_size(3) == query.sym_size(3) && value.sym_sizes() == key.sym_sizes(),

@@ -67,18 +67,18 @@ Activation parse_activation(std::string_view name, const char* op) {
 }
 
 // `t`'s device and dtype are x's, and its shape is `want` (`what` names it in the message).
-void check_like_x(const char* op, const char* arg, const at::Tensor& t, const at::Tensor& x,
-                  c10::SymIntArrayRef want, const char* what) {
+void check_like_x(const char* op, const char* arg, const at::Tensor& t, const at::Tensor& x, c10::SymIntArrayRef want,
+                  const char* what) {
   check_defined(t, op, arg);
   TORCH_CHECK(t.device() == x.device(), op, ": ", arg, " is on ", t.device(), " but x is on ", x.device(),
               "; every tensor must be on x's device");
   TORCH_CHECK(t.scalar_type() == x.scalar_type(), op, ": ", arg, " has dtype ", t.scalar_type(), " but x has ",
               x.scalar_type(), "; every tensor must have x's dtype");
-  TORCH_CHECK(t.dim() == static_cast<int64_t>(want.size()), op, ": ", arg, " has shape ", t.sym_sizes(),
-              "; expected ", what, " = ", want);
+  TORCH_CHECK(t.dim() == static_cast<int64_t>(want.size()), op, ": ", arg, " has shape ", t.sym_sizes(), "; expected ",
+              what, " = ", want);
   for (size_t i = 0; i < want.size(); ++i) {
-    TORCH_SYM_CHECK(t.sym_size(static_cast<int64_t>(i)).sym_eq(want[i]), op, ": ", arg, " has shape ",
-                    t.sym_sizes(), "; expected ", what, " = ", want);
+    TORCH_SYM_CHECK(t.sym_size(static_cast<int64_t>(i)).sym_eq(want[i]), op, ": ", arg, " has shape ", t.sym_sizes(),
+                    "; expected ", what, " = ", want);
   }
 }
 
@@ -172,11 +172,11 @@ at::Tensor tiled_mlp_impl(const HiddenKernels& kernels, const at::Tensor& x, con
 }
 
 TiledMlpGradients tiled_mlp_backward_impl(const HiddenKernels& kernels, const at::Tensor& grad_out, const at::Tensor& x,
-                                      const at::Tensor& w_gate, const std::optional<at::Tensor>& w_up_opt,
-                                      const at::Tensor& w_down, const std::optional<at::Tensor>& b_gate_opt,
-                                      const std::optional<at::Tensor>& b_up_opt,
-                                      const std::optional<at::Tensor>& b_down_opt, std::string_view activation,
-                                      const c10::SymInt& num_shards, std::array<bool, 7> output_mask) {
+                                          const at::Tensor& w_gate, const std::optional<at::Tensor>& w_up_opt,
+                                          const at::Tensor& w_down, const std::optional<at::Tensor>& b_gate_opt,
+                                          const std::optional<at::Tensor>& b_up_opt,
+                                          const std::optional<at::Tensor>& b_down_opt, std::string_view activation,
+                                          const c10::SymInt& num_shards, std::array<bool, 7> output_mask) {
   const at::Tensor w_up = value_or_undefined(w_up_opt);
   const at::Tensor b_gate = value_or_undefined(b_gate_opt);
   const at::Tensor b_up = value_or_undefined(b_up_opt);
@@ -217,8 +217,7 @@ TiledMlpGradients tiled_mlp_backward_impl(const HiddenKernels& kernels, const at
   at::Tensor grad_b_down = want_b_down ? at::sum(tokens_grad, {0}, false, acc_type) : at::Tensor();
 
   if (tokens > 0 && (want_inner || want_w_down)) {
-    const int64_t rows_per_shard =
-        shard_rows(tokens, intermediate, gated, x.scalar_type(), num_shards.expect_int());
+    const int64_t rows_per_shard = shard_rows(tokens, intermediate, gated, x.scalar_type(), num_shards.expect_int());
     const at::Tensor gate_buffer = at::empty({rows_per_shard, intermediate}, x.options());
     const at::Tensor up_buffer = gated ? at::empty_like(gate_buffer) : at::Tensor();
     const at::Tensor d_hidden_buffer = want_inner ? at::empty_like(gate_buffer) : at::Tensor();
@@ -272,23 +271,27 @@ TiledMlpGradients tiled_mlp_backward_impl(const HiddenKernels& kernels, const at
   }
 
   const auto to_dtype = [&](const at::Tensor& t) { return t.defined() ? t.to(x.scalar_type()) : t; };
-  return {want_x ? grad_x.view(x.sizes()) : grad_x, to_dtype(grad_w_gate), to_dtype(grad_w_up),
-          to_dtype(grad_w_down), to_dtype(grad_b_gate), to_dtype(grad_b_up), to_dtype(grad_b_down)};
+  return {want_x ? grad_x.view(x.sizes()) : grad_x,
+          to_dtype(grad_w_gate),
+          to_dtype(grad_w_up),
+          to_dtype(grad_w_down),
+          to_dtype(grad_b_gate),
+          to_dtype(grad_b_up),
+          to_dtype(grad_b_down)};
 }
 
 at::Tensor tiled_mlp_cpu(const at::Tensor& x, const at::Tensor& w_gate, const std::optional<at::Tensor>& w_up,
                          const at::Tensor& w_down, const std::optional<at::Tensor>& b_gate,
                          const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& b_down,
                          c10::string_view activation, c10::SymInt num_shards) {
-  return tiled_mlp_impl(cpu_hidden_kernels(), x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation,
-                        num_shards);
+  return tiled_mlp_impl(cpu_hidden_kernels(), x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, num_shards);
 }
 
 TiledMlpGradients tiled_mlp_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_gate,
-                                     const std::optional<at::Tensor>& w_up, const at::Tensor& w_down,
-                                     const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& b_up,
-                                     const std::optional<at::Tensor>& b_down, c10::string_view activation,
-                                     c10::SymInt num_shards, std::array<bool, 7> output_mask) {
+                                         const std::optional<at::Tensor>& w_up, const at::Tensor& w_down,
+                                         const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& b_up,
+                                         const std::optional<at::Tensor>& b_down, c10::string_view activation,
+                                         c10::SymInt num_shards, std::array<bool, 7> output_mask) {
   return tiled_mlp_backward_impl(cpu_hidden_kernels(), grad_out, x, w_gate, w_up, w_down, b_gate, b_up, b_down,
                                  activation, num_shards, output_mask);
 }
@@ -305,10 +308,11 @@ at::Tensor tiled_mlp_meta(const at::Tensor& x, const at::Tensor& w_gate, const s
 }
 
 TiledMlpGradients tiled_mlp_backward_meta(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_gate,
-                                      const std::optional<at::Tensor>& w_up, const at::Tensor& w_down,
-                                      const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& b_up,
-                                      const std::optional<at::Tensor>& b_down, c10::string_view activation,
-                                      c10::SymInt /*num_shards*/, std::array<bool, 7> output_mask) {
+                                          const std::optional<at::Tensor>& w_up, const at::Tensor& w_down,
+                                          const std::optional<at::Tensor>& b_gate,
+                                          const std::optional<at::Tensor>& b_up,
+                                          const std::optional<at::Tensor>& b_down, c10::string_view activation,
+                                          c10::SymInt /*num_shards*/, std::array<bool, 7> output_mask) {
   const char* op = "tiled_mlp_backward";
   parse_activation(activation, op);
   const std::array<at::Tensor, 7> inputs{x,

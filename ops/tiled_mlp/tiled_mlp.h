@@ -30,11 +30,11 @@ at::Tensor tiled_mlp_impl(const HiddenKernels& kernels, const at::Tensor& x, con
                           const std::optional<at::Tensor>& b_down, std::string_view activation,
                           const c10::SymInt& num_shards);
 TiledMlpGradients tiled_mlp_backward_impl(const HiddenKernels& kernels, const at::Tensor& grad_out, const at::Tensor& x,
-                                      const at::Tensor& w_gate, const std::optional<at::Tensor>& w_up,
-                                      const at::Tensor& w_down, const std::optional<at::Tensor>& b_gate,
-                                      const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& b_down,
-                                      std::string_view activation, const c10::SymInt& num_shards,
-                                      std::array<bool, 7> output_mask);
+                                          const at::Tensor& w_gate, const std::optional<at::Tensor>& w_up,
+                                          const at::Tensor& w_down, const std::optional<at::Tensor>& b_gate,
+                                          const std::optional<at::Tensor>& b_up,
+                                          const std::optional<at::Tensor>& b_down, std::string_view activation,
+                                          const c10::SymInt& num_shards, std::array<bool, 7> output_mask);
 
 // The automatic shard count (num_shards <= 0) for `tokens` tokens of an MLP with
 // `intermediate` (I) hidden units, gated or not, in `dtype`: a pure function of these.
@@ -50,15 +50,16 @@ at::Tensor tiled_mlp_meta(const at::Tensor& x, const at::Tensor& w_gate, const s
                           const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& b_down,
                           c10::string_view activation, c10::SymInt num_shards);
 TiledMlpGradients tiled_mlp_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_gate,
-                                     const std::optional<at::Tensor>& w_up, const at::Tensor& w_down,
-                                     const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& b_up,
-                                     const std::optional<at::Tensor>& b_down, c10::string_view activation,
-                                     c10::SymInt num_shards, std::array<bool, 7> output_mask);
+                                         const std::optional<at::Tensor>& w_up, const at::Tensor& w_down,
+                                         const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& b_up,
+                                         const std::optional<at::Tensor>& b_down, c10::string_view activation,
+                                         c10::SymInt num_shards, std::array<bool, 7> output_mask);
 TiledMlpGradients tiled_mlp_backward_meta(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_gate,
-                                      const std::optional<at::Tensor>& w_up, const at::Tensor& w_down,
-                                      const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& b_up,
-                                      const std::optional<at::Tensor>& b_down, c10::string_view activation,
-                                      c10::SymInt num_shards, std::array<bool, 7> output_mask);
+                                          const std::optional<at::Tensor>& w_up, const at::Tensor& w_down,
+                                          const std::optional<at::Tensor>& b_gate,
+                                          const std::optional<at::Tensor>& b_up,
+                                          const std::optional<at::Tensor>& b_down, c10::string_view activation,
+                                          c10::SymInt num_shards, std::array<bool, 7> output_mask);
 
 #ifdef TORCH_OFFLOAD_WITH_CUDA
 at::Tensor tiled_mlp_cuda(const at::Tensor& x, const at::Tensor& w_gate, const std::optional<at::Tensor>& w_up,
@@ -66,10 +67,11 @@ at::Tensor tiled_mlp_cuda(const at::Tensor& x, const at::Tensor& w_gate, const s
                           const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& b_down,
                           c10::string_view activation, c10::SymInt num_shards);
 TiledMlpGradients tiled_mlp_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_gate,
-                                      const std::optional<at::Tensor>& w_up, const at::Tensor& w_down,
-                                      const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& b_up,
-                                      const std::optional<at::Tensor>& b_down, c10::string_view activation,
-                                      c10::SymInt num_shards, std::array<bool, 7> output_mask);
+                                          const std::optional<at::Tensor>& w_up, const at::Tensor& w_down,
+                                          const std::optional<at::Tensor>& b_gate,
+                                          const std::optional<at::Tensor>& b_up,
+                                          const std::optional<at::Tensor>& b_down, c10::string_view activation,
+                                          c10::SymInt num_shards, std::array<bool, 7> output_mask);
 #endif
 
 }  // namespace torch_offload

@@ -49,11 +49,11 @@ void hidden_forward_cuda(Activation act, const at::Tensor& gate, const at::Tenso
     dispatch_activation(act, [&](auto kind) {
       constexpr Activation kAct = decltype(kind)::value;
       if (up.defined()) {
-        hidden_forward_kernel<kAct, true><<<blocks_for(n), kThreads, 0, stream>>>(
-            gate.data_ptr<scalar_t>(), up.const_data_ptr<scalar_t>(), n);
+        hidden_forward_kernel<kAct, true>
+            <<<blocks_for(n), kThreads, 0, stream>>>(gate.data_ptr<scalar_t>(), up.const_data_ptr<scalar_t>(), n);
       } else {
-        hidden_forward_kernel<kAct, false, scalar_t><<<blocks_for(n), kThreads, 0, stream>>>(
-            gate.data_ptr<scalar_t>(), nullptr, n);
+        hidden_forward_kernel<kAct, false, scalar_t>
+            <<<blocks_for(n), kThreads, 0, stream>>>(gate.data_ptr<scalar_t>(), nullptr, n);
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
@@ -94,10 +94,11 @@ at::Tensor tiled_mlp_cuda(const at::Tensor& x, const at::Tensor& w_gate, const s
 }
 
 TiledMlpGradients tiled_mlp_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_gate,
-                                      const std::optional<at::Tensor>& w_up, const at::Tensor& w_down,
-                                      const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& b_up,
-                                      const std::optional<at::Tensor>& b_down, c10::string_view activation,
-                                      c10::SymInt num_shards, std::array<bool, 7> output_mask) {
+                                          const std::optional<at::Tensor>& w_up, const at::Tensor& w_down,
+                                          const std::optional<at::Tensor>& b_gate,
+                                          const std::optional<at::Tensor>& b_up,
+                                          const std::optional<at::Tensor>& b_down, c10::string_view activation,
+                                          c10::SymInt num_shards, std::array<bool, 7> output_mask) {
   const c10::cuda::CUDAGuard device_guard(x.device());
   return tiled_mlp_backward_impl(kCudaKernels, grad_out, x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation,
                                  num_shards, output_mask);
