@@ -42,7 +42,7 @@ def tiled_mlp(
     the output and saves only ``x`` and the weights; backward recomputes each shard and
     returns every gradient once (bf16/fp16 weight gradients add up in float32), computing
     none that is not needed. ``num_shards <= 0`` picks the count from a per-shard memory
-    budget that depends on the shapes only (see the README).
+    budget that depends on the shapes only (see docs/ops.md, "Tiled MLP").
     """
     for value, arg in ((x, "x"), (w_gate, "w_gate"), (w_down, "w_down")):
         _require_tensor(value, "tiled_mlp", arg)
