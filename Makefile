@@ -8,7 +8,9 @@ TORCH_VERSION ?= 2.13.0
 # transformers, peft and trl pinned: their releases rename what apply() reads (5.24 renamed past_key_values to
 # cache), and trl's trainers patch the model's forward.
 DEV_PACKAGES := pytest numpy expecttest scikit-build-core ninja cmake transformers==5.24.0 peft==0.21.2 trl==1.16.0 \
-                matplotlib tqdm
+                matplotlib tqdm $(LINT_PACKAGES)
+# The linters pinned: a new release moves the lines they want.
+LINT_PACKAGES := ruff==0.17.6 clang-format==23.1.5
 BUILD_DIR := build/python
 
 # The CUDA compile check: a CUDA build of torch in its own venv, and nvcc.
@@ -17,7 +19,7 @@ CUDA_TORCH_VERSION ?= 2.14.1
 CUDA_HOME ?= /usr/local/cuda
 CUDA_BUILD_DIR := build/cuda
 
-.PHONY: demo test build gtest example-cpp cuda-check gpu-check bench-deps clean
+.PHONY: demo test lint build gtest example-cpp cuda-check test-cuda-torch gpu-check bench-deps clean
 
 demo: build
 	$(PY) examples/demo.py
@@ -31,7 +33,7 @@ define run-example-cpp
 	build/example-cpp/train_mlp_stack
 endef
 
-test: build
+test: lint build
 	$(VENV)/bin/ctest --test-dir $(BUILD_DIR) --output-on-failure
 	$(run-example-cpp)
 	$(PY) -m pytest python_tests
@@ -39,7 +41,15 @@ test: build
 example-cpp: build
 	$(run-example-cpp)
 
-$(VENV)/.ready:
+# ruff (pyproject.toml) and clang-format (.clang-format) over every tracked source; `ruff format .` and
+# `clang-format -i` fix what they report.
+lint: $(VENV)/.ready
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	git ls-files -z '*.cpp' '*.h' '*.cu' '*.cuh' | xargs -0 $(VENV)/bin/clang-format --dry-run --Werror
+
+# Rebuilt when the Makefile changes, so that a venv made before a package was added gets it.
+$(VENV)/.ready: Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install torch==$(TORCH_VERSION) $(DEV_PACKAGES)
@@ -64,15 +74,16 @@ build: $(VENV)/.ready gtest
 	$(PY) -m pip install --no-build-isolation --no-deps \
 	  -C build-dir=$(BUILD_DIR) -C cmake.define.TORCH_OFFLOAD_BUILD_TESTS=ON .
 
-$(CUDA_VENV)/.ready:
+$(CUDA_VENV)/.ready: Makefile
 	$(PYTHON) -m venv $(CUDA_VENV)
-	$(CUDA_VENV)/bin/pip install torch==$(CUDA_TORCH_VERSION)
+	$(CUDA_VENV)/bin/pip install --upgrade pip
+	$(CUDA_VENV)/bin/pip install torch==$(CUDA_TORCH_VERSION) $(DEV_PACKAGES)
 	touch $@
 
 # Compiles every .cu file with nvcc (sm_80, sm_90) and links the CUDA-enabled
 # library (shared CUDA runtime only, checked with readelf and nm; a torch of another
 # CUDA major version is refused at configure time) and its C++ tests against a CUDA
-# build of torch, then runs those tests:
+# build of torch, installs the package into $(CUDA_VENV) as a user's pip would, then runs the C++ tests:
 # on a machine without a GPU that checks the CPU paths of the CUDA build and
 # skips the GPU tests. torch's CMake config wants libnvrtc, which a toolkit
 # without the math libraries lacks: take the one torch's wheels ship.
@@ -80,15 +91,18 @@ cuda-check: $(VENV)/.ready $(CUDA_VENV)/.ready gtest
 	@nvrtc=$$(ls $(CUDA_HOME)/lib64/libnvrtc.so* 2>/dev/null | head -n1); \
 	[ -n "$$nvrtc" ] || nvrtc=$$(ls $$PWD/$(CUDA_VENV)/lib/python3*/site-packages/nvidia/*/lib/libnvrtc.so.* | head -n1); \
 	set -x; \
-	$(VENV)/bin/cmake -S . -B $(CUDA_BUILD_DIR) -G Ninja \
-	  -DPython3_EXECUTABLE=$$PWD/$(CUDA_VENV)/bin/python \
-	  -DTORCH_OFFLOAD_CUDA=ON -DTORCH_OFFLOAD_BUILD_TESTS=ON \
-	  -DCMAKE_CUDA_COMPILER=$(CUDA_HOME)/bin/nvcc \
-	  -DCUDA_TOOLKIT_ROOT_DIR=$(CUDA_HOME) -DCUDA_nvrtc_LIBRARY=$$nvrtc
-	PATH=$$PWD/$(VENV)/bin:$$PATH cmake --build $(CUDA_BUILD_DIR) --verbose
-	$(VENV)/bin/ctest --test-dir $(CUDA_BUILD_DIR) --output-on-failure
+	$(CUDA_VENV)/bin/pip install -v --no-build-isolation --no-deps -C build-dir=$(CUDA_BUILD_DIR) -C build.verbose=true \
+	  -C cmake.define.TORCH_OFFLOAD_CUDA=ON -C cmake.define.TORCH_OFFLOAD_BUILD_TESTS=ON \
+	  -C cmake.define.CMAKE_CUDA_COMPILER=$(CUDA_HOME)/bin/nvcc \
+	  -C cmake.define.CUDA_TOOLKIT_ROOT_DIR=$(CUDA_HOME) -C cmake.define.CUDA_nvrtc_LIBRARY=$$nvrtc .
+	$(CUDA_VENV)/bin/ctest --test-dir $(CUDA_BUILD_DIR) --output-on-failure
 	cmake/check_cuda_runtime.sh $(CUDA_BUILD_DIR)/libtorch_offload.so
 	PATH=$$PWD/$(VENV)/bin:$$PATH cmake/check_cuda_runtime.sh --mismatch $$PWD/$(CUDA_VENV)/bin/python $(CUDA_HOME)/bin/nvcc
+
+# The Python suite on the second torch: the CUDA wheel that cuda-check built the package against. Without a GPU
+# its CUDA tests skip and the rest runs on the CPU, as on torch $(TORCH_VERSION).
+test-cuda-torch: cuda-check
+	$(CUDA_VENV)/bin/python -m pytest python_tests
 
 # On a machine with a GPU: build against that machine's own CUDA torch (GPU_PYTHON's), run every
 # CUDA test and the GPU bench, print one table (.ci/gpu_check.py). No venv, no package index needed.
