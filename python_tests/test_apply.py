@@ -54,9 +54,9 @@ def tier_options(offload, directory, **options):
     return dict(options, spill_directory=str(directory)) if offload == "disk" else options
 
 
-def make_model(name):
+def make_model(name, **overrides):
     config_cls, model_cls, extra = MODELS[name]
-    kwargs = dict(COMMON, **extra)
+    kwargs = {**COMMON, **extra, **overrides}
     if name == "gpt2":
         kwargs = {
             k: v
@@ -70,6 +70,7 @@ def make_model(name):
                 "max_position_embeddings",
             )
         }
+        kwargs["n_positions"] = overrides.get("max_position_embeddings", kwargs["n_positions"])
     torch.manual_seed(0)
     return model_cls(config_cls(**kwargs)).float().train()
 

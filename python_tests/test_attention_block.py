@@ -294,7 +294,7 @@ class Attention(torch.nn.Module):
         angles = angles.repeat(1, 2)[None]
         return angles.cos(), angles.sin()
 
-    def forward(self, x):
+    def forward(self, x, segment_ids=None):
         cos, sin = self.rotary(x.shape[1])
         return torch_offload.attention_block(
             x,
@@ -308,6 +308,7 @@ class Attention(torch.nn.Module):
             b_k=self.k.bias,
             b_v=self.v.bias,
             b_o=self.o.bias,
+            segment_ids=segment_ids,
         )
 
 
@@ -489,29 +490,10 @@ def test_long_segments_run_as_balanced_pieces_and_still_match():
         assert relative_error(g, w) < 1e-5, name
 
 
-class SegmentedAttention(Attention):
-    def forward(self, x, segment_ids):
-        cos, sin = self.rotary(x.shape[1])
-        return torch_offload.attention_block(
-            x,
-            self.q.weight,
-            self.k.weight,
-            self.v.weight,
-            self.o.weight,
-            cos,
-            sin,
-            b_q=self.q.bias,
-            b_k=self.k.bias,
-            b_v=self.v.bias,
-            b_o=self.o.bias,
-            segment_ids=segment_ids,
-        )
-
-
 def test_segments_compile_fullgraph_dynamic_over_changing_tokens_and_document_counts():
     torch._dynamo.reset()
     torch.manual_seed(0)
-    module = SegmentedAttention()
+    module = Attention()
     compiled = torch.compile(module, fullgraph=True, dynamic=True)
     for tokens, documents in ((12, 2), (29, 5), (40, 1)):
         x = torch.randn(2, tokens, 16, requires_grad=True)

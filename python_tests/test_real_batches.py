@@ -5,7 +5,7 @@ import peft
 import pytest
 import torch
 from functorch.compile import make_boxed_func
-from test_apply import COMMON, MODELS, assert_close_runs, tier_options
+from test_apply import MODELS, assert_close_runs, make_model, tier_options
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -13,27 +13,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torch_offload
 
 SDPA_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2"]
-
-
-def make_model(name, **overrides):
-    config_cls, model_cls, extra = MODELS[name]
-    kwargs = {**COMMON, **extra, **overrides}
-    if name == "gpt2":
-        kwargs = {
-            k: v
-            for k, v in kwargs.items()
-            if k
-            not in (
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "max_position_embeddings",
-            )
-        }
-        kwargs["n_positions"] = overrides.get("max_position_embeddings", kwargs["n_positions"])
-    torch.manual_seed(0)
-    return model_cls(config_cls(**kwargs)).float().train()
 
 
 def packed(tokens=24, documents=(5, 9, 4, 6)):
