@@ -80,33 +80,16 @@ void reject_at_this_key(torch::Library& m) {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(offload, SparseCPU, m) {
-  reject_at_this_key(m);
-}
-TORCH_LIBRARY_IMPL(offload, SparseCUDA, m) {
-  reject_at_this_key(m);
-}
-TORCH_LIBRARY_IMPL(offload, SparseCsrCPU, m) {
-  reject_at_this_key(m);
-}
-TORCH_LIBRARY_IMPL(offload, SparseCsrCUDA, m) {
-  reject_at_this_key(m);
-}
-TORCH_LIBRARY_IMPL(offload, NestedTensorCPU, m) {
-  reject_at_this_key(m);
-}
-TORCH_LIBRARY_IMPL(offload, NestedTensorCUDA, m) {
-  reject_at_this_key(m);
-}
-TORCH_LIBRARY_IMPL(offload, AutogradNestedTensor, m) {
-  reject_at_this_key(m);
-}
-TORCH_LIBRARY_IMPL(offload, MkldnnCPU, m) {
-  reject_at_this_key(m);
-}
-TORCH_LIBRARY_IMPL(offload, QuantizedCPU, m) {
-  reject_at_this_key(m);
-}
-TORCH_LIBRARY_IMPL(offload, QuantizedCUDA, m) {
-  reject_at_this_key(m);
-}
+// One line per dispatch key: they differ by the key only.
+// clang-format off
+TORCH_LIBRARY_IMPL(offload, SparseCPU, m) { reject_at_this_key(m); }
+TORCH_LIBRARY_IMPL(offload, SparseCUDA, m) { reject_at_this_key(m); }
+TORCH_LIBRARY_IMPL(offload, SparseCsrCPU, m) { reject_at_this_key(m); }
+TORCH_LIBRARY_IMPL(offload, SparseCsrCUDA, m) { reject_at_this_key(m); }
+TORCH_LIBRARY_IMPL(offload, NestedTensorCPU, m) { reject_at_this_key(m); }
+TORCH_LIBRARY_IMPL(offload, NestedTensorCUDA, m) { reject_at_this_key(m); }
+TORCH_LIBRARY_IMPL(offload, AutogradNestedTensor, m) { reject_at_this_key(m); }
+TORCH_LIBRARY_IMPL(offload, MkldnnCPU, m) { reject_at_this_key(m); }
+TORCH_LIBRARY_IMPL(offload, QuantizedCPU, m) { reject_at_this_key(m); }
+TORCH_LIBRARY_IMPL(offload, QuantizedCUDA, m) { reject_at_this_key(m); }
+// clang-format on
