@@ -19,7 +19,7 @@ CUDA_TORCH_VERSION ?= 2.14.1
 CUDA_HOME ?= /usr/local/cuda
 CUDA_BUILD_DIR := build/cuda
 
-.PHONY: demo test lint build gtest example-cpp cuda-check test-cuda-torch gpu-check bench-deps clean
+.PHONY: demo test lint build gtest example-cpp test-axolotl cuda-check test-cuda-torch gpu-check bench-deps clean
 
 demo: build
 	$(PY) examples/demo.py
@@ -37,6 +37,21 @@ test: lint build
 	$(VENV)/bin/ctest --test-dir $(BUILD_DIR) --output-on-failure
 	$(run-example-cpp)
 	$(PY) -m pytest python_tests
+	$(MAKE) test-axolotl
+
+# axolotl 0.19.0 pins other transformers, peft and trl releases (5.16.1, 0.20.0, 1.9.0) than $(VENV): its plugin's
+# test (python_tests/test_axolotl.py, skipped in $(VENV)) runs in a venv of its own, on this checkout's Python
+# sources and the library `build` made (the same torch).
+AXOLOTL_VENV := .venv-axolotl
+$(AXOLOTL_VENV)/.ready: Makefile
+	$(PYTHON) -m venv $(AXOLOTL_VENV)
+	$(AXOLOTL_VENV)/bin/pip install --upgrade pip
+	$(AXOLOTL_VENV)/bin/pip install torch==$(TORCH_VERSION) axolotl==0.19.0 pytest
+	touch $@
+
+test-axolotl: build $(AXOLOTL_VENV)/.ready
+	TORCH_OFFLOAD_LIBRARY=$$($(PY) -c 'import torch_offload; print(torch_offload.library_path())') \
+	  $(AXOLOTL_VENV)/bin/python -m pytest python_tests/test_axolotl.py
 
 example-cpp: build
 	$(run-example-cpp)

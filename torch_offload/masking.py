@@ -69,10 +69,13 @@ _FACTORIES: dict[str, Any] = {}
 def _find_factories() -> dict[str, Any]:
     from transformers import masking_utils as mu
 
+    # transformers 5.16 (axolotl 0.19 pins it) has no remap: it puts the packed factory on the
+    # plain mask function, which within one document is the same mask.
+    remap = getattr(mu, "remap_positions_for_packed_sequence", None)
     return {
         "and": mu.and_masks(mu.causal_mask_function).__code__,
         "window": mu.sliding_window_overlay(1).__code__,
-        "remap": mu.remap_positions_for_packed_sequence(mu.causal_mask_function, None).__code__,
+        "remap": None if remap is None else remap(mu.causal_mask_function, None).__code__,
         "packed": mu.packed_sequence_mask_function(None).__code__,
         "causal": mu.causal_mask_function,
     }
@@ -88,8 +91,11 @@ def _describe(mask_function, factories) -> tuple[int | None, torch.Tensor | None
     parts = _cells(mask_function)["mask_functions"]
     if len(parts) == 2 and parts[1] is factories["causal"] and parts[0].__code__ is factories["window"]:
         return _cells(parts[0])["sliding_window"], None
-    if len(parts) == 2 and parts[0].__code__ is factories["remap"] and parts[1].__code__ is factories["packed"]:
-        window, inner_packed = _describe(_cells(parts[0])["mask_function"], factories)
+    if len(parts) == 2 and parts[1].__code__ is factories["packed"]:
+        # Remapped positions (5.24) give a document the causal and window mask it has unremapped (5.16): the
+        # differences of positions within a document are the same.
+        remapped = factories["remap"] is not None and parts[0].__code__ is factories["remap"]
+        window, inner_packed = _describe(_cells(parts[0])["mask_function"] if remapped else parts[0], factories)
         if inner_packed is not None:
             raise _Unknown
         return window, _cells(parts[1])["packed_sequence_mask"]

@@ -27,15 +27,15 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from . import masking, sequence_parallel
-from .activations import checkpoint as offloaded_checkpoint
-from .activations import offload_activations
-from .attention_block import attention_block as attention_block_op
-from .causal_lm_loss import fuse_causal_lm_loss
-from .compiled_offload import graph_hooks
-from .disk import default_spill_directory, disk_spill, disk_wait, spill_directory_in_ram
-from .masking import is_segment_ids
-from .tiled_mlp import TiledMLP, _first_argument, _is_plain_linear, _module_in_shards
+from .. import masking, sequence_parallel
+from ..activations import checkpoint as offloaded_checkpoint
+from ..activations import offload_activations
+from ..attention_block import attention_block as attention_block_op
+from ..causal_lm_loss import fuse_causal_lm_loss
+from ..compiled_offload import graph_hooks
+from ..disk import default_spill_directory, disk_spill, disk_wait, spill_directory_in_ram
+from ..masking import is_segment_ids
+from ..tiled_mlp import TiledMLP, _first_argument, _is_plain_linear, _module_in_shards
 
 __all__ = ["apply", "OffloadHandle"]
 
@@ -114,7 +114,7 @@ def _on_accelerator(model: nn.Module) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# What apply proves before it replaces a forward (README: "What apply() checks"):
+# What apply proves before it replaces a forward (docs/apply.md: "What apply() checks"):
 # - Structure decides what it can: the exact module types the op reads (plain nn.Linear
 #   projections, a known activation), no hooks or instance forwards, and every config option
 #   known to change the arithmetic (clip_qkv, attention soft-capping...) that the op lacks.
