@@ -5,13 +5,15 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+# The linters pinned: a new release moves the lines they want.
+LINT_PACKAGES := ruff==0.17.6 clang-format==23.1.5
 # transformers, peft and trl pinned: their releases rename what apply() reads (5.24 renamed past_key_values to
 # cache), and trl's trainers patch the model's forward.
 DEV_PACKAGES := pytest numpy expecttest scikit-build-core ninja cmake transformers==5.24.0 peft==0.21.2 trl==1.16.0 \
                 matplotlib tqdm $(LINT_PACKAGES)
-# The linters pinned: a new release moves the lines they want.
-LINT_PACKAGES := ruff==0.17.6 clang-format==23.1.5
 BUILD_DIR := build/python
+# axolotl's own venv: it pins other Hugging Face releases than $(VENV) (see run-axolotl-tests).
+AXOLOTL_VENV := .venv-axolotl
 
 # The CUDA compile check: a CUDA build of torch in its own venv, and nvcc.
 CUDA_VENV := .venv-cuda
@@ -33,16 +35,22 @@ define run-example-cpp
 	build/example-cpp/train_mlp_stack
 endef
 
-test: lint build
+test: lint build $(AXOLOTL_VENV)/.ready
 	$(VENV)/bin/ctest --test-dir $(BUILD_DIR) --output-on-failure
 	$(run-example-cpp)
 	$(PY) -m pytest python_tests
-	$(MAKE) test-axolotl
+	$(run-axolotl-tests)
 
 # axolotl 0.19.0 pins other transformers, peft and trl releases (5.16.1, 0.20.0, 1.9.0) than $(VENV): its plugin's
 # test (python_tests/test_axolotl.py, skipped in $(VENV)) runs in a venv of its own, on this checkout's Python
-# sources and the library `build` made (the same torch).
-AXOLOTL_VENV := .venv-axolotl
+# sources and the library `build` made (the same torch), with the packed and padded batch tests on that transformers.
+# Nothing may reach the Hugging Face hub, and axolotl's telemetry is opt-out.
+define run-axolotl-tests
+	TORCH_OFFLOAD_LIBRARY=$$($(PY) -c 'import torch_offload; print(torch_offload.library_path())') \
+	  TORCH_OFFLOAD_REQUIRE_AXOLOTL=1 HF_HUB_OFFLINE=1 AXOLOTL_DO_NOT_TRACK=1 \
+	  $(AXOLOTL_VENV)/bin/python -m pytest python_tests/test_axolotl.py python_tests/test_real_batches.py
+endef
+
 $(AXOLOTL_VENV)/.ready: Makefile
 	$(PYTHON) -m venv $(AXOLOTL_VENV)
 	$(AXOLOTL_VENV)/bin/pip install --upgrade pip
@@ -50,8 +58,7 @@ $(AXOLOTL_VENV)/.ready: Makefile
 	touch $@
 
 test-axolotl: build $(AXOLOTL_VENV)/.ready
-	TORCH_OFFLOAD_LIBRARY=$$($(PY) -c 'import torch_offload; print(torch_offload.library_path())') \
-	  $(AXOLOTL_VENV)/bin/python -m pytest python_tests/test_axolotl.py
+	$(run-axolotl-tests)
 
 example-cpp: build
 	$(run-example-cpp)
@@ -61,7 +68,7 @@ example-cpp: build
 lint: $(VENV)/.ready
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	git ls-files -z '*.cpp' '*.h' '*.cu' '*.cuh' | xargs -0 $(VENV)/bin/clang-format --dry-run --Werror
+	files=$$(git ls-files '*.cpp' '*.h' '*.cu' '*.cuh') && [ -n "$$files" ] && $(VENV)/bin/clang-format --dry-run --Werror $$files
 
 # Rebuilt when the Makefile changes, so that a venv made before a package was added gets it.
 $(VENV)/.ready: Makefile

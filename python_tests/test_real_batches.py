@@ -11,6 +11,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_offload
+from torch_offload import integrations, masking
 
 SDPA_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2"]
 
@@ -62,8 +63,11 @@ def test_packed_and_padded_batches_give_the_unapplied_loss_and_gradients(name, b
     handle = torch_offload.apply(model, num_shards=2)
     assert_close_runs(want, step(model, inputs))
     assert handle.mask_fallbacks == {}
-    if implementation == "sdpa":  # Gemma 2's soft-capped attention is eager: its mask stays dense
+    # A tested family's SDPA gets segment ids; Gemma 2 (eager in transformers 5.24, SDPA in 5.16) keeps its own.
+    if implementation == "sdpa" and model.config.model_type in integrations._SEGMENT_MASK_MODEL_TYPES:
         assert model.config._attn_implementation == torch_offload.masking.IMPLEMENTATION
+    else:
+        assert model.config._attn_implementation == implementation
     handle.remove()
     assert model.config._attn_implementation == implementation
     assert_close_runs(want, step(model, inputs))
@@ -309,3 +313,30 @@ def test_compiled_attention_dropout_takes_the_dense_mask_the_segments_stand_for(
     assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
     assert calls_and_largest(graphs)[0] == 0  # SDPA with dropout, not the op
     handle.remove()
+
+
+def test_the_mask_compositions_of_the_installed_transformers_are_read_or_refused():
+    # transformers 5.24 remaps positions under the packed factory, 5.16 (axolotl's venv) does not: the same mask
+    # within each document. Compositions it cannot read (an or-overlay, packing twice) are refused: a dense mask.
+    from transformers import masking_utils as mu
+
+    factories = masking._find_factories()
+    ids = torch.tensor([[0, 0, 0, 1, 1, 2]])
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    remap = getattr(mu, "remap_positions_for_packed_sequence", None)
+
+    def packed(function, packed_ids=ids):
+        inner = function if remap is None else remap(function, positions)
+        return mu.and_masks(inner, mu.packed_sequence_mask_function(packed_ids))
+
+    window, segments = masking._describe(packed(mu.causal_mask_function), factories)
+    assert window is None and segments is ids
+    window, segments = masking._describe(packed(mu.sliding_window_causal_mask_function(3)), factories)
+    assert window == 3 and segments is ids
+    overlay = mu.or_masks(mu.causal_mask_function, mu.bidirectional_mask_function)
+    for unknown in (
+        packed(overlay),
+        mu.and_masks(packed(mu.causal_mask_function), mu.packed_sequence_mask_function(ids)),
+    ):
+        with pytest.raises(masking._Unknown):
+            masking._describe(unknown, factories)
