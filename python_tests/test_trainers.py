@@ -188,3 +188,22 @@ def test_trainer_callback_refuses_unknown_options_at_once():
     with pytest.raises(TypeError, match="unknown option 'model'"):  # apply's model comes from the trainer
         torch_offload.TorchOffloadCallback(model=None)
     torch_offload.TorchOffloadCallback(offload="disk", min_bytes=0, checkpoint="layer")  # apply's and the tier's
+
+
+def test_trainer_callback_refuses_an_option_the_tier_would_ignore_when_training_begins(tmp_path):
+    # Which tier offload="auto" picks depends on where the trainer puts the model: checked when it has.
+    tok = tokenizer()
+    dataset = datasets.Dataset.from_dict({"text": texts()}).map(lambda row: tok(row["text"]), remove_columns=["text"])
+    model = make_model("llama", max_position_embeddings=256)
+    before = patches(model)
+    callback = torch_offload.TorchOffloadCallback(offload="cpu", spill_directory=str(tmp_path))
+    trainer = transformers.Trainer(
+        model=model,
+        args=arguments(tmp_path),
+        train_dataset=dataset,
+        data_collator=transformers.DataCollatorWithFlattening(),
+        callbacks=[callback],
+    )
+    with pytest.raises(ValueError, match=r"'spill_directory' would be ignored with offload='cpu'"):
+        trainer.train()
+    assert callback.handle is None and patches(model) == before  # nothing left applied
