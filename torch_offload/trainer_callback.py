@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import transformers
 
-from .integrations import OffloadHandle, apply, check_option_names
+from .integrations import OffloadHandle, apply, check_apply_option_names
 
 
 class TorchOffloadCallback(transformers.TrainerCallback):
@@ -18,8 +17,7 @@ class TorchOffloadCallback(transformers.TrainerCallback):
     ignore (e.g. ``min_bytes`` without a tier) are apply()'s ValueError when training begins."""
 
     def __init__(self, **apply_options: Any) -> None:
-        own = tuple(name for name in inspect.signature(apply).parameters if name not in ("model", "offload_options"))
-        check_option_names(apply_options, "torch_offload.TorchOffloadCallback", own)
+        check_apply_option_names(apply_options, "torch_offload.TorchOffloadCallback")
         self.apply_options = apply_options
         self.handle: OffloadHandle | None = None
 

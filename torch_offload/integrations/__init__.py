@@ -1045,6 +1045,12 @@ def check_option_names(names: Any, caller: str, own: tuple[str, ...] = ()) -> No
         )
 
 
+def check_apply_option_names(names: Any, caller: str) -> None:
+    """check_option_names against everything apply() takes by keyword, for callers that pass options on to it."""
+    own = tuple(name for name in inspect.signature(apply).parameters if name not in ("model", "offload_options"))
+    check_option_names(names, caller, own)
+
+
 def _check_offload_options(options: dict[str, Any], offload: str | None, requested: str | None) -> None:
     """A misspelt option, or one the chosen configuration would ignore, is an error: never silently dropped."""
     check_option_names(options, "torch_offload.apply")

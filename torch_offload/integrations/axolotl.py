@@ -3,16 +3,13 @@ apply's options under one key, e.g. ``torch_offload: {offload: disk}`` (none: ap
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from axolotl.integrations.base import BasePlugin
 from pydantic import BaseModel, field_validator
 
 from ..trainer_callback import TorchOffloadCallback
-from . import apply, check_option_names
-
-_OWN_OPTIONS = tuple(name for name in inspect.signature(apply).parameters if name not in ("model", "offload_options"))
+from . import check_apply_option_names
 
 
 class TorchOffloadArgs(BaseModel):
@@ -25,7 +22,7 @@ class TorchOffloadArgs(BaseModel):
     def _known_options(cls, options: dict[str, Any] | None) -> dict[str, Any] | None:
         if options is not None:
             try:
-                check_option_names(options, "torch_offload (axolotl config)", _OWN_OPTIONS)
+                check_apply_option_names(options, "torch_offload (axolotl config)")
             except TypeError as error:  # pydantic reports a ValueError as the config's validation error
                 raise ValueError(str(error)) from None
         return options
