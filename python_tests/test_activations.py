@@ -248,10 +248,19 @@ def test_bad_arguments_are_named():
         torch_offload.offload_activations(tier="tape")
     with pytest.raises(ValueError, match="max_host_bytes"):
         torch_offload.offload_activations(max_host_bytes=-1)
-    with pytest.raises(RuntimeError, match="min_bytes must be >= 0"):
+    with pytest.raises(ValueError, match="min_bytes must be an int >= 0, got -5"):
         torch_offload.offload_activations(min_bytes=-5)
-    with pytest.raises(RuntimeError, match="prefetch_bytes must be >= 0"):
+    with pytest.raises(ValueError, match="prefetch_bytes must be an int >= 0, got -1"):
         torch_offload.offload_activations(prefetch_bytes=-1)
+    # Types too: a string or a bool is not a byte count, a bool flag is not a string.
+    with pytest.raises(TypeError, match=r"offload_activations: min_bytes must be an int, got '1M' \(str\)"):
+        torch_offload.offload_activations(min_bytes="1M")
+    with pytest.raises(TypeError, match=r"max_host_bytes must be an int or None, got True \(bool\)"):
+        torch_offload.offload_activations(max_host_bytes=True)
+    with pytest.raises(TypeError, match="offload_cpu_tensors must be True, False or None, got 'no'"):
+        torch_offload.offload_activations(offload_cpu_tensors="no")
+    with pytest.raises(TypeError, match=r"spill_directory must be a str or os.PathLike path, got b./tmp. \(bytes\)"):
+        torch_offload.offload_activations(tier="disk", spill_directory=b"/tmp")
     with pytest.raises(ValueError, match="use_reentrant"):
         torch_offload.checkpoint(torch.sin, torch.randn(2), use_reentrant=True)
     # A typo, or an option the tier would ignore, never changes what runs without a word.

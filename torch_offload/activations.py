@@ -7,6 +7,7 @@ backward and counts.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch.utils import _pytree as pytree
+
+from ._options import check_bool, check_int, check_path
 
 __all__ = ["offload_activations", "checkpoint"]
 
@@ -76,18 +79,23 @@ class offload_activations:
         tier: str = "cpu",
         offload_cpu_tensors: bool | None = None,
         module: torch.nn.Module | list[torch.nn.Module] | None = None,
-        spill_directory: str | None = None,
+        spill_directory: str | os.PathLike | None = None,
         allow_tmpfs: bool = False,
     ):
         if tier not in _TIERS:
             raise ValueError(f"offload_activations: tier must be one of {_TIERS}, got {tier!r}")
+        caller = "offload_activations"
+        min_bytes = check_int(min_bytes, "min_bytes", caller)
+        max_host_bytes = check_int(max_host_bytes, "max_host_bytes", caller, none_ok=True)
+        prefetch_bytes = check_int(prefetch_bytes, "prefetch_bytes", caller)
+        offload_cpu_tensors = check_bool(offload_cpu_tensors, "offload_cpu_tensors", caller, none_ok=True)
+        spill_directory = check_path(spill_directory, "spill_directory", caller)
+        allow_tmpfs = check_bool(allow_tmpfs, "allow_tmpfs", caller)
         if tier == "cpu" and (spill_directory is not None or allow_tmpfs):
             raise ValueError(
                 "offload_activations: spill_directory and allow_tmpfs would be ignored with tier='cpu' "
                 "(only tier='disk' writes to disk)"
             )
-        if max_host_bytes is not None and max_host_bytes < 0:
-            raise ValueError(f"offload_activations: max_host_bytes must be >= 0 or None, got {max_host_bytes}")
         if max_host_bytes is None:
             max_host_bytes = 0 if tier == "disk" else -1
         if offload_cpu_tensors is None:

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ._options import check_bool, check_path
+
 __all__ = ["disk_spill", "disk_restore", "disk_prefetch", "disk_wait", "disk_spill_stats", "configure_disk_spill"]
 
 _STATS = (
@@ -43,7 +45,7 @@ def default_spill_directory() -> str:
     return next((os.environ[name] for name in ("TMPDIR", "TMP", "TEMP", "TEMPDIR") if name in os.environ), "/tmp")
 
 
-def spill_directory_in_ram(directory: str) -> bool:
+def spill_directory_in_ram(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` is on a RAM file system (what disk_spill refuses without allow_tmpfs), by
     the longest mount point of /proc/self/mounts above it."""
     path = os.path.realpath(directory)
@@ -58,13 +60,16 @@ def spill_directory_in_ram(directory: str) -> bool:
     return file_system in _RAM_FILE_SYSTEMS
 
 
-def disk_spill(src: torch.Tensor, *, directory: str | None = None, allow_tmpfs: bool = False) -> torch.Tensor:
+def disk_spill(
+    src: torch.Tensor, *, directory: str | os.PathLike | None = None, allow_tmpfs: bool = False
+) -> torch.Tensor:
     """Start writing ``src`` to disk and return its ticket (a small CPU int64 tensor) at once.
 
     The write runs on I/O threads; do not modify ``src`` in place until
     :func:`disk_wait` returns. Freeing the ticket frees the disk space.
     """
-    return torch.ops.offload.disk_spill(src, directory, allow_tmpfs)
+    directory = check_path(directory, "directory", "disk_spill")
+    return torch.ops.offload.disk_spill(src, directory, check_bool(allow_tmpfs, "allow_tmpfs", "disk_spill"))
 
 
 def disk_restore(ticket: torch.Tensor, size: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
