@@ -2,6 +2,8 @@
 
 import copy
 import io
+import subprocess
+import sys
 import warnings
 
 import accelerate.hooks
@@ -390,6 +392,69 @@ def test_copies_and_pickles_of_an_applied_model_are_the_model_before_apply(name,
     copy_handle.remove()
     handle.remove()
     assert module_layout(model) == before == module_layout(copied)
+
+
+def test_a_saved_applied_model_loads_where_torch_offload_is_not_imported(tmp_path):
+    # apply gives the config its own attention implementation: a pickle must carry the model's own name.
+    model, ids = make_model("llama"), batch()
+    want = loss_and_grads(model, ids)[0]
+    torch_offload.apply(model, num_shards=2)
+    assert model.config._attn_implementation == torch_offload.masking.IMPLEMENTATION
+    torch.save(model, tmp_path / "model.pt")
+    assert copy.deepcopy(model).config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == torch_offload.masking.IMPLEMENTATION  # the model stays applied
+    script = (
+        "import sys, torch\n"
+        f"model = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)\n"
+        "assert 'torch_offload' not in sys.modules, 'loading imported torch_offload'\n"
+        f"ids = torch.tensor({ids.tolist()})\n"
+        "print(model.config._attn_implementation, repr(model(input_ids=ids, labels=ids, use_cache=False).loss.item()))"
+    )
+    # Run from tmp_path, where the checkout's torch_offload is not on the path.
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, check=True)
+    implementation, loss = out.stdout.split()
+    assert implementation == "sdpa" and float(loss) == pytest.approx(want.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        (dict(tiled_mlp="no"), TypeError, "tiled_mlp must be True or False, got 'no'"),
+        (dict(loss="False"), TypeError, "loss must be True or False, got 'False'"),
+        (dict(attention_block="false"), TypeError, "attention_block must be True or False, got 'false'"),
+        (dict(num_shards=True), TypeError, r"num_shards must be an int, got True \(bool\)"),
+        (dict(keep_last=1.0), TypeError, r"keep_last must be an int, got 1.0 \(float\)"),
+        (dict(checkpoint=None), TypeError, "checkpoint must be True, False or one of"),
+        (dict(offload="disk", min_bytes="1M"), TypeError, r"min_bytes must be an int, got '1M' \(str\)"),
+        (dict(offload="disk", max_host_bytes="1G"), TypeError, r"max_host_bytes must be an int or None, got '1G'"),
+        (dict(offload="disk", prefetch_bytes=-1), ValueError, "prefetch_bytes must be an int >= 0, got -1"),
+        (dict(offload="disk", allow_tmpfs="yes"), TypeError, "allow_tmpfs must be True or False, got 'yes'"),
+        (dict(offload="disk", spill_directory=3), TypeError, "spill_directory must be a str or os.PathLike path"),
+        (
+            dict(offload="disk", offload_cpu_tensors=False),
+            ValueError,
+            "offload='disk' with offload_cpu_tensors=False would move nothing",
+        ),
+    ],
+    ids=lambda value: next(iter(value)) if isinstance(value, dict) else "",
+)
+def test_each_option_checks_its_type_and_names_itself(options, error, message):
+    model = make_model("llama")
+    before = module_layout(model)
+    with pytest.raises(error, match=message):
+        torch_offload.apply(model, **options)
+    assert module_layout(model) == before
+
+
+def test_paths_may_be_path_objects(tmp_path):
+    model, ids = make_model("llama"), batch()
+    want = loss_and_grads(model, ids)
+    handle = torch_offload.apply(model, offload="disk", spill_directory=tmp_path, min_bytes=0, num_shards=2)
+    assert_close_runs(want, loss_and_grads(model, ids))
+    assert handle.stats()["disk_bytes"] > 0
+    handle.remove()
+    ticket = torch_offload.disk_spill(torch.arange(4.0), directory=tmp_path)
+    torch.testing.assert_close(torch_offload.disk_restore(ticket, [4], torch.float32, "cpu"), torch.arange(4.0))
 
 
 def test_a_modules_own_getstate_still_makes_its_copies_and_remove_puts_it_back(tmp_path):

@@ -4,7 +4,9 @@
 import peft
 import pytest
 import torch
+import transformers
 from functorch.compile import make_boxed_func
+from op_recording import CountCalls
 from test_apply import MODELS, assert_close_runs, make_model, tier_options
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -92,6 +94,26 @@ def test_packed_documents_through_the_op_with_offloading(offload, tmp_path):
     assert_close_runs(want, got)
     assert handle.attention_blocks == 3 and len(calls) >= 3
     assert all(c is not None and c.shape == (1, 24) for c in calls)  # every layer's op call took the segments
+    handle.remove()
+
+
+def test_flash_attention_kwargs_of_packed_documents_keep_the_op():
+    # DataCollatorWithFlattening(return_flash_attn_kwargs=True) describes the documents twice: position_ids
+    # and flash attention's cumulative lengths, which SDPA ignores.
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
+    ids = packed()["input_ids"][0].tolist()
+    inputs = collator([{"input_ids": ids[a:b]} for a, b in ((0, 5), (5, 14), (14, 18), (18, 24))])
+    assert {"cu_seq_lens_q", "max_length_k", "seq_idx"} <= set(inputs)
+    model = make_model("llama")
+    want = step(model, inputs)
+    handle = torch_offload.apply(model, num_shards=2)
+    op = torch.ops.offload.attention_block.default
+    with CountCalls(op) as calls:
+        got = step(model, inputs)
+    assert_close_runs(want, got)
+    # Every layer's attention through the op (the last layer, checkpointed whole, again in backward).
+    assert calls.counts[op] == 4
+    assert handle.attention_blocks == 3
     handle.remove()
 
 

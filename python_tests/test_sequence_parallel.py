@@ -2,6 +2,7 @@
 segment_attention on the whole rows in one process, values and gradients, in float64."""
 
 import contextlib
+import copy
 import os
 
 import pytest
@@ -301,6 +302,17 @@ APPLIED = {
     "left_padded": ("llama", {}, lambda: [padded("left")], dict(offload=None)),
     "accumulation_num_items": ("llama", {}, accumulation_steps, dict(offload=None)),
     "disk_tier": ("llama", {}, lambda: [documents_crossing_ranks()], dict(offload="disk", min_bytes=0)),
+    # Sliding windows shorter than the rows that no token reaches past: every document is shorter (9 tokens);
+    # the window covers all 25 real tokens, not shard_batch's padding to 26 (a segment of its own, or a
+    # padding run where the batch has an attention_mask).
+    "window_over_documents": ("mistral", dict(sliding_window=10), lambda: [documents_crossing_ranks()], {}),
+    "window_over_the_real_tokens": ("mistral", dict(sliding_window=25), lambda: [packed(25, (25,))], {}),
+    "window_over_padded_rows": (
+        "mistral",
+        dict(sliding_window=25),
+        lambda: [padded("right", 25, (25, 18, 10))],
+        dict(offload=None),
+    ),
 }
 # Families whose attention attention_block does not compute (per-head norms, Conv1D): their own forwards, the core
 # attention through ulysses_attention.
@@ -387,6 +399,33 @@ def test_applied_model_on_each_ranks_chunk_equals_one_process_on_the_whole_batch
         assert_equals_one_process(case, parts)
 
 
+def float64_reference(case):
+    """The un-applied model's loss of its own float64 logits (transformers' loss is float32 for any model) and
+    its gradients: the labelled tokens' summed cross-entropy over their count."""
+    model = sp_model(case)
+    (batch,) = APPLIED[case][2]()
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
+    target = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
+    loss = loss / (target != -100).sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_a_float64_model_keeps_float64_gradients_over_the_ranks(tmp_path):
+    # The count, the division and the ranks' sum in float64: float32 there left 8e-8 relative errors.
+    path, case = str(tmp_path / "float64"), "llama_mha"
+    run_ranks(applied_on_ranks, 2, [case], path)
+    parts = [torch.load(f"{path}.{rank}")[case] for rank in range(2)]
+    want_loss, want_grads = float64_reference(case)
+    for losses, *_ in parts:  # float32, as transformers' loss of a float64 model
+        assert losses[0].dtype == torch.float32
+        torch.testing.assert_close(losses[0], want_loss.float(), rtol=2e-7, atol=0)  # one float32 rounding
+    for name, want in want_grads.items():
+        got = sum(grads[name] for _, grads, *_ in parts)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14, msg=lambda m: f"{name}: {m}")
+
+
 def test_compiled_applied_model_on_each_ranks_chunk_equals_one_process(tmp_path):
     """torch.compile(fullgraph=True), so with no graph break: the all-to-alls, gathers and the loss's
     all-reduce are in the graph."""
@@ -431,8 +470,11 @@ def refusals_on_ranks(rank, world_size, path):
             make_model("llama", rope_parameters=dict(rope_type="dynamic", factor=2.0)), sequence_parallel=group
         ),
     )
-    # A window longer than each rank's 12 tokens but shorter than the whole 24.
-    windowed = make_model("mistral", sliding_window=16)
+    refused(
+        "eager", lambda: torch_offload.apply(make_model("llama", attn_implementation="eager"), sequence_parallel=group)
+    )
+    # A window longer than each rank's 12 tokens but shorter than the second document's 9.
+    windowed = make_model("mistral", sliding_window=8)
     torch_offload.apply(windowed, sequence_parallel=group)
     refused("window", lambda: windowed(**torch_offload.shard_batch(documents_crossing_ranks(), group)))
     model = make_model("llama")
@@ -442,14 +484,17 @@ def refusals_on_ranks(rank, world_size, path):
     refused("no_position_ids", lambda: model(**{k: v for k, v in batch.items() if k != "position_ids"}))
     attention = model.model.layers[0].self_attn
     messages["applied"] = (
-        model.config._attn_implementation,
+        str(model.config._attn_implementation),  # a str that pickles as the model's own (see test_apply)
         vars(attention).get(torch_offload.sequence_parallel.GROUP_ATTRIBUTE) == dist.group.WORLD.group_name,
     )
+    copied = copy.deepcopy(model)  # the model before apply, in every copy
     handle.remove()
     messages["removed"] = (
         model.config._attn_implementation,
         torch_offload.sequence_parallel.GROUP_ATTRIBUTE in vars(attention),
     )
+    whole = documents_crossing_ranks()
+    messages["copied"] = (copied.config._attn_implementation, copied(**whole).loss, model(**whole).loss)
     torch.save(messages, f"{path}.{rank}")
 
 
@@ -471,14 +516,21 @@ def test_apply_refuses_what_sequence_parallelism_cannot_compute_and_remove_resto
         "ValueError: torch_offload.apply: sequence_parallel: LlamaConfig's rotary "
         "embedding ('dynamic') scales with the largest position of a call"
     )
+    assert got["eager"].startswith(
+        "ValueError: torch_offload.apply: sequence_parallel: LlamaConfig has 'eager' attention, which gives a "
+        "query with no key to attend (a left-padded row's pads) the mean of its whole row's values"
+    )
     assert got["window"] == (
-        "NotImplementedError: torch_offload sequence parallelism: a sliding window (16 tokens) "
-        "shorter than the sequence (24 tokens over the ranks) is not supported"
+        "NotImplementedError: torch_offload sequence parallelism: a sliding window (8 tokens) "
+        "shorter than a sequence of the whole rows (a token attends to 9) is not supported"
     )
     assert "called with labels but no shift_labels; pass torch_offload.shard_batch" in got["no_shift_labels"]
     assert "called without position_ids; pass torch_offload.shard_batch" in got["no_position_ids"]
     assert got["applied"] == (torch_offload.sequence_parallel.IMPLEMENTATION, True)
     assert got["removed"] == ("sdpa", False)
+    implementation, copy_loss, loss = got["copied"]
+    assert implementation == "sdpa"
+    torch.testing.assert_close(copy_loss, loss, rtol=0, atol=0)
 
 
 # Data x sequence parallelism on a 2-D mesh of 4 ranks: each data rank's pair of sequence ranks shards its own

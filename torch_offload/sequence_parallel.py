@@ -166,13 +166,41 @@ def whole_rows_segment_ids(
     return attention_block_segment_ids(position_ids=_gathered(position_ids, group), batch=batch)
 
 
-def check_window(window: int | None, tokens: int) -> None:
-    """Sliding-window attention is not computed: refused where the window is shorter than the whole rows."""
-    if isinstance(window, int) and window < tokens:
-        raise NotImplementedError(
-            f"torch_offload sequence parallelism: a sliding window ({window} tokens) shorter "
-            f"than the sequence ({tokens} tokens over the ranks) is not supported"
-        )
+def farthest_reach(segment_ids: torch.Tensor, ranks: int) -> int:
+    """The most keys any token attends to in the whole rows: a real token, the earlier tokens of its own
+    sequence (a run of equal non-negative ids) and itself; padding (negative ids), all of the nearest
+    sequence before it. The last ``ranks - 1`` tokens of a row, where padding there may be shard_batch's
+    own (tokens the rows do not have, which no token attends to and whose labels are ignored), are left out."""
+    tokens = segment_ids.shape[1]
+    index = torch.arange(tokens, device=segment_ids.device).expand_as(segment_ids)
+    real = segment_ids >= 0
+    starts = real.clone()
+    starts[:, 1:] &= segment_ids[:, 1:] != segment_ids[:, :-1]
+    start_of_sequence = torch.where(starts, index, -1).cummax(dim=1).values  # padding: its nearest sequence's
+    reach = torch.where(start_of_sequence >= 0, index - start_of_sequence + 1, 0)
+    reach[:, tokens - (ranks - 1) :] *= real[:, tokens - (ranks - 1) :]
+    return int(reach.max()) if reach.numel() else 0
+
+
+def window_problem(window: int | None, segment_ids: torch.Tensor, ranks: int) -> str | None:
+    """Why sliding-window attention is not computed for these whole rows, or None where no token would
+    attend past the window (read from the rows' sequences only where the rows are longer than it)."""
+    if not isinstance(window, int) or window >= segment_ids.shape[1]:
+        return None
+    reach = farthest_reach(segment_ids, ranks)
+    if reach <= window:
+        return None
+    return (
+        f"torch_offload sequence parallelism: a sliding window ({window} tokens) shorter than a sequence of "
+        f"the whole rows (a token attends to {reach}) is not supported"
+    )
+
+
+def check_window(window: int | None, segment_ids: torch.Tensor, ranks: int) -> None:
+    """Sliding-window attention is not computed: refused where a token would attend past the window."""
+    problem = window_problem(window, segment_ids, ranks)
+    if problem is not None:
+        raise NotImplementedError(problem)
 
 
 def mask(
@@ -218,7 +246,7 @@ def attention(
     if kwargs.get("dropout", 0.0):
         raise NotImplementedError("torch_offload sequence parallelism: attention dropout is not supported")
     segment_ids = whole_rows_segment_ids(attention_mask, kwargs.get("position_ids"), query.shape[0], group)
-    check_window(kwargs.get("sliding_window"), segment_ids.shape[1])
+    check_window(kwargs.get("sliding_window"), segment_ids, segment_ids.shape[1] // query.shape[2])
     out = ulysses_attention(query, key, value, segment_ids, group, scale=kwargs.get("scaling"))
     return out.transpose(1, 2).contiguous(), None  # [B, T, heads, D], as SDPA's function returns it
 

@@ -28,6 +28,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .. import masking, sequence_parallel
+from .._options import check_bool, check_int
 from ..activations import checkpoint as offloaded_checkpoint
 from ..activations import offload_activations
 from ..attention_block import attention_block as attention_block_op
@@ -430,22 +431,22 @@ def _attend_over_ranks(
     """The model's attention over ``group``'s ranks: its attention implementation becomes
     sequence_parallel.IMPLEMENTATION (ulysses_attention for the modules' own forwards) and each attention
     module is told the group; modules already through attention_block run it with the group."""
-    if handle.loss != "linear_cross_entropy":
-        raise ValueError(
-            f"torch_offload.apply: sequence_parallel needs the fused loss, and this model's is "
-            f"{handle.loss!r}: its own would be each rank's mean, not the whole batch's"
-        )
     configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "to_dict")}
     for config in configs.values():
         implementation = vars(config).get(_IMPLEMENTATION_KEY)
         if implementation is None:  # a composite config (a VLM's) whose parts have their own
             continue
-        if implementation not in ("sdpa", "eager") or getattr(config, "model_type", None) not in (
-            _SEGMENT_MASK_MODEL_TYPES
-        ):
+        if implementation == "eager":
+            raise ValueError(
+                f"torch_offload.apply: sequence_parallel: {type(config).__name__} has 'eager' attention, which "
+                "gives a query with no key to attend (a left-padded row's pads) the mean of its whole row's "
+                "values, later tokens included, where ulysses_attention gives 0 as SDPA does; load the model "
+                "with attn_implementation='sdpa'"
+            )
+        if implementation != "sdpa" or getattr(config, "model_type", None) not in _SEGMENT_MASK_MODEL_TYPES:
             raise ValueError(
                 f"torch_offload.apply: sequence_parallel supports the attention of "
-                f"{', '.join(sorted(_SEGMENT_MASK_MODEL_TYPES))} models with 'sdpa' or 'eager' "
+                f"{', '.join(sorted(_SEGMENT_MASK_MODEL_TYPES))} models with 'sdpa' "
                 f"attention; {type(config).__name__} has model_type "
                 f"{getattr(config, 'model_type', None)!r} and attention {implementation!r}"
             )
@@ -462,6 +463,11 @@ def _attend_over_ranks(
                 f"torch_offload.apply: sequence_parallel: {heads} attention heads cannot be split over "
                 f"{group.size()} ranks; the heads must be a multiple of the number of ranks"
             )
+    if handle.loss != "linear_cross_entropy":
+        raise ValueError(
+            f"torch_offload.apply: sequence_parallel needs the fused loss, and this model's is "
+            f"{handle.loss!r}: its own would be each rank's mean, not the whole batch's"
+        )
     sequence_parallel.register()
     for name, layer in zip(names, layers):
         attention = _attention_of(layer)
@@ -477,14 +483,35 @@ def _attend_over_ranks(
             handle.attention[f"{name}.{attention}"] = "ulysses_attention"
     for config in configs.values():
         if vars(config).get(_IMPLEMENTATION_KEY) is not None:
-            handle._attention_implementations.append(
-                (config, vars(config)[_IMPLEMENTATION_KEY], sequence_parallel.IMPLEMENTATION)
-            )
-            vars(config)[_IMPLEMENTATION_KEY] = sequence_parallel.IMPLEMENTATION
+            _set_implementation(handle, config, sequence_parallel.IMPLEMENTATION)
 
 
 # Where a transformers config keeps its attention implementation (the `_attn_implementation` property's value).
 _IMPLEMENTATION_KEY = "_attn_implementation_internal"
+
+
+class _ImplementationBeforeCopies(str):
+    """The attention implementation apply gives a config: the name of ours, which copies and pickles
+    (``copy.deepcopy``, ``torch.save(model)``) turn back into the one the config had before apply, as
+    they do the modules' patches (_StateBeforeApply): a copy loads where torch_offload is not imported
+    and runs as the model did before apply."""
+
+    def __new__(cls, ours: str, before: str):
+        name = super().__new__(cls, ours)
+        name.before = before
+        return name
+
+    def __reduce__(self):
+        return str, (self.before,)
+
+
+def _set_implementation(handle: OffloadHandle, config: Any, implementation: str) -> None:
+    previous = vars(config)[_IMPLEMENTATION_KEY]
+    before = getattr(previous, "before", previous)  # a second handle's: the config's own from before the first
+    handle._attention_implementations.append((config, previous, implementation))
+    vars(config)[_IMPLEMENTATION_KEY] = _ImplementationBeforeCopies(implementation, before)
+
+
 # The families whose modelling code is tested to hand the mask to the attention untouched
 # (test_real_batches.py): segment ids reach no other, since code that computes with a mask
 # (adds it, indexes it as [batch, 1, T, T]) would misread them without a word.
@@ -506,8 +533,7 @@ def _use_segment_masks(handle: OffloadHandle, model: nn.Module) -> None:
     if configs:
         masking.register()
     for config in configs:
-        handle._attention_implementations.append((config, vars(config)[_IMPLEMENTATION_KEY], masking.IMPLEMENTATION))
-        vars(config)[_IMPLEMENTATION_KEY] = masking.IMPLEMENTATION
+        _set_implementation(handle, config, masking.IMPLEMENTATION)
 
 
 def _tile_mlp(handle: OffloadHandle, name: str, layer: nn.Module, num_shards: int, recorded: dict[type, str]) -> None:
@@ -564,7 +590,9 @@ _FUSED = ("qkv_proj", "o_proj")
 _ATTENTION_ARGUMENTS = ("hidden_states", "position_embeddings", "attention_mask")  # and a cache (_CACHE_ARGUMENTS)
 # Other arguments transformers passes an attention module that do not change what SDPA computes
 # without a mask (packed sequences' position_ids make transformers build one). Any other argument
-# sends the call to the module's own forward.
+# sends the call to the module's own forward. DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+# adds the documents' cumulative lengths for flash attention (and seq_idx) beside their position_ids: SDPA reads the
+# documents from the mask (position_ids) alone, and so does the op.
 _NEUTRAL_ARGUMENTS = frozenset(
     {
         "position_ids",
@@ -574,6 +602,11 @@ _NEUTRAL_ARGUMENTS = frozenset(
         "shift_labels",
         "output_attentions",
         "output_hidden_states",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "seq_idx",
     }
 )
 
@@ -734,7 +767,7 @@ def _attention_block_forward(attention: nn.Module, fallback, group: str | None =
             and all(value is None or name in _NEUTRAL_ARGUMENTS for name, value in others.items())
             and not (attention.training and getattr(attention, "attention_dropout", 0.0))
             and x.dim() == 3
-            and all(x.shape[1] * ranks <= w for w in windows)
+            and (group is not None or all(x.shape[1] <= w for w in windows))  # the group's: from its segments
             and rotary is not None
             and not any(t.requires_grad for t in rotary)
             and rotary[0].shape[-1] == attention.head_dim  # a partial rotary embedding is not the op's
@@ -747,6 +780,8 @@ def _attention_block_forward(attention: nn.Module, fallback, group: str | None =
             return fallback(*args, **kwargs)
         if group is not None:
             segments = sequence_parallel.whole_rows_segment_ids(mask, others.get("position_ids"), x.shape[0], group)
+            if any(sequence_parallel.window_problem(w, segments, ranks) for w in windows):
+                return fallback(*args, **kwargs)  # which refuses it, naming the window
         weights = {
             f"{name}.{kind}": getattr(p, kind) for name, p in zip(layout, projections) for kind in ("weight", "bias")
         }
@@ -1051,7 +1086,9 @@ def check_apply_option_names(names: Any, caller: str) -> None:
     check_option_names(names, caller, own)
 
 
-def _check_offload_options(options: dict[str, Any], offload: str | None, requested: str | None) -> None:
+def _check_offload_options(
+    options: dict[str, Any], offload: str | None, requested: str | None, on_accelerator: bool
+) -> None:
     """A misspelt option, or one the chosen configuration would ignore, is an error: never silently dropped."""
     check_option_names(options, "torch_offload.apply")
     if offload is None and options:
@@ -1071,9 +1108,18 @@ def _check_offload_options(options: dict[str, Any], offload: str | None, request
             f"torch_offload.apply: {', '.join(map(repr, disk_only))} would be ignored with "
             "offload='cpu': only offload='disk' writes to disk"
         )
+    if offload == "disk" and options.get("offload_cpu_tensors") is False and not on_accelerator:
+        raise ValueError(
+            "torch_offload.apply: offload='disk' with offload_cpu_tensors=False would move nothing: the model "
+            "is in host memory, so every activation is a CPU tensor; leave offload_cpu_tensors unset"
+        )
 
 
 def _resolve_checkpoint(checkpoint: bool | str, offload: str | None) -> str | None:
+    if not isinstance(checkpoint, (bool, str)):
+        raise TypeError(
+            f"torch_offload.apply: checkpoint must be True, False or one of {_CHECKPOINTS}, got {checkpoint!r}"
+        )
     if checkpoint is True:
         return "attention" if offload == "disk" else "layer"
     if checkpoint is False:
@@ -1168,7 +1214,8 @@ def apply(
       (``handle.attention`` says which). The fused loss
       is the whole batch's on every rank (``num_items_in_batch``, else the group's count of
       labelled tokens), and after backward the ranks' gradients add up to one process's on the
-      whole batch. Needs a model of a tested family with ``"sdpa"`` or ``"eager"`` attention, its
+      whole batch. Needs a model of a tested family with ``"sdpa"`` attention (``"eager"`` gives a query
+      with no key to attend, as a left-padded row's pads, another output than SDPA), its
       loss fused, query heads a multiple of the ranks; no cache, attention dropout, sliding
       window shorter than the rows or rotary embedding scaled by a call's largest position
       ("dynamic", "longrope"). Calls with labels compute the fused loss under ``no_grad`` too
@@ -1195,10 +1242,10 @@ def apply(
     """
     if offload not in _OFFLOAD_TIERS:
         raise ValueError(f"torch_offload.apply: offload must be one of {_OFFLOAD_TIERS}, got {offload!r}")
-    if not isinstance(keep_last, int) or keep_last < 0:
-        raise ValueError(f"torch_offload.apply: keep_last must be an int >= 0, got {keep_last!r}")
-    if not isinstance(num_shards, int) or num_shards < 0:
-        raise ValueError(f"torch_offload.apply: num_shards must be an int >= 0, got {num_shards!r}")
+    for name, value in (("tiled_mlp", tiled_mlp), ("loss", loss), ("attention_block", attention_block)):
+        check_bool(value, name, "torch_offload.apply")
+    check_int(keep_last, "keep_last", "torch_offload.apply")
+    check_int(num_shards, "num_shards", "torch_offload.apply")
     layer_path, layer_list = _find_layers(model, layers)
     names = [f"{layer_path}.{index}" for index in range(len(layer_list))]
     for name, layer in zip(names, layer_list):
@@ -1209,7 +1256,7 @@ def apply(
             )
     group = _sequence_parallel_group(sequence_parallel, loss)
     requested, offload = offload, _resolve_offload(model, offload, offload_options)
-    _check_offload_options(offload_options, offload, requested)
+    _check_offload_options(offload_options, offload, requested, _on_accelerator(model))
     recompute = _resolve_checkpoint(checkpoint, offload)
     context = None
     if offload is not None:
