@@ -2,6 +2,8 @@
 (padding-free) and padded batches, 4 steps on a tiny model: the losses of every step equal the
 un-applied model's; the same through TorchOffloadCallback."""
 
+import copy
+
 import datasets
 import pytest
 import tokenizers
@@ -119,28 +121,47 @@ def patches(model):
     }
 
 
-def with_and_without_callback(make_trainer, **apply_options):
-    """Losses of training without and with TorchOffloadCallback; after training, the model carries the same
-    patches either way (the callback removed apply's)."""
-    runs, after, tiled_during = [], [], []
-
-    class Probe(transformers.TrainerCallback):
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            tiled_during.append(isinstance(model.model.layers[0].mlp, torch_offload.TiledMLP))
-
-    for applied in (False, True):
-        model = make_model("llama", max_position_embeddings=256)
-        model.config.use_cache = False
-        callback = torch_offload.TorchOffloadCallback(num_shards=2, **apply_options)
-        runs.append(losses(make_trainer(model, [callback, Probe()] if applied else [Probe()])))
-        after.append(patches(model))
-        assert callback.handle is None
-    assert tiled_during == [False] * 4 + [True] * 4  # applied for every step of training, and only then
-    assert after[1] == after[0]
-    return runs
+def own_attributes(model):
+    """The patched attributes themselves (patches() gives their names), to compare by identity."""
+    return {
+        (name, key): value
+        for name, module in model.named_modules()
+        for key, value in vars(module).items()
+        if key in ("forward", "__getstate__")
+    }
 
 
-def test_trainer_callback_applies_for_training_only_with_equal_losses(tmp_path):
+class TiledProbe(transformers.TrainerCallback):
+    """Whether apply's TiledMLP was in the model at the end of each step."""
+
+    def __init__(self):
+        self.tiled = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.tiled.append(isinstance(model.model.layers[0].mlp, torch_offload.TiledMLP))
+
+
+class Interrupt(transformers.TrainerCallback):
+    """Raises inside step 2's forward, between two decoder layers, as running out of memory would."""
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 1:
+
+            def fail(module, inputs):
+                hook.remove()
+                raise RuntimeError("out of memory in step 2")
+
+            hook = model.model.layers[1].register_forward_pre_hook(fail)
+
+
+def tiny_model():
+    model = make_model("llama", max_position_embeddings=256)
+    model.config.use_cache = False
+    return model
+
+
+def packed_trainer(tmp_path):
+    """make_trainer(model, callbacks): a Trainer on packed (padding-free) batches of texts()."""
     tok = tokenizer()
     dataset = datasets.Dataset.from_dict({"text": texts()}).map(lambda row: tok(row["text"]), remove_columns=["text"])
     collator = transformers.DataCollatorWithFlattening()
@@ -150,7 +171,26 @@ def test_trainer_callback_applies_for_training_only_with_equal_losses(tmp_path):
             model=model, args=arguments(tmp_path), train_dataset=dataset, data_collator=collator, callbacks=callbacks
         )
 
-    plain, applied = with_and_without_callback(make_trainer)
+    return make_trainer
+
+
+def with_and_without_callback(make_trainer, **apply_options):
+    """Losses of training without and with TorchOffloadCallback; after training, the model carries the same
+    patches either way (the callback removed apply's)."""
+    runs, after, probe = [], [], TiledProbe()
+    for applied in (False, True):
+        model = tiny_model()
+        callback = torch_offload.TorchOffloadCallback(num_shards=2, **apply_options)
+        runs.append(losses(make_trainer(model, [callback, probe] if applied else [probe])))
+        after.append(patches(model))
+        assert callback.handle is None
+    assert probe.tiled == [False] * 4 + [True] * 4  # applied for every step of training, and only then
+    assert after[1] == after[0]
+    return runs
+
+
+def test_trainer_callback_applies_for_training_only_with_equal_losses(tmp_path):
+    plain, applied = with_and_without_callback(packed_trainer(tmp_path))
     assert len(plain) == 4
     torch.testing.assert_close(applied, plain, rtol=1e-4, atol=1e-5)
 
@@ -207,3 +247,47 @@ def test_trainer_callback_refuses_an_option_the_tier_would_ignore_when_training_
     with pytest.raises(ValueError, match=r"'spill_directory' would be ignored with offload='cpu'"):
         trainer.train()
     assert callback.handle is None and patches(model) == before  # nothing left applied
+
+
+def test_trainer_callback_refuses_sequence_parallel_at_once():
+    # By the option alone, before its group is looked at: a Trainer never shards the batches.
+    with pytest.raises(
+        ValueError,
+        match=r"TorchOffloadCallback: sequence_parallel cannot work under a Trainer.*"
+        r"call torch_offload.apply\(model, sequence_parallel=group\) yourself and train on shard_batch's",
+    ):
+        torch_offload.TorchOffloadCallback(sequence_parallel=object())
+    torch_offload.TorchOffloadCallback(sequence_parallel=None)  # apply's default: no sequence parallelism
+
+
+def test_trainer_callback_trains_a_model_a_raising_train_left_applied(tmp_path):
+    make_trainer = packed_trainer(tmp_path)
+    model = tiny_model()
+    plain, before = copy.deepcopy(model), own_attributes(model)
+    interrupted = torch_offload.TorchOffloadCallback(num_shards=2)
+    for trained, callbacks in ((model, [interrupted, Interrupt()]), (plain, [Interrupt()])):
+        with pytest.raises(RuntimeError, match="out of memory in step 2"):
+            make_trainer(trained, callbacks).train()
+    assert interrupted.handle is not None  # applied still, as the docstring says
+
+    callback, probe = torch_offload.TorchOffloadCallback(num_shards=2), TiledProbe()
+    applied = losses(make_trainer(model, [callback, probe]))  # a new callback removes the stale apply() first
+    torch.testing.assert_close(applied, losses(make_trainer(plain, [])), rtol=1e-4, atol=1e-5)
+    assert probe.tiled == [True] * 4
+    assert interrupted.handle is None and callback.handle is None
+    assert own_attributes(model) == before
+
+
+def test_trainer_callback_moves_from_the_model_its_raising_train_left_applied(tmp_path):
+    make_trainer = packed_trainer(tmp_path)
+    first, second = tiny_model(), tiny_model()
+    first_before, second_before = own_attributes(first), own_attributes(second)
+    callback, probe = torch_offload.TorchOffloadCallback(num_shards=2), TiledProbe()
+    with pytest.raises(RuntimeError, match="out of memory in step 2"):
+        make_trainer(first, [callback, Interrupt()]).train()
+
+    trainer = make_trainer(second, [callback, probe])
+    assert own_attributes(first) == first_before  # removed when the callback joined its next trainer
+    losses(trainer)
+    assert probe.tiled == [True] * 4  # the second model applied, not left as it was
+    assert callback.handle is None and own_attributes(second) == second_before

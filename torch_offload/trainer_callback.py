@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import transformers
+from torch import nn
 
 from .integrations import OffloadHandle, apply, check_apply_option_names
+
+_CALLER = "torch_offload.TorchOffloadCallback"
+
+# model -> the callback whose apply() is on it, until that callback's on_train_end. A train() that raised never
+# gets there: the next callback on the model removes that apply() rather than have apply() refuse the model.
+_APPLIED_BY: weakref.WeakKeyDictionary[nn.Module, TorchOffloadCallback] = weakref.WeakKeyDictionary()
 
 
 class TorchOffloadCallback(transformers.TrainerCallback):
@@ -14,21 +22,67 @@ class TorchOffloadCallback(transformers.TrainerCallback):
     when training begins (after the trainer has placed the model, and after wrappers such as TRL's have
     patched it) and ``remove()`` when it ends, so the model the trainer returns is the one it was given.
     Unknown options are a TypeError here, at construction; options the model's configuration would
-    ignore (e.g. ``min_bytes`` without a tier) are apply()'s ValueError when training begins."""
+    ignore (e.g. ``min_bytes`` without a tier) are apply()'s ValueError when training begins.
+
+    ``sequence_parallel`` is a ValueError here: a Trainer hands every rank whole batches, never
+    ``torch_offload.shard_batch``'s share of their tokens.
+
+    A ``train()`` that raises (Ctrl-C, out of memory, a failing step) never reaches on_train_end: the model
+    stays applied, its handle on ``callback.handle``, until ``callback.handle.remove()``, or until a trainer
+    is built or a ``train()`` begins with a TorchOffloadCallback on that model (or with this callback, on any
+    model), which removes it first and applies afresh with its own options.
+    """
 
     def __init__(self, **apply_options: Any) -> None:
-        check_apply_option_names(apply_options, "torch_offload.TorchOffloadCallback")
+        check_apply_option_names(apply_options, _CALLER)
+        if apply_options.get("sequence_parallel") is not None:
+            raise ValueError(
+                f"{_CALLER}: sequence_parallel cannot work under a Trainer, which feeds every rank whole batches "
+                "rather than torch_offload.shard_batch(batch, group)'s share of their tokens; call "
+                "torch_offload.apply(model, sequence_parallel=group) yourself and train on shard_batch's "
+                "batches from your own loop"
+            )
         self.apply_options = apply_options
         self.handle: OffloadHandle | None = None
+        self._model: weakref.ref[nn.Module] | None = None  # the model self.handle is on
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        # Before the trainer wraps the model's forward (TRL's fused LM head now, accelerate's autocast in train()):
+        # remove() cannot undo apply's from under a later wrapper.
+        if model is not None:
+            self._remove_stale(model)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
-            raise ValueError("torch_offload.TorchOffloadCallback: the trainer passed no model to on_train_begin")
-        if self.handle is not None:  # a train() that raised never ended: the model is applied still
-            return
+            raise ValueError(f"{_CALLER}: the trainer passed no model to on_train_begin")
+        self._remove_stale(model)
         self.handle = apply(model, **self.apply_options)
+        self._model = weakref.ref(model)
+        _APPLIED_BY[model] = self
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
+        self._remove()
+
+    def _remove_stale(self, model: nn.Module) -> None:
+        """Removes what a train() that raised left applied: this callback's, on any model, and another's on
+        ``model``."""
+        for stale in (self, _APPLIED_BY.get(model)):
+            if stale is None:
+                continue
+            try:
+                stale._remove()
+            except RuntimeError as error:
+                raise RuntimeError(
+                    f"{_CALLER}: a TorchOffloadCallback whose train() raised left its model applied, and that "
+                    f"cannot be removed now ({error}); next time call that callback's handle.remove() before "
+                    "training the model again"
+                ) from error
+
+    def _remove(self) -> None:
+        if self.handle is None:
+            return
+        self.handle.remove()
+        model = self._model()
+        if model is not None:  # else collected, and gone from _APPLIED_BY with it
+            del _APPLIED_BY[model]
+        self.handle = self._model = None
