@@ -9,6 +9,16 @@ under gradient accumulation; the logits' own transforms (Gemma 2's final soft-ca
 Cohere's ``logit_scale``, Granite's ``logits_scaling``) are folded into the op. A probe at
 apply time compares the fused loss with the model's own on a short random batch; a model
 it does not match keeps its own loss.
+
+The fused loss computes no logits for the output layer's hooks to see, nor their gradient:
+an output layer with hooks (its own or global module hooks) at apply time keeps the model's
+own loss, and a call made while it has hooks gained since apply runs the model's own head
+and loss (refused under sequence parallelism, where the model's own loss is each rank's).
+
+The op computes the gradients in forward (3 GEMMs instead of 4) only when the owner module is
+in training mode, where a backward follows; a call with gradients enabled in eval mode (a
+validation loop without ``torch.no_grad()``) takes the op's recompute path, whose forward is
+one GEMM, and a backward of its loss recomputes the logits.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _module
 
 from . import sequence_parallel
 from .linear_cross_entropy import linear_cross_entropy
@@ -43,6 +54,9 @@ class _LossRequest:
     ignore_index: int
     num_items_in_batch: Any
     sequence_parallel: str | None = None  # the group's name: the loss is the whole batch's over its ranks
+    # None: the op's choice, gradients in forward for a mean or sum (training: a backward follows);
+    # False: its recompute path, whose forward does no gradient GEMMs (eval mode, probably no backward).
+    gradients_in_forward: bool | None = None
     loss: torch.Tensor | None = None
 
 
@@ -52,6 +66,25 @@ class _HeadMath:
 
     scale: float
     softcap: float | None
+
+
+def _hooks_of(head: nn.Module) -> str | None:
+    """The hooks a call of ``head`` runs, its own and every module's (the global ones), named; None if none."""
+    kinds = [
+        kind
+        for kind, hooks in (
+            ("forward-pre", head._forward_pre_hooks),
+            ("forward", head._forward_hooks),
+            ("backward-pre", head._backward_pre_hooks),
+            ("backward", head._backward_hooks),  # register_full_backward_hook's and register_backward_hook's
+            ("global forward-pre", _module._global_forward_pre_hooks),
+            ("global forward", _module._global_forward_hooks),
+            ("global backward-pre", _module._global_backward_pre_hooks),
+            ("global backward", _module._global_backward_hooks),
+        )
+        if hooks
+    ]
+    return f"{', '.join(kinds)} hooks" if kinds else None
 
 
 def _owner_of_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | str:
@@ -68,8 +101,11 @@ def _owner_of_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | str:
             continue
         if type(head) is not nn.Linear:
             return f"its output layer is a {type(head).__name__}, not a plain nn.Linear (LoRA'd or quantized head?)"
-        if head._forward_hooks or head._forward_pre_hooks or "forward" in vars(head):
-            return "its output layer has hooks or its own forward"
+        hooks = _hooks_of(head)
+        if hooks is not None:
+            return f"its output layer runs {hooks}, which would see no logits, nor their gradient, under the fused loss"
+        if "forward" in vars(head):
+            return "its output layer has a forward of its own (accelerate's hooks?), which the fused loss would bypass"
         return module, head
     return _NO_HEAD
 
@@ -107,10 +143,14 @@ def _fused_loss(request: _LossRequest, hidden: torch.Tensor, head: nn.Linear, ma
         ignore_index=request.ignore_index,
         reduction="mean" if count is None else "sum",
         softcap=math.softcap,
-    ).float()  # transformers' loss is float32 for any head
+        gradients_in_forward=request.gradients_in_forward,
+    )
+    # At least float32 until the end, where it is float32 as transformers' loss is for any head: a float64
+    # model's division by the count and sum over the ranks stay float64, and so do its gradients.
+    loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
     if count is not None:
         loss = loss / (count.to(loss.device) if isinstance(count, torch.Tensor) else count)
-    return loss if group is None else sequence_parallel.global_loss(loss, group)
+    return (loss if group is None else sequence_parallel.global_loss(loss, group)).float()
 
 
 def _kwargs_name(signature: inspect.Signature) -> str | None:
@@ -168,12 +208,24 @@ def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath, group:
             # (resize_token_embeddings); TRL's own fused LM head, patched in before apply (its
             # SFTTrainer, then TorchOffloadCallback), which computes the loss itself: the model's own path.
             return original(*args, **kwargs)
+        # Hooks put on the output layer since apply (a user's, FSDP2's) would see no logits, nor a
+        # gradient of them: the model's own head and loss, logits and all.
+        hooked = _hooks_of(head)
+        if hooked is not None:
+            if group is not None:
+                raise ValueError(
+                    f"torch_offload sequence parallelism: {type(owner).__name__}'s output layer runs {hooked}, "
+                    "gained since apply, which the fused loss would bypass, and the model's own loss is each "
+                    "rank's mean, not the whole batch's; remove them"
+                )
+            return original(*args, **kwargs)
         request = _LossRequest(
             arguments["labels"],
             extra.get("shift_labels"),
             extra.get("ignore_index", -100),
             extra.get("num_items_in_batch"),
             group,
+            None if owner.training else False,  # eval mode: a backward is unlikely, spare forward the gradients
         )
         arguments["labels"] = None
         as_tuple = extra.pop("return_dict", None) is False
@@ -261,15 +313,20 @@ def _probe_problem(owner: nn.Module, head: nn.Linear, original, fused) -> str | 
     if head.weight.is_meta:
         return "its output layer's weight is on the meta device, so apply cannot probe it"
     rtol = _PROBE_RTOL.get(head.weight.dtype, 1e-5)
-    for call in _probe_batches(original, head.weight.shape[0], head.weight.device):
+    calls = _probe_batches(original, head.weight.shape[0], head.weight.device)
+    for call in calls:
         try:
             with _eval_without_grad(owner):
                 want = original(**call).loss
                 got = fused(**call).loss
         except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as error:
             return f"its forward cannot be probed ({type(error).__name__}: {error})"
-        if not torch.allclose(got.float(), want.float(), rtol=rtol, atol=rtol):
-            given = ", ".join(sorted(set(call) - {"input_ids", "labels", "use_cache"})) or "no mask"
+        given = ", ".join(sorted(set(call) - {"input_ids", "labels", "use_cache"})) or "no mask"
+        if call is calls[0] and not torch.isfinite(want):
+            return f"the model's own loss is {want.item()} on a probe batch with {given}: nothing to compare with"
+        # A NaN in both is the same result: eager attention softmaxes in float32, where a float64 model's mask
+        # value is -inf, so a left pad's query, whose every key is masked, is NaN there, and so is the loss.
+        if not torch.allclose(got.float(), want.float(), rtol=rtol, atol=rtol, equal_nan=True):
             return (
                 f"the fused loss ({got.item():.6g}) differs from the model's own ({want.item():.6g}) on a batch "
                 f"with {given}"
