@@ -318,6 +318,41 @@ def test_gradients_in_forward_refuse_a_second_backward_and_double_backward():
         torch.autograd.grad(loss, hidden, create_graph=True)
 
 
+@pytest.mark.parametrize("changed", ["hidden", "weight", "bias", "target"])
+def test_an_input_changed_in_place_between_forward_and_backward_is_refused(changed, path):
+    # As autograd refuses a saved input changed in place: the gradients would be those at its old value.
+    x, weight, b, target = make_inputs((2, 5, 8), 13, bias=True, dtype=torch.float64, ignored_every=4)
+    inputs = {"hidden": x * 1.0, "weight": weight, "bias": b, "target": target}  # hidden: a model's output
+    loss = call(*inputs.values(), tile_tokens=4, tile_vocab=8)
+    version = inputs[changed]._version
+    with torch.no_grad():
+        inputs[changed].zero_()
+    message = (
+        rf"linear_cross_entropy: {changed} was modified by an inplace operation between forward and backward;"
+        rf".*\(its version is {version + 1}, expected {version}\)"
+        if path == "in_forward"
+        else "one of the variables needed for gradient computation has been modified by an inplace operation"
+    )
+    with pytest.raises(RuntimeError, match=message):
+        loss.backward()
+
+
+def test_gradients_are_exact_until_an_input_changes_in_place(path):
+    x, weight, b, target = make_inputs((2, 5, 8), 13, bias=True, dtype=torch.float64, ignored_every=4)
+    with torch.no_grad():
+        weight.mul_(2)  # before forward: backward compares with the version forward saw, not with 0
+    leaves = [x, weight, b]
+    loss = call(x * 1.0, weight, b, target, tile_tokens=4, tile_vocab=8)
+    want = torch.autograd.grad(reference(x * 1.0, weight, target, b), leaves)
+    for _ in range(2):
+        for g, w in zip(torch.autograd.grad(loss, leaves, retain_graph=True), want):
+            torch.testing.assert_close(g, w)
+    with torch.no_grad():
+        weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss, leaves)
+
+
 def test_forward_op_returns_the_float32_log_sum_exp():
     hidden, weight, b, target = [t.detach() if t is not None else None for t in make_inputs((2, 7, 16), 33, True)]
     loss, lse = torch.ops.offload.linear_cross_entropy_forward(

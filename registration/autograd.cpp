@@ -125,6 +125,32 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// Gradients in forward keep none of the inputs, so autograd cannot see one changed in place before backward.
+// A 0-element tensor that shares the input's version counter, and holds none of its memory, lets backward
+// refuse gradients computed at the old values, as autograd does for the inputs it saves.
+void record_version(AutogradContext* ctx, const std::string& name, const at::Tensor& input) {
+  const c10::VariableVersion& counter = torch::autograd::impl::version_counter(input);
+  if (!counter.enabled()) {
+    return;  // an inference tensor: changed in place only in inference mode, which does not count versions
+  }
+  at::Tensor watch = at::empty({0}, input.options());
+  torch::autograd::impl::set_version_counter(watch, counter);
+  ctx->saved_data[name + " watch"] = watch;
+  ctx->saved_data[name + " version"] = static_cast<int64_t>(counter.current_version());
+}
+
+void check_version(AutogradContext* ctx, const std::string& name) {
+  const auto watch = ctx->saved_data.find(name + " watch");
+  if (watch == ctx->saved_data.end()) {
+    return;
+  }
+  const int64_t version = watch->second.toTensor()._version(), expected = ctx->saved_data.at(name + " version").toInt();
+  TORCH_CHECK(version == expected, "linear_cross_entropy: ", name,
+              " was modified by an inplace operation between forward and backward; the gradients computed in "
+              "forward are those at its old value (its version is ",
+              version, ", expected ", expected, ")");
+}
+
 // linear_cross_entropy takes one of two paths when a gradient is needed:
 // - gradients in forward (linear_cross_entropy_with_gradients, 3 GEMMs): forward keeps the loss's
 //   gradients for a unit grad_loss, and backward hands them out scaled by grad_loss;
@@ -150,6 +176,13 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       d["grad_weight"] = grad_weight;
       d["grad_bias"] = grad_bias;
       d["dtype"] = hidden.scalar_type();
+      // Every input enters every gradient (target too), needed or not.
+      record_version(ctx, "hidden", hidden);
+      record_version(ctx, "weight", weight);
+      if (bias.has_value()) {
+        record_version(ctx, "bias", *bias);
+      }
+      record_version(ctx, "target", target);
       return loss;
     }
     auto [loss, lse] = linear_cross_entropy_forward(hidden, weight, bias, target, ignore_index, label_smoothing,
@@ -176,6 +209,9 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       TORCH_CHECK(!at::GradMode::is_enabled(),
                   "linear_cross_entropy: double backward (create_graph=True) is not "
                   "supported");
+      for (const char* name : {"hidden", "weight", "bias", "target"}) {
+        check_version(ctx, name);
+      }
       // The last backward through the node scales the kept gradients in place; one that keeps the graph
       // (retain_graph=True) scales copies.
       const bool last = !torch::autograd::get_current_graph_task_keep_graph();
