@@ -21,7 +21,7 @@ CUDA_TORCH_VERSION ?= 2.14.1
 CUDA_HOME ?= /usr/local/cuda
 CUDA_BUILD_DIR := build/cuda
 
-.PHONY: demo test lint build gtest example-cpp test-axolotl cuda-check test-cuda-torch gpu-check bench-deps clean
+.PHONY: demo test lint build gtest example-cpp test-axolotl cuda-check test-cuda-torch test-torch-range gpu-check gpu-wheels bench-deps clean
 
 demo: build
 	$(PY) examples/demo.py
@@ -126,11 +126,24 @@ cuda-check: $(VENV)/.ready $(CUDA_VENV)/.ready gtest
 test-cuda-torch: cuda-check
 	$(CUDA_VENV)/bin/python -m pytest python_tests
 
+# The ends of the supported torch range (pyproject.toml): the CUDA build and the op test files on torch 2.11 (the lent
+# GPU machines') and 2.15 (the newest release), each in its own venv that borrows $(CUDA_VENV)'s other packages.
+TORCH_RANGE ?= 2.11.0 2.15.0
+test-torch-range: $(CUDA_VENV)/.ready
+	.ci/torch_range.sh $(CUDA_VENV) $(CUDA_HOME) $(TORCH_RANGE)
+
 # On a machine with a GPU: build against that machine's own CUDA torch (GPU_PYTHON's), run every
 # CUDA test and the GPU bench, print one table (.ci/gpu_check.py). No venv, no package index needed.
 GPU_PYTHON ?= python3
+GPU_CHECK_FLAGS ?=
 gpu-check:
-	$(GPU_PYTHON) .ci/gpu_check.py
+	$(GPU_PYTHON) .ci/gpu_check.py $(GPU_CHECK_FLAGS)
+
+# The pure-Python wheels the GPU tests need beyond what the lent GPU machines hold (torch 2.11, transformers 5.17,
+# no expecttest), downloaded here into .whl/ for gpu-check to install there without an index (docs/layout.md).
+GPU_WHEELS := transformers==5.24.0 peft==0.21.2 expecttest
+gpu-wheels:
+	rm -rf .whl && $(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf build
