@@ -426,7 +426,8 @@ def segment_mask(segment_ids):
 def segment_reference(
     x, w_q, w_k, w_v, w_o, cos, sin, b_q=None, b_k=None, b_v=None, b_o=None, scale=None, segment_ids=None
 ):
-    """reference() with segment_mask(segment_ids)."""
+    """reference() with segment_mask(segment_ids). A query with no key gets 0, as from the op (SDPA gives NaN
+    or 0 for an all-False mask row, depending on the backend)."""
     batch, tokens, _ = x.shape
     head_dim = cos.shape[-1]
     q, k, v = (
@@ -434,7 +435,9 @@ def segment_reference(
         for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v))
     )
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=segment_mask(segment_ids), scale=scale, enable_gqa=True)
+    mask = segment_mask(segment_ids)
+    has_keys = mask.any(-1, keepdim=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~has_keys, scale=scale, enable_gqa=True) * has_keys
     return F.linear(out.transpose(1, 2).reshape(batch, tokens, -1), w_o, b_o)
 
 

@@ -180,3 +180,63 @@ def test_cuda_segment_attention_matches_sdpa_with_the_dense_mask_and_allocates_n
     documents = torch.arange(tokens, device="cuda").div(tokens // 4, rounding_mode="floor")[None]
     sizes = allocation_sizes(lambda: torch_offload.segment_attention(q, k, v, documents).sum().backward())
     assert max(sizes) < tokens * tokens * 4 / 8, max(sizes)
+
+
+def assert_as_close_as_eager(got, eager, want, dtype, name):
+    """got and eager, low precision results on the GPU, against want (float64): got's relative error at most 3 times
+    eager PyTorch's on the same inputs (at least the dtype's epsilon)."""
+    tolerance = max(3 * relative_error(eager.cpu(), want), torch.finfo(dtype).eps)
+    assert relative_error(got.cpu(), want) <= tolerance, name
+
+
+def in_layout(t, layout):
+    """t [B, H, T, D] in contiguous [B, H, T, D] memory (head-major) or as a transpose of contiguous [B, T, H, D]
+    (token-major, as transformers' projections give it)."""
+    return t.contiguous() if layout == "head_major" else t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cuda_segment_attention_in_low_precision_is_as_close_to_float64_as_eager(dtype, layout):
+    # CUDA's memory-efficient backward reads the output with a token stride of heads * head_dim whatever its
+    # strides (in bf16/fp16; float32 computes that term with the real strides): the runs' output, assembled
+    # in the query's layout, gave a head-major query wrong dq and dk.
+    leaves = make_qkv(heads=4, head_dim=8)  # float64, on the CPU
+    grad_out = torch.randn_like(leaves[0], generator=torch.Generator().manual_seed(1))
+    want, want_grads = qkv_output_and_grads(lambda *a: qkv_reference(*a, SEGMENTS), leaves, grad_out)
+    low = [in_layout(t.detach().to("cuda", dtype), layout).requires_grad_() for t in leaves]
+    assert low[0].is_contiguous() == (layout == "head_major")
+    segments, low_grad_out = SEGMENTS.cuda(), grad_out.to("cuda", dtype)
+    eager, eager_grads = qkv_output_and_grads(lambda *a: qkv_reference(*a, segments), low, low_grad_out)
+    got, got_grads = qkv_output_and_grads(lambda *a: torch_offload.segment_attention(*a, segments), low, low_grad_out)
+    assert got.dtype == dtype
+    for name, g, e, w in zip(("out", "dq", "dk", "dv"), (got, *got_grads), (eager, *eager_grads), (want, *want_grads)):
+        assert_as_close_as_eager(g, e, w, dtype, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cuda_segments_in_low_precision_are_as_close_to_float64_as_eager(dtype):
+    inputs = make_inputs(batch=3, tokens=13, h=32, heads=4, kv_heads=2, head_dim=8, bias=True, dtype=torch.float64)
+    grad_out = torch.randn(3, 13, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want, want_grads = output_and_grads(lambda *a: segment_reference(*a, segment_ids=SEGMENTS), inputs, grad_out)
+    low, segments, low_grad_out = to_cuda(inputs, dtype), SEGMENTS.cuda(), grad_out.to("cuda", dtype)
+    eager, eager_grads = output_and_grads(lambda *a: segment_reference(*a, segment_ids=segments), low, low_grad_out)
+    got, got_grads = output_and_grads(lambda *a: call(*a, segment_ids=segments), low, low_grad_out)
+    assert got.dtype == dtype
+    for name, g, e, w in zip(("out", *NAMES), (got, *got_grads), (eager, *eager_grads), (want, *want_grads)):
+        assert_as_close_as_eager(g, e, w, dtype, name)
+
+
+def test_cuda_graph_capture_with_segment_ids_is_refused_by_name():
+    # The ids are read on the host: a copy that fails mid-capture (and that a replay would not redo).
+    segments = torch.tensor([[0] * 8 + [1] * 8], device="cuda")
+    q, k, v = (torch.randn(1, 2, 16, 8, device="cuda") for _ in range(3))
+    inputs = to_cuda(make_inputs(batch=1, tokens=16, head_dim=8))
+    for op, run in (
+        ("segment_attention", lambda: torch_offload.segment_attention(q, k, v, segments)),
+        ("attention_block", lambda: call(*inputs, segment_ids=segments)),
+    ):
+        with pytest.raises(RuntimeError, match=f"{op}: cannot run with segment_ids while a CUDA graph is being"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                run()
+        assert torch.isfinite(run()).all()  # outside a capture, as before

@@ -180,6 +180,59 @@ def test_heads_not_divisible_by_the_ranks_and_ids_of_a_chunk_are_refused_by_name
         )
 
 
+class CountCollectives(TorchDispatchMode):
+    """Counts the functional collectives dispatched, from C++ ops too."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func.namespace == "_c10d_functional"
+        return func(*args, **(kwargs or {}))
+
+
+def call_counting_collectives(call):
+    """(call's error message, or None, and the functional collectives it dispatched)."""
+    with CountCollectives() as counted:
+        try:
+            call()
+        except RuntimeError as error:
+            return str(error), counted.calls
+    return None, counted.calls
+
+
+def refused_before_any_exchange(rank, world_size, path):
+    q, k, v, segment_ids, _ = inputs(4, 2)
+    local = q.shape[2] // world_size
+    q, k, v = (t.narrow(2, rank * local, local) for t in (q, k, v))
+    group = dist.group.WORLD
+    results = {
+        "accepted": call_counting_collectives(lambda: ulysses_attention(q, k, v, segment_ids, group)),
+        "scale": call_counting_collectives(lambda: ulysses_attention(q, k, v, segment_ids, group, scale=-0.5)),
+        "integer_query": call_counting_collectives(
+            lambda: ulysses_attention(q.long(), k.long(), v.long(), segment_ids, group)
+        ),
+    }
+    torch.save(results, f"{path}.{rank}")
+
+
+def test_what_segment_attention_would_refuse_is_refused_on_every_rank_before_any_exchange(tmp_path):
+    # segment_attention runs on the exchanged tensors: a rank that threw only there, after the exchanges,
+    # would leave the others waiting wherever the ranks' inputs differ.
+    path = str(tmp_path / "refused")
+    run_ranks(refused_before_any_exchange, 2, path)
+    for rank in range(2):
+        got = torch.load(f"{path}.{rank}")
+        assert got["accepted"][0] is None and got["accepted"][1] > 0  # the count sees the op's exchanges
+        for case, message in (
+            ("scale", "ulysses_attention: scale is -0.5; expected a finite value > 0"),
+            ("integer_query", "ulysses_attention: query has dtype Long; expected a floating point dtype"),
+        ):
+            error, calls = got[case]
+            assert error is not None and error.startswith(message) and calls == 0, (case, error, calls)
+
+
 def collated(tokens=13):
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 50, (2, tokens), generator=generator)

@@ -229,6 +229,12 @@ def _compiled_segments(
 def _runs(segment_ids: torch.Tensor) -> list[list[tuple[int, int, tuple[int, int] | None]]]:
     """Each row's runs of equal ids, on the host, as (start, end, keys): keys is the run itself for a
     sequence, the nearest sequence before it for padding (a negative id), None for padding before any."""
+    if segment_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        # The copy would fail mid-capture, and a replay would not redo it, as in the ops.
+        raise RuntimeError(
+            "attention dropout with segment ids cannot run while a CUDA graph is being captured "
+            "(its runs are read on the host): set attention dropout to 0 or capture without packed batches"
+        )
     ids = segment_ids.cpu()
     rows = []
     for row in ids:

@@ -94,16 +94,22 @@ void check_arguments(const char* op, const at::Tensor& x, const at::Tensor& w_q,
               "; expected a finite value > 0 (or None for 1/sqrt(head_dim))");
 }
 
+// segment_ids: integers on ref's device.
+void check_segment_id_values(const char* op, const at::Tensor& segment_ids, const at::Tensor& ref,
+                             const char* ref_name) {
+  TORCH_CHECK(segment_ids.scalar_type() == at::kLong || segment_ids.scalar_type() == at::kInt, op,
+              ": segment_ids has dtype ", segment_ids.scalar_type(), "; expected int64 or int32");
+  TORCH_CHECK(segment_ids.device() == ref.device(), op, ": segment_ids is on ", segment_ids.device(), " but ", ref_name,
+              " is on ", ref.device());
+}
+
 // segment_ids, when given: integers [batch, tokens] for a call of `batch` rows of `tokens` on ref's device.
 void check_segment_ids(const char* op, const at::Tensor& segment_ids, const at::Tensor& ref, const char* ref_name,
                        const c10::SymInt& batch, const c10::SymInt& tokens) {
   if (!segment_ids.defined()) {
     return;
   }
-  TORCH_CHECK(segment_ids.scalar_type() == at::kLong || segment_ids.scalar_type() == at::kInt, op,
-              ": segment_ids has dtype ", segment_ids.scalar_type(), "; expected int64 or int32");
-  TORCH_CHECK(segment_ids.device() == ref.device(), op, ": segment_ids is on ", segment_ids.device(), " but ", ref_name,
-              " is on ", ref.device());
+  check_segment_id_values(op, segment_ids, ref, ref_name);
   TORCH_CHECK(segment_ids.dim() == 2, op, ": segment_ids has shape ", segment_ids.sym_sizes(),
               "; expected [batch, tokens] = [", batch, ", ", tokens, "]");
   TORCH_SYM_CHECK(segment_ids.sym_size(0).sym_eq(batch).sym_and(segment_ids.sym_size(1).sym_eq(tokens)), op,
@@ -122,7 +128,8 @@ void check_segment_ids(const char* op, const at::Tensor& segment_ids, const at::
 // as SDPA gives a query whose every key is masked): transformers' padding mask, whose padding
 // queries attend to the row's real tokens before them. Empty when every row is one causal
 // sequence (no segment_ids, or one non-negative run each): the kernels then take the whole
-// batch in one call. Read on the host (a device-to-host copy of the ids on a GPU).
+// batch in one call. Read on the host (a device-to-host copy of the ids on a GPU, refused while a CUDA
+// graph is being captured: the capture cannot record it, nor a replay redo it).
 struct SegmentRun {
   int64_t row, start, length;
   bool padding;
@@ -130,10 +137,15 @@ struct SegmentRun {
 };
 using SegmentRuns = std::vector<SegmentRun>;
 
-SegmentRuns segment_runs(const at::Tensor& segment_ids) {
+SegmentRuns segment_runs(const char* op, const at::Tensor& segment_ids) {
   if (!segment_ids.defined() || segment_ids.numel() == 0) {
     return {};
   }
+#ifdef TORCH_OFFLOAD_WITH_CUDA
+  if (segment_ids.is_cuda()) {
+    check_segment_ids_readable(op, segment_ids);
+  }
+#endif
   const at::Tensor ids = segment_ids.to(at::kCPU, at::kLong).contiguous();
   const int64_t rows = ids.size(0), tokens = ids.size(1);
   const int64_t* data = ids.const_data_ptr<int64_t>();
@@ -169,7 +181,10 @@ AttentionResult attend(const AttentionKernels& kernels, const at::Tensor& q, con
   if (runs.empty()) {
     return kernels.forward(q, k, v, scale, /*causal=*/true);
   }
-  AttentionResult whole{at::empty_like(q), at::Tensor(), {}, {}};
+  // Token-major [B, T, H, D] memory, as the kernels' own outputs: CUDA's memory-efficient backward reads
+  // out with a token stride of heads * head_dim whatever its strides say.
+  AttentionResult whole{
+      at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).transpose(1, 2), at::Tensor(), {}, {}};
   whole.pieces.reserve(runs.size());
   for (const auto& run : runs) {
     if (run.keys < 0) {
@@ -215,19 +230,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attend_backward(const AttentionKe
   return {dq, dk, dv};
 }
 
+// segment_attention's checks of query, segment_ids and scale but their shapes.
+void check_segment_attention_values(const char* op, const at::Tensor& q, const at::Tensor& segment_ids,
+                                    std::optional<double> scale) {
+  TORCH_CHECK(at::isFloatingType(q.scalar_type()), op, ": query has dtype ", q.scalar_type(),
+              "; expected a floating point dtype");
+  TORCH_CHECK(segment_ids.defined(), op, ": segment_ids is undefined; expected [batch, tokens] integer ids");
+  check_segment_id_values(op, segment_ids, q, "query");
+  TORCH_CHECK(!scale.has_value() || (std::isfinite(*scale) && *scale > 0), op, ": scale is ", scale.value_or(0),
+              "; expected a finite value > 0 (or None for 1/sqrt(head_dim))");
+}
+
 // segment_attention's arguments: query, key and value [batch, heads, tokens, head_dim] alike
 // (floating point, one device), segment_ids [batch, tokens] (required), scale. Symbolic shapes work.
 void check_segment_attention(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& segment_ids, std::optional<double> scale) {
   TORCH_CHECK(q.dim() == 4, op, ": query has shape ", q.sym_sizes(), "; expected [batch, heads, tokens, head_dim]");
-  TORCH_CHECK(at::isFloatingType(q.scalar_type()), op, ": query has dtype ", q.scalar_type(),
-              "; expected a floating point dtype");
+  check_segment_attention_values(op, q, segment_ids, scale);
   check_tensor(op, "key", k, q, "query", q.scalar_type(), q.sym_sizes(), "query's [batch, heads, tokens, head_dim]");
   check_tensor(op, "value", v, q, "query", q.scalar_type(), q.sym_sizes(), "query's [batch, heads, tokens, head_dim]");
-  TORCH_CHECK(segment_ids.defined(), op, ": segment_ids is undefined; expected [batch, tokens] integer ids");
   check_segment_ids(op, segment_ids, q, "query", q.sym_size(0), q.sym_size(2));
-  TORCH_CHECK(!scale.has_value() || (std::isfinite(*scale) && *scale > 0), op, ": scale is ", scale.value_or(0),
-              "; expected a finite value > 0 (or None for 1/sqrt(head_dim))");
 }
 
 // The shapes of one call, and the head groups it runs.
@@ -380,7 +402,7 @@ at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tenso
   check_segment_ids("attention_block", segments, x, shards.ranks);
   const Layout l(x, w_q, w_k, w_o, cos, scale);
   const int64_t per_group = kv_heads_per_group("attention_block", l, shards);
-  const SegmentRuns runs = segment_runs(segments);
+  const SegmentRuns runs = segment_runs("attention_block", segments);
   const int64_t rows = l.batch * l.tokens;
   // The groups' output projections add up in float32 for bf16/fp16 and are rounded once.
   const at::ScalarType acc_type = at::toOpMathType(x.scalar_type());
@@ -441,7 +463,7 @@ AttentionBlockGradients attention_block_backward_impl(
   at::Tensor grad_b_o = want_b_o ? at::sum(grad_rows, {0}, false, acc_type) : at::Tensor();
 
   if (rows > 0 && (want_inner || want_w_o)) {
-    const SegmentRuns runs = segment_runs(segments);
+    const SegmentRuns runs = segment_runs(op, segments);
     const at::Tensor x_rows = x.reshape({rows, l.h}).contiguous();
     // x is every weight gradient's second operand: where accumulate_mm would convert it to
     // float32 on every call, convert it once.
@@ -527,7 +549,7 @@ at::Tensor segment_attention_impl(const AttentionKernels& kernels, const at::Ten
     return at::zeros_like(q);
   }
   const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
-  return in_layout_of(attend(kernels, q, k, v, s, segment_runs(segment_ids)).out, q);
+  return in_layout_of(attend(kernels, q, k, v, s, segment_runs("segment_attention", segment_ids)).out, q);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_impl(
@@ -544,7 +566,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_impl(
     dv = at::zeros_like(v);
   } else {
     const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
-    const SegmentRuns runs = segment_runs(segment_ids);
+    const SegmentRuns runs = segment_runs(op, segment_ids);
     // Forward saved nothing but its inputs: the log-sum-exp each run's backward needs is recomputed.
     const AttentionResult result = attend(kernels, q, k, v, s, runs);
     std::tie(dq, dk, dv) = attend_backward(kernels, grad_out, q, k, v, result, s, runs);
@@ -553,6 +575,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_impl(
     return output_mask[i] ? in_layout_of(t, like) : at::Tensor();
   };
   return {asked(dq, q, 0), asked(dk, k, 1), asked(dv, v, 2)};
+}
+
+void check_segment_attention_inputs(const char* op, const at::Tensor& q, const at::Tensor& segment_ids,
+                                    std::optional<double> scale) {
+  check_segment_attention_values(op, q, segment_ids, scale);
+#ifdef TORCH_OFFLOAD_WITH_CUDA
+  if (q.is_cuda()) {
+    check_cuda_support(op, q, "query", q.size(-1), "query's last dimension");
+  }
+#endif
 }
 
 void check_rotary_needs_no_grad(const at::Tensor& cos, const at::Tensor& sin) {

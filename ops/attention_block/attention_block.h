@@ -60,6 +60,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_impl(
     const AttentionKernels& kernels, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask);
 
+// segment_attention's checks of query, segment_ids and scale but their shapes, and what the kernels of
+// query's device take (CUDA: dtype, head dimension): ulysses_attention runs them before its first
+// exchange, where a rank that threw would leave the others waiting.
+void check_segment_attention_inputs(const char* op, const at::Tensor& q, const at::Tensor& segment_ids,
+                                    std::optional<double> scale);
+
 // Errors unless cos and sin are constants for autograd: the op computes no gradient for them.
 void check_rotary_needs_no_grad(const at::Tensor& cos, const at::Tensor& sin);
 
@@ -102,6 +108,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_meta(
     const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask);
 
 #ifdef TORCH_OFFLOAD_WITH_CUDA
+// What CUDA's attention kernels take: x (called `name`) not float64, head_dim (read from `where`) aligned.
+void check_cuda_support(const char* op, const at::Tensor& x, const char* name, int64_t head_dim, const char* where);
+// Errors while a CUDA graph is being captured on segment_ids' device: segment_runs reads them on the host.
+void check_segment_ids_readable(const char* op, const at::Tensor& segment_ids);
+
 at::Tensor attention_block_cuda(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
                                 const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
                                 const at::Tensor& sin, const std::optional<at::Tensor>& b_q,

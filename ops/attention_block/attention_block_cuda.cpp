@@ -3,16 +3,15 @@
 // dimensions a multiple of 4 in float32, of 8 in bf16/fp16).
 #include <ATen/ops/_scaled_dot_product_efficient_attention.h>
 #include <ATen/ops/_scaled_dot_product_efficient_attention_backward.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
 #include "ops/attention_block/attention_block.h"
 
 namespace torch_offload {
-namespace {
 
-// What CUDA's memory-efficient attention kernels take, checked before any work (SDPA's own
-// front end checks the same; these private entry points do not).
-// `where` says where the head dimension was read.
+// Checked before any work: SDPA's own front end checks the same; these private entry points do not.
 void check_cuda_support(const char* op, const at::Tensor& x, const char* name, int64_t head_dim, const char* where) {
   TORCH_CHECK(x.scalar_type() != at::kDouble, op, ": ", name,
               " is float64, which CUDA's attention kernels do not support; use float32, bfloat16 or float16");
@@ -21,7 +20,18 @@ void check_cuda_support(const char* op, const at::Tensor& x, const char* name, i
               "; CUDA's attention kernels need a multiple of ", alignment, " for ", x.scalar_type());
 }
 
-void check_cuda_support(const char* op, const at::Tensor& x, const at::Tensor& cos) {
+// The copy would fail mid-capture, and a replay would not redo it for other ids.
+void check_segment_ids_readable(const char* op, const at::Tensor& segment_ids) {
+  const c10::cuda::CUDAGuard guard(segment_ids.device());
+  TORCH_CHECK(c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None, op,
+              ": cannot run with segment_ids while a CUDA graph is being captured (torch.cuda.graph, "
+              "torch.compile's mode='reduce-overhead'): the ids are read on the host; run it outside the captured "
+              "region");
+}
+
+namespace {
+
+void check_block_cuda_support(const char* op, const at::Tensor& x, const at::Tensor& cos) {
   // A cos of another rank: check_arguments names the problem.
   check_cuda_support(op, x, "x", cos.dim() == 3 ? cos.size(2) : 8, "cos's last dimension");
 }
@@ -55,7 +65,7 @@ at::Tensor attention_block_cuda(const at::Tensor& x, const at::Tensor& w_q, cons
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                 const std::optional<at::Tensor>& segment_ids,
                                 std::optional<c10::string_view> group_name) {
-  check_cuda_support("attention_block", x, cos);
+  check_block_cuda_support("attention_block", x, cos);
   return attention_block_impl(cuda_attention_kernels, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale,
                               segment_ids, group_name);
 }
@@ -66,7 +76,7 @@ AttentionBlockGradients attention_block_backward_cuda(
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
     std::array<bool, 9> output_mask, std::optional<c10::string_view> group_name) {
-  check_cuda_support("attention_block_backward", x, cos);
+  check_block_cuda_support("attention_block_backward", x, cos);
   return attention_block_backward_impl(cuda_attention_kernels, grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v,
                                        b_o, scale, segment_ids, output_mask, group_name);
 }

@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include "ops/attention_block/attention_block.h"
 #include "torch_offload/torch_offload.h"
 
 namespace torch_offload {
@@ -91,8 +92,7 @@ at::Tensor ulysses_attention_composite(const at::Tensor& query, const at::Tensor
                         segment_ids.sym_size(1) == query.sym_size(2) * ranks,
                     op, ": segment_ids has shape ", segment_ids.sym_sizes(), "; expected the whole rows, [batch, ",
                     ranks, " ranks x ", query.sym_size(2), " tokens]");
-  TORCH_CHECK_VALUE(segment_ids.scalar_type() == at::kLong || segment_ids.scalar_type() == at::kInt, op,
-                    ": segment_ids has dtype ", segment_ids.scalar_type(), "; expected int64 or int32");
+  check_segment_attention_inputs(op, query, segment_ids, scale);  // segment_attention's, on the exchanged tensors
   at::Tensor k = key, v = value;
   if (kv_heads % ranks != 0) {  // fewer key/value heads than ranks (or not a multiple): give each query head its own
     k = k.repeat_interleave(heads / kv_heads, 1);
