@@ -120,3 +120,84 @@ def test_layers_alternating_between_two_streams_with_prefetch_give_the_gradients
         torch.testing.assert_close(g, w)
     stats = context.stats()
     assert stats["prefetch_hits"] > 0 and stats["packed_bytes"] > 100 << 20
+
+
+SLEEP_CYCLES = 1 << 30  # about half a second on an H100
+
+
+def test_a_saved_tensor_read_again_on_another_stream_waits_for_its_copy():
+    # Backward unpacks one saved tensor twice, the second time on a side stream: that hand-out
+    # is the copy the first one started, and the side stream must wait for it too. The copy
+    # waits behind a long kernel the forward stream ran before the pack; the side stream does not.
+    side, forward_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    seen = []
+
+    class ReadTwice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            (first,) = ctx.saved_tensors
+            with torch.cuda.stream(side):
+                (second,) = ctx.saved_tensors
+                seen.append(second.clone())
+            return grad * first
+
+    a = torch.randn(1 << 24, device="cuda", requires_grad=True)
+    x = a + 3
+    want = x.detach().clone()
+    forward_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(forward_stream):
+        with offload():
+            torch.cuda._sleep(SLEEP_CYCLES)
+            y = ReadTwice.apply(x)
+    del x  # backward reads the copy, not x's storage
+    torch.cuda.current_stream().wait_stream(forward_stream)
+    (grad,) = torch.autograd.grad(y.sum(), a)
+    torch.cuda.synchronize()
+    assert torch.equal(seen[0], want)
+    assert torch.equal(grad, want)
+
+
+def test_a_saved_tensor_read_again_on_another_stream_keeps_its_memory_until_that_stream_read_it():
+    # The second hand-out, on a side stream that sleeps first, records that stream as a user of
+    # the restored memory: freed with the graph, it must not go to the next restore (an
+    # allocation on the same copy stream, of the same size) before the side stream read it.
+    side = torch.cuda.Stream()
+    seen = []
+    n = 1 << 24
+
+    class ReadLater(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            (first,) = ctx.saved_tensors
+            side.wait_stream(torch.cuda.current_stream())  # the copy has landed: only its memory is at stake
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(SLEEP_CYCLES)
+                (second,) = ctx.saved_tensors
+                seen.append(second * 1)
+            return grad * first
+
+    a = torch.ones(n, device="cuda", requires_grad=True)
+    x = a * 1
+    with offload():
+        y = ReadLater.apply(x)
+    del x
+    torch.autograd.grad(y.sum(), a)
+    torch.cuda.current_stream().synchronize()  # all done but the side stream's sleep and read
+    b = torch.full((n,), 2.0, device="cuda", requires_grad=True)
+    h = b * 1
+    with offload():
+        z = h.sin()
+    del h
+    torch.autograd.grad(z.sum(), b)  # restores h on the copy stream while the side stream sleeps
+    torch.cuda.synchronize()
+    assert torch.equal(seen[0], torch.ones(n, device="cuda"))

@@ -8,9 +8,11 @@
 // the bytes a view spans when that is much smaller. Every saved tensor that lies
 // in the same unchanged range (same storage, version counter and version) shares
 // one Entry, and is rebuilt on unpack as the same view (sizes, strides, offset,
-// conjugate and negative bits) of the restored bytes. A range packed again through
-// another counter or version (x.data, an in-place write) is copied again into the
-// older entries it overlaps: eager's backward reads the storage as it is last.
+// conjugate and negative bits) of the restored bytes. Eager's backward reads the
+// storage as it is last, writes through an alias no version counter sees (x.data)
+// included: a CPU storage's bytes are therefore taken when it is freed (its deleter is
+// watched), and a range of another storage packed again through another counter or
+// version is copied again into the older entries it overlaps.
 #include <cstdint>
 #include <mutex>
 #include <optional>
@@ -51,19 +53,24 @@ struct DedupKeyHash {
 // tensors that use it, so it dies, and frees its host bytes, when autograd frees the graph.
 class ActivationEntry : public torch::CustomClassHolder {
  public:
-  // Exactly one of packed (host), ticket (disk) and kept (device) is defined.
+  // At most one of packed (host), ticket (disk) and kept (device) is defined: none only
+  // for a watched storage bound for disk, which is spilled once it is freed.
   ActivationEntry(c10::intrusive_ptr<ActivationStore> store, int64_t sequence, const DedupKey& key,
                   const at::Tensor& source, at::Tensor packed, at::Tensor ticket, at::Tensor kept);
   // Runs when the last strong reference goes (the store's weak one keeps the
   // object itself alive a little longer): frees the bytes, updates the store.
   void release_resources() override;
 
-  // The bytes of the range, as a flat uint8 tensor on the original device.
+  // The bytes of the range, as a flat uint8 tensor on the original device. Every call, the
+  // first or not, makes the current stream wait for them and records it as their user.
   at::Tensor restore();
 
  private:
   friend class ActivationStore;
   friend class SavedActivation;
+  // The first restore. live: the storage, when something still holds it.
+  void restore_locked(const c10::intrusive_ptr<c10::StorageImpl>& live);
+
   c10::intrusive_ptr<ActivationStore> store_;
   const int64_t sequence_;  // pack order
   const DedupKey key_;
@@ -73,14 +80,20 @@ class ActivationEntry : public torch::CustomClassHolder {
   // addresses in key_ from being reused while the entry lives.
   const c10::weak_intrusive_ptr<c10::StorageImpl> source_;
   const c10::VariableVersion version_counter_;
-  at::Tensor packed_;  // host bytes when offloaded
+  at::Tensor packed_;  // host bytes when offloaded (of a watched storage: filled when it is freed)
   at::Tensor ticket_;  // disk_spill ticket when spilled
   at::Tensor kept_;    // device bytes when no tier took it
+  // The memory of a watched storage (a CPU one), until its deleter tells the store that it
+  // frees it: the bytes are taken then, the last ones written.
+  const char* watched_memory_ = nullptr;
+  at::Tensor freed_bytes_;  // a watched storage's freed memory, until it is spilled
   // Restored ahead of need during backward (host tier); the stream that restores the
   // entry waits for its copy then, not the stream that was current when it started.
   PendingUnpack prefetched_;
   bool disk_prefetched_ = false;  // disk_prefetch issued (disk tier)
-  at::Tensor restored_;           // restored bytes, shared by every view of this range
+  // Restored bytes, shared by every view of this range: every consumer's stream waits
+  // for their copy when it is handed them, and is recorded as a user of their memory.
+  PendingUnpack restored_;
   // Live entries in pack order (a list under the store's mutex): each pack,
   // release and prefetch step is O(1), however many entries there are.
   ActivationEntry* older_ = nullptr;
@@ -128,6 +141,11 @@ class ActivationStore : public torch::CustomClassHolder {
   void skip_storages_of(const std::vector<at::Tensor>& tensors);
   void clear_skipped_storages();
   c10::Dict<std::string, int64_t> stats() const;
+  // From the deleter of a watched storage: `memory` holds its bytes as they were last,
+  // and is freed once no entry keeps it. True when some of it waits for spill_freed().
+  bool on_storage_freed(const c10::StorageImpl* storage, const c10::Storage& memory);
+  // Spills the freed memory handed over and not yet spilled (from a thread of its own).
+  void spill_freed();
 
  private:
   friend class ActivationEntry;
@@ -144,6 +162,9 @@ class ActivationStore : public torch::CustomClassHolder {
   // resumes where the previous scan stopped when backward goes on downwards, so
   // each entry is looked at about once per backward.
   void prefetch_before_locked(ActivationEntry& restoring);
+  // Spills the freed memory handed over (by a deleter, which must neither raise nor wait,
+  // so it only hands the memory over) and not yet spilled or restored.
+  void spill_freed_locked();
   void on_entry_released(ActivationEntry& entry);
 
   const int64_t min_bytes_;
@@ -155,6 +176,7 @@ class ActivationStore : public torch::CustomClassHolder {
   const bool allow_tmpfs_;
 
   mutable std::mutex mutex_;
+  std::vector<ActivationEntry*> freed_to_spill_;
   int64_t next_sequence_ = 0;
   std::unordered_map<DedupKey, c10::weak_intrusive_ptr<ActivationEntry>, DedupKeyHash> by_key_;
   std::unordered_multimap<const c10::StorageImpl*, ActivationEntry*> by_storage_;  // the live entries
