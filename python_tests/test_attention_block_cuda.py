@@ -1,5 +1,5 @@
-"""attention_block on a GPU (PyTorch's memory-efficient attention kernels inside): against the
-same attention in eager torch and the CPU op. Skipped without a GPU."""
+"""attention_block on a GPU (PyTorch's flash attention kernels inside for bf16/fp16 on sm80/sm90, its
+memory-efficient ones otherwise): against the same attention in eager torch and the CPU op. Skipped without a GPU."""
 
 import pytest
 import torch
@@ -63,6 +63,36 @@ def test_cuda_bf16_is_as_close_to_float32_as_eager():
     assert relative_error(got, want) <= max(2 * relative_error(eager, want), 1e-2)
     for name, g, e, w in zip(NAMES, got_grads, eager_grads, want_grads):
         assert relative_error(g, w) <= max(2 * relative_error(e, w), 1e-2), name
+
+
+FLASH_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() in ((8, 0), (9, 0))
+
+
+def attention_kernels_run(run):
+    """The names of the CUDA kernels `run` launches whose name says which attention they are."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        run()
+        torch.cuda.synchronize()
+    names = {event.name for event in profile.events()}
+    return {name for name in names if "flash" in name.lower() or "fmha" in name.lower()}
+
+
+@pytest.mark.skipif(not FLASH_GPU, reason="flash attention's kernels are built for sm80 and sm90")
+@pytest.mark.parametrize("segmented", [False, True], ids=["whole_rows", "segments"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_cuda_low_precision_runs_flash_attention_both_ways_and_float32_the_memory_efficient_kernels(dtype, segmented):
+    inputs = to_cuda(make_inputs(tokens=64, h=64, heads=4, kv_heads=2, head_dim=16), dtype)
+    grad_out = torch.randn(*inputs[0].shape[:2], inputs[4].shape[0], device="cuda", dtype=dtype)
+    runs_of_20 = torch.arange(64, device="cuda").div(20, rounding_mode="floor").expand(inputs[0].shape[0], -1)
+    segment_ids = runs_of_20 if segmented else None
+    kernels = attention_kernels_run(
+        lambda: output_and_grads(lambda *a: call(*a, segment_ids=segment_ids), inputs, grad_out)
+    )
+    flash = {name for name in kernels if "flash" in name.lower()}
+    if dtype == torch.float32:
+        assert kernels and not flash, kernels
+    else:  # forward and backward kernels both
+        assert any("fwd" in name.lower() for name in flash) and any("bwd" in name.lower() for name in flash), kernels
 
 
 def test_cuda_holds_one_head_group_at_a_time():
@@ -225,6 +255,27 @@ def test_cuda_segments_in_low_precision_are_as_close_to_float64_as_eager(dtype):
     assert got.dtype == dtype
     for name, g, e, w in zip(("out", *NAMES), (got, *got_grads), (eager, *eager_grads), (want, *want_grads)):
         assert_as_close_as_eager(g, e, w, dtype, name)
+
+
+def device_to_host_copies(run):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        run()
+        torch.cuda.synchronize()
+    return sum("memcpy dtoh" in event.name.lower() for event in profile.events())
+
+
+def test_cuda_segment_ids_are_read_once_while_they_are_unchanged():
+    # Each layer of a step passes the same ids: one blocking device-to-host copy for them all, and
+    # one more once they change (through their own version counter).
+    q, k, v = (torch.randn(2, 4, 64, 16, device="cuda") for _ in range(3))
+    ids = torch.arange(64, device="cuda").div(20, rounding_mode="floor").expand(2, -1).contiguous()
+    assert device_to_host_copies(lambda: [torch_offload.segment_attention(q, k, v, ids) for _ in range(4)]) == 1
+    assert device_to_host_copies(lambda: torch_offload.segment_attention(q, k, v, ids)) == 0
+    want = torch_offload.segment_attention(q, k, v, ids.flip(1).contiguous())
+    ids.copy_(ids.flip(1))
+    got = []
+    assert device_to_host_copies(lambda: got.append(torch_offload.segment_attention(q, k, v, ids))) == 1
+    torch.testing.assert_close(got[0], want)
 
 
 def test_cuda_graph_capture_with_segment_ids_is_refused_by_name():

@@ -137,15 +137,7 @@ struct SegmentRun {
 };
 using SegmentRuns = std::vector<SegmentRun>;
 
-SegmentRuns segment_runs(const char* op, const at::Tensor& segment_ids) {
-  if (!segment_ids.defined() || segment_ids.numel() == 0) {
-    return {};
-  }
-#ifdef TORCH_OFFLOAD_WITH_CUDA
-  if (segment_ids.is_cuda()) {
-    check_segment_ids_readable(op, segment_ids);
-  }
-#endif
+SegmentRuns read_segment_runs(const at::Tensor& segment_ids) {
   const at::Tensor ids = segment_ids.to(at::kCPU, at::kLong).contiguous();
   const int64_t rows = ids.size(0), tokens = ids.size(1);
   const int64_t* data = ids.const_data_ptr<int64_t>();
@@ -166,6 +158,40 @@ SegmentRuns segment_runs(const char* op, const at::Tensor& segment_ids) {
     }
   }
   return static_cast<int64_t>(runs.size()) == rows && !any_padding ? SegmentRuns{} : runs;
+}
+
+// The runs of the CUDA ids tensor read last on this thread (forward's, or backward's), while that same
+// tensor is unchanged (same version and memory): every layer of a step passes the same ids, and each
+// read is a blocking device-to-host copy, so a step reads them once per thread, not once or twice per
+// layer. CPU ids are read each time: that costs no copy, and no write through an alias that no version
+// counter sees (x.data) can make it stale.
+struct ReadRuns {
+  c10::weak_intrusive_ptr<c10::TensorImpl> ids{c10::intrusive_ptr<c10::TensorImpl>()};
+  uint32_t version = 0;
+  const void* data = nullptr;
+  SegmentRuns runs;
+};
+
+SegmentRuns segment_runs([[maybe_unused]] const char* op, const at::Tensor& segment_ids) {
+  if (!segment_ids.defined() || segment_ids.numel() == 0) {
+    return {};
+  }
+  const c10::VariableVersion& counter = segment_ids.unsafeGetTensorImpl()->version_counter();
+  if (!segment_ids.is_cuda() || !counter.enabled()) {  // CPU, or an inference tensor, with no version
+    return read_segment_runs(segment_ids);
+  }
+#ifdef TORCH_OFFLOAD_WITH_CUDA
+  check_segment_ids_readable(op, segment_ids);  // every call: a replay would not read them again
+#endif
+  thread_local ReadRuns last;
+  if (last.ids.lock().get() != segment_ids.unsafeGetTensorImpl() || last.version != counter.current_version() ||
+      last.data != segment_ids.const_data_ptr()) {
+    last.runs = read_segment_runs(segment_ids);
+    last.ids = c10::weak_intrusive_ptr<c10::TensorImpl>(segment_ids.getIntrusivePtr());
+    last.version = counter.current_version();
+    last.data = segment_ids.const_data_ptr();
+  }
+  return last.runs;
 }
 
 // t [B, H, T, ...] restricted to one run: [1, H, length, ...].

@@ -1,11 +1,16 @@
-// attention_block on CUDA: the device-generic head-group loop with PyTorch's
-// memory-efficient attention kernels (float32, bfloat16 and float16; no float64; head
-// dimensions a multiple of 4 in float32, of 8 in bf16/fp16).
+// attention_block on CUDA: the device-generic head-group loop with PyTorch's flash
+// attention kernels for bfloat16 and float16 on sm80 and sm90, and its memory-efficient
+// ones otherwise (float32, other GPUs; no float64; head dimensions a multiple of 4 in
+// float32, of 8 in bf16/fp16).
 #include <ATen/ops/_scaled_dot_product_efficient_attention.h>
 #include <ATen/ops/_scaled_dot_product_efficient_attention_backward.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_backward.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
 
 #include "ops/attention_block/attention_block.h"
 
@@ -36,8 +41,28 @@ void check_block_cuda_support(const char* op, const at::Tensor& x, const at::Ten
   check_cuda_support(op, x, "x", cos.dim() == 3 ? cos.size(2) : 8, "cos's last dimension");
 }
 
+// Flash attention, as SDPA itself picks it: bf16/fp16 on the GPUs whose flash kernels
+// ATen builds for every head dimension up to 256 (sm80 and sm90; sm86/sm89 lack the
+// backward of the widest); q, k and v of one dtype, so the choice depends on q alone and
+// backward makes the same one.
+bool uses_flash(const at::Tensor& q) {
+  if (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16) {
+    return false;
+  }
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
+  const bool flash_gpu = (major == 8 && minor == 0) || major == 9;
+  return flash_gpu && q.size(-1) <= 256 && q.size(-1) % 8 == 0;
+}
+
 AttentionResult cuda_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                        bool causal) {
+  if (uses_flash(q)) {
+    auto [out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, seed, offset, debug_mask] =
+        at::_scaled_dot_product_flash_attention(q, k, v, 0.0, causal, /*return_debug_mask=*/false, scale);
+    return {out, logsumexp, {seed, offset}, {}};
+  }
   auto [out, logsumexp, seed, offset] = at::_scaled_dot_product_efficient_attention(
       q, k, v, std::nullopt, /*compute_log_sumexp=*/true, 0.0, causal, scale);
   return {out, logsumexp, {seed, offset}, {}};
@@ -48,6 +73,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_attention_backward(const at:
                                                                        const AttentionResult& result, double scale,
                                                                        bool causal) {
   const auto& [seed, offset] = result.aux;
+  if (uses_flash(q)) {
+    // Without cumulative sequence lengths (one sequence per batch row), the longest rows are the tensors' own.
+    return at::_scaled_dot_product_flash_attention_backward(grad_out, q, k, v, result.out, result.logsumexp,
+                                                            at::Tensor(), at::Tensor(), q.size(2), k.size(2), 0.0,
+                                                            causal, seed, offset, scale);
+  }
   auto [dq, dk, dv, unused_bias_grad] = at::_scaled_dot_product_efficient_attention_backward(
       grad_out, q, k, v, at::Tensor(), result.out, result.logsumexp, seed, offset, 0.0, {true, true, true, false},
       causal, scale);
