@@ -69,12 +69,12 @@ FLASH_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() in 
 
 
 def attention_kernels_run(run):
-    """The names of the CUDA kernels `run` launches whose name says which attention they are."""
+    """The names of the CUDA kernels `run` launches whose name says which attention they are, once per launch."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         run()
         torch.cuda.synchronize()
-    names = {event.name for event in profile.events()}
-    return {name for name in names if "flash" in name.lower() or "fmha" in name.lower()}
+    names = [event.name for event in profile.events()]
+    return [name for name in names if "flash" in name.lower() or "fmha" in name.lower()]
 
 
 @pytest.mark.skipif(not FLASH_GPU, reason="flash attention's kernels are built for sm80 and sm90")
@@ -93,6 +93,39 @@ def test_cuda_low_precision_runs_flash_attention_both_ways_and_float32_the_memor
         assert kernels and not flash, kernels
     else:  # forward and backward kernels both
         assert any("fwd" in name.lower() for name in flash) and any("bwd" in name.lower() for name in flash), kernels
+
+
+# Documents of 2 to 20 tokens, padding after some (two adjacent padding runs seeing one document),
+# and padding before any document (no keys: output 0): 10 runs see keys.
+MANY_RUNS = torch.tensor(
+    [
+        [0] * 3 + [1] * 5 + [-1] * 2 + [-2] * 2 + [2] * 4 + [3] * 6 + [-1] * 2 + [4] * 2,
+        [-1] * 4 + [0] * 20 + [1] * 2,
+    ]
+)
+
+
+@pytest.mark.skipif(not FLASH_GPU, reason="flash attention's kernels are built for sm80 and sm90")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cuda_low_precision_segments_take_one_flash_call_for_the_documents_and_one_for_the_padding(dtype):
+    leaves = make_qkv(batch=2, heads=4, tokens=26, head_dim=16)
+    grad_out = torch.randn_like(leaves[0])
+    want, want_grads = qkv_output_and_grads(lambda *a: qkv_reference(*a, MANY_RUNS), leaves, grad_out)
+    low = [t.detach().to("cuda", dtype).requires_grad_() for t in leaves]
+    segments, low_grad_out = MANY_RUNS.cuda(), grad_out.to("cuda", dtype)
+    eager, eager_grads = qkv_output_and_grads(lambda *a: qkv_reference(*a, segments), low, low_grad_out)
+    results = []
+    kernels = attention_kernels_run(
+        lambda: results.append(
+            qkv_output_and_grads(lambda *a: torch_offload.segment_attention(*a, segments), low, low_grad_out)
+        )
+    )
+    # Forward, and backward's recomputed forward: two variable-length calls each (a call may launch
+    # a second kernel to combine its splits), where one call per run would launch 20.
+    assert len([name for name in kernels if "fwd" in name.lower()]) <= 8, kernels
+    got, got_grads = results[0]
+    for name, g, e, w in zip(("out", *"qkv"), (got, *got_grads), (eager, *eager_grads), (want, *want_grads)):
+        assert_as_close_as_eager(g, e, w, dtype, name)
 
 
 def test_cuda_holds_one_head_group_at_a_time():

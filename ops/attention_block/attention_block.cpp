@@ -24,6 +24,7 @@
 #include <c10/core/SymBool.h>
 #include <c10/util/Exception.h>
 
+#include "ops/attention_block/segments.h"
 #include "ops/common/checks.h"
 #include "ops/common/gemm.h"
 #include "ops/sequence_parallel/ulysses_attention.h"
@@ -120,140 +121,6 @@ void check_segment_ids(const char* op, const at::Tensor& segment_ids, const at::
 // attention_block's: [batch, tokens] of the whole rows, x's tokens times the ranks of a sequence-parallel group.
 void check_segment_ids(const char* op, const at::Tensor& segment_ids, const at::Tensor& x, int64_t ranks) {
   check_segment_ids(op, segment_ids, x, "x", x.sym_size(0), x.sym_size(1) * ranks);
-}
-
-// The segments of a call: each maximal run of equal segment ids, in order. A run of
-// non-negative ids is a causal sequence. A run of negative ids (padding) is no one's keys; its
-// queries see all of the nearest non-negative run before it in the row, or nothing (output 0,
-// as SDPA gives a query whose every key is masked): transformers' padding mask, whose padding
-// queries attend to the row's real tokens before them. Empty when every row is one causal
-// sequence (no segment_ids, or one non-negative run each): the kernels then take the whole
-// batch in one call. Read on the host (a device-to-host copy of the ids on a GPU, refused while a CUDA
-// graph is being captured: the capture cannot record it, nor a replay redo it).
-struct SegmentRun {
-  int64_t row, start, length;
-  bool padding;
-  int64_t keys;  // the run whose tokens are its keys: itself, the one padding sees, or -1 (none)
-};
-using SegmentRuns = std::vector<SegmentRun>;
-
-SegmentRuns read_segment_runs(const at::Tensor& segment_ids) {
-  const at::Tensor ids = segment_ids.to(at::kCPU, at::kLong).contiguous();
-  const int64_t rows = ids.size(0), tokens = ids.size(1);
-  const int64_t* data = ids.const_data_ptr<int64_t>();
-  SegmentRuns runs;
-  bool any_padding = false;
-  for (int64_t row = 0; row < rows; ++row) {
-    const int64_t* id = data + row * tokens;
-    int64_t start = 0, last_sequence = -1;
-    for (int64_t t = 1; t <= tokens; ++t) {
-      if (t == tokens || id[t] != id[t - 1]) {
-        const bool padding = id[start] < 0;
-        const int64_t index = static_cast<int64_t>(runs.size());
-        runs.push_back({row, start, t - start, padding, padding ? last_sequence : index});
-        last_sequence = padding ? last_sequence : index;
-        any_padding |= padding;
-        start = t;
-      }
-    }
-  }
-  return static_cast<int64_t>(runs.size()) == rows && !any_padding ? SegmentRuns{} : runs;
-}
-
-// The runs of the CUDA ids tensor read last on this thread (forward's, or backward's), while that same
-// tensor is unchanged (same version and memory): every layer of a step passes the same ids, and each
-// read is a blocking device-to-host copy, so a step reads them once per thread, not once or twice per
-// layer. CPU ids are read each time: that costs no copy, and no write through an alias that no version
-// counter sees (x.data) can make it stale.
-struct ReadRuns {
-  c10::weak_intrusive_ptr<c10::TensorImpl> ids{c10::intrusive_ptr<c10::TensorImpl>()};
-  uint32_t version = 0;
-  const void* data = nullptr;
-  SegmentRuns runs;
-};
-
-SegmentRuns segment_runs([[maybe_unused]] const char* op, const at::Tensor& segment_ids) {
-  if (!segment_ids.defined() || segment_ids.numel() == 0) {
-    return {};
-  }
-  const c10::VariableVersion& counter = segment_ids.unsafeGetTensorImpl()->version_counter();
-  if (!segment_ids.is_cuda() || !counter.enabled()) {  // CPU, or an inference tensor, with no version
-    return read_segment_runs(segment_ids);
-  }
-#ifdef TORCH_OFFLOAD_WITH_CUDA
-  check_segment_ids_readable(op, segment_ids);  // every call: a replay would not read them again
-#endif
-  thread_local ReadRuns last;
-  if (last.ids.lock().get() != segment_ids.unsafeGetTensorImpl() || last.version != counter.current_version() ||
-      last.data != segment_ids.const_data_ptr()) {
-    last.runs = read_segment_runs(segment_ids);
-    last.ids = c10::weak_intrusive_ptr<c10::TensorImpl>(segment_ids.getIntrusivePtr());
-    last.version = counter.current_version();
-    last.data = segment_ids.const_data_ptr();
-  }
-  return last.runs;
-}
-
-// t [B, H, T, ...] restricted to one run: [1, H, length, ...].
-at::Tensor run_of(const at::Tensor& t, const SegmentRun& run) {
-  return t.narrow(0, run.row, 1).narrow(2, run.start, run.length);
-}
-
-// A head group's attention within the segments: one kernel call per run, causal within a
-// sequence, over all of its keys' run for padding. The pieces keep each run's log-sum-exp
-// and auxiliaries (not its output, a view of out).
-AttentionResult attend(const AttentionKernels& kernels, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       double scale, const SegmentRuns& runs) {
-  if (runs.empty()) {
-    return kernels.forward(q, k, v, scale, /*causal=*/true);
-  }
-  // Token-major [B, T, H, D] memory, as the kernels' own outputs: CUDA's memory-efficient backward reads
-  // out with a token stride of heads * head_dim whatever its strides say.
-  AttentionResult whole{
-      at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).transpose(1, 2), at::Tensor(), {}, {}};
-  whole.pieces.reserve(runs.size());
-  for (const auto& run : runs) {
-    if (run.keys < 0) {
-      run_of(whole.out, run).zero_();
-      whole.pieces.emplace_back();
-      continue;
-    }
-    const SegmentRun& keys = runs[run.keys];
-    AttentionResult piece = kernels.forward(run_of(q, run), run_of(k, keys), run_of(v, keys), scale, !run.padding);
-    run_of(whole.out, run).copy_(piece.out);
-    piece.out = at::Tensor();
-    whole.pieces.push_back(std::move(piece));
-  }
-  return whole;
-}
-
-// attend's gradients (dq, dk, dv): each run's backward with its own log-sum-exp; padding's
-// key gradients add to its keys' run, padding itself gets none as keys.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attend_backward(const AttentionKernels& kernels,
-                                                               const at::Tensor& grad_out, const at::Tensor& q,
-                                                               const at::Tensor& k, const at::Tensor& v,
-                                                               const AttentionResult& result, double scale,
-                                                               const SegmentRuns& runs) {
-  if (runs.empty()) {
-    return kernels.backward(grad_out, q, k, v, result, scale, /*causal=*/true);
-  }
-  at::Tensor dq = at::empty_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
-  for (size_t i = 0; i < runs.size(); ++i) {
-    const SegmentRun& run = runs[i];
-    if (run.keys < 0) {  // a constant output: no gradient
-      run_of(dq, run).zero_();
-      continue;
-    }
-    const SegmentRun& keys = runs[run.keys];
-    AttentionResult piece = result.pieces[i];
-    piece.out = run_of(result.out, run);
-    const auto [piece_dq, piece_dk, piece_dv] = kernels.backward(run_of(grad_out, run), run_of(q, run), run_of(k, keys),
-                                                                 run_of(v, keys), piece, scale, !run.padding);
-    run_of(dq, run).copy_(piece_dq);
-    run_of(dk, keys).add_(piece_dk);
-    run_of(dv, keys).add_(piece_dv);
-  }
-  return {dq, dk, dv};
 }
 
 // segment_attention's checks of query, segment_ids and scale but their shapes.

@@ -27,12 +27,27 @@ struct AttentionResult {
   // its out (a view of the whole out); the whole's logsumexp and aux are then unused.
   std::vector<AttentionResult> pieces;
 };
+// Many sequences packed in one call's rows: q [total_q, H, D], k and v [total_k, H, D], the i-th
+// sequence's queries rows cut_q[i] to cut_q[i + 1] (int32, on the device), its keys likewise.
+struct VarlenSequences {
+  at::Tensor cut_q, cut_k;
+  int64_t max_q = 0, max_k = 0;  // the longest sequence's queries and keys
+};
 struct AttentionKernels {
   AttentionResult (*forward)(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal);
   // (dq, dk, dv)
   std::tuple<at::Tensor, at::Tensor, at::Tensor> (*backward)(const at::Tensor& grad_out, const at::Tensor& q,
                                                              const at::Tensor& k, const at::Tensor& v,
                                                              const AttentionResult& result, double scale, bool causal);
+  // Variable-length kernels, for inputs like q where has_varlen says so (null: never).
+  bool (*has_varlen)(const at::Tensor& q) = nullptr;
+  AttentionResult (*varlen_forward)(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const VarlenSequences& sequences, double scale, bool causal) = nullptr;
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> (*varlen_backward)(const at::Tensor& grad_out, const at::Tensor& q,
+                                                                    const at::Tensor& k, const at::Tensor& v,
+                                                                    const AttentionResult& result,
+                                                                    const VarlenSequences& sequences, double scale,
+                                                                    bool causal) = nullptr;
 };
 
 at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tensor& x, const at::Tensor& w_q,

@@ -2,6 +2,8 @@
 // attention kernels for bfloat16 and float16 on sm80 and sm90, and its memory-efficient
 // ones otherwise (float32, other GPUs; no float64; head dimensions a multiple of 4 in
 // float32, of 8 in bf16/fp16).
+#include <ATen/ops/_flash_attention_backward.h>
+#include <ATen/ops/_flash_attention_forward.h>
 #include <ATen/ops/_scaled_dot_product_efficient_attention.h>
 #include <ATen/ops/_scaled_dot_product_efficient_attention_backward.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention.h>
@@ -85,7 +87,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_attention_backward(const at:
   return {dq, dk, dv};
 }
 
-constexpr AttentionKernels cuda_attention_kernels{cuda_attention_forward, cuda_attention_backward};
+// Flash attention's variable-length entry points, for the segments (packed documents, padding).
+AttentionResult cuda_varlen_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const VarlenSequences& sequences, double scale, bool causal) {
+  auto [out, logsumexp, seed, offset, debug_mask] = at::_flash_attention_forward(
+      q, k, v, sequences.cut_q, sequences.cut_k, sequences.max_q, sequences.max_k, 0.0, causal,
+      /*return_debug_mask=*/false, std::optional<double>(scale));
+  return {out, logsumexp, {seed, offset}, {}};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_varlen_backward(const at::Tensor& grad_out, const at::Tensor& q,
+                                                                    const at::Tensor& k, const at::Tensor& v,
+                                                                    const AttentionResult& result,
+                                                                    const VarlenSequences& sequences, double scale,
+                                                                    bool causal) {
+  const auto& [seed, offset] = result.aux;
+  return at::_flash_attention_backward(grad_out, q, k, v, result.out, result.logsumexp, sequences.cut_q,
+                                       sequences.cut_k, sequences.max_q, sequences.max_k, 0.0, causal, seed, offset,
+                                       std::optional<double>(scale));
+}
+
+constexpr AttentionKernels cuda_attention_kernels{cuda_attention_forward, cuda_attention_backward, uses_flash,
+                                                  cuda_varlen_forward, cuda_varlen_backward};
 
 }  // namespace
 
