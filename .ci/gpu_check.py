@@ -86,7 +86,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--allow-no-gpu", action="store_true", help="run the steps where no GPU is (they skip)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
+    parser.add_argument(
+        "--bench-after", type=float, default=300, help="skip the benches if the steps before took longer (seconds)"
+    )
     args = parser.parse_args()
+    started = time.monotonic()
     python = sys.executable
     import torch
 
@@ -145,20 +149,26 @@ def main():
             env,
             results,
         )
-        bench = [
-            python,
-            "bench/compile.py",
-            "--device",
-            "cuda",
-            "--tokens",
-            "2048",
-            "--rounds",
-            "1",
-            "--offload",
-            "none,cpu",
-        ]
-        if gpu is not None:
-            run("bench/compile.py (GPU)", bench, env, results)
+        benches = {
+            "bench/gpu_llama.py": ["--tokens", "8192,32768", "--longest-seconds", "45"],
+            "bench/compile.py (GPU)": [
+                "--device",
+                "cuda",
+                "--tokens",
+                "2048",
+                "--rounds",
+                "1",
+                "--offload",
+                "none,cpu",
+            ],
+        }
+        for step, options in benches.items():
+            if gpu is None:
+                break
+            if time.monotonic() - started > args.bench_after:  # the call's minutes go to the tests first
+                print(f"\n=== {step}: skipped, {time.monotonic() - started:.0f} s have gone", flush=True)
+                continue
+            run(step, [python, step.split()[0], *options], env, results)
 
     print(f"\n## gpu-check: {gpu or 'no GPU'}, torch {torch.__version__} (CUDA {torch.version.cuda})\n")
     print("| step | result | seconds |\n| --- | --- | ---: |")

@@ -1,0 +1,157 @@
+"""One training step of a Llama-8B-shaped model in bf16 on a GPU: peak device memory per token and step time for
+plain training, transformers' activation checkpointing with offload, and apply() with every default (one sequence,
+and packed documents); ratios against plain training of the same run; the longest context each fits, by running it.
+
+    python bench/gpu_llama.py [--tokens 8192,16384,32768] [--layers 2] [--longest-seconds 60] [--write]
+
+Each point is one step (SGD: no optimizer state) in a fresh process after a warm-up step; the peak is
+`torch.cuda.max_memory_allocated()` over what the model held before the step. `--shape tiny` runs the same on the CPU
+(resident set) to check the script where no GPU is.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+from measure import reset_peak_rss, status_bytes, worker_env, write_section
+from real_batches import batch
+
+CONFIGS = ("plain", "checkpoint_offload", "apply", "apply_packed")
+SHAPES = {
+    # Llama 3 8B's layer, a few of them: hidden, heads, kv heads, MLP, vocabulary.
+    "llama8b": dict(
+        hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=128256
+    ),
+    "tiny": dict(
+        hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=704, vocab_size=32000
+    ),
+}
+
+
+def worker(config, tokens, shape, layers):
+    import torch
+    import transformers
+
+    import torch_offload
+
+    device = "cuda" if shape != "tiny" else "cpu"
+    gpu = device == "cuda"
+    torch.manual_seed(0)
+    settings = transformers.LlamaConfig(
+        **SHAPES[shape], num_hidden_layers=layers, max_position_embeddings=tokens, attn_implementation="sdpa"
+    )
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(settings).to(torch.bfloat16).train()
+    if config == "checkpoint_offload":
+        model.activation_checkpointing_enable(offload=gpu)  # its pinned host copies need a GPU
+    elif config.startswith("apply"):
+        torch_offload.apply(model)
+    kind = "packed" if config.endswith("packed") else "one sequence"
+    inputs = {name: t.to(device) for name, t in batch(kind, tokens).items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    def step():
+        loss = model(**inputs, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    try:
+        step()
+        if gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        else:
+            before = reset_peak_rss()
+        start = time.perf_counter()
+        loss = step()
+        if gpu:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    except torch.OutOfMemoryError:
+        return {"oom": True}
+    peak = torch.cuda.max_memory_allocated() if gpu else status_bytes("VmHWM")
+    return {"oom": False, "loss": loss, "seconds": seconds, "peak_bytes": peak - before}
+
+
+def measure(config, tokens, shape, layers):
+    command = [sys.executable, __file__, "--worker", config, "--tokens", str(tokens), "--shape", shape]
+    command += ["--layers", str(layers)]
+    done = subprocess.run(command, capture_output=True, text=True, env=worker_env())
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr)
+        return {"oom": False, "failed": f"exit {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def longest(config, start, shape, layers, seconds):
+    """The longest context (doubling from `start`) whose step ran, within `seconds` of trying."""
+    fits, tokens, deadline = None, start, time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        result = measure(config, tokens, shape, layers)
+        if result.get("oom") or "failed" in result:
+            break
+        fits, tokens = tokens, tokens * 2
+    return fits
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="8192,16384,32768")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--shape", choices=SHAPES, default="llama8b")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--longest-seconds", type=float, default=0, help="per configuration; 0: not searched")
+    parser.add_argument("--write", action="store_true", help="rewrite BENCHMARKS.md's section")
+    parser.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, int(args.tokens), args.shape, args.layers)))
+        return
+    import torch
+
+    device = torch.cuda.get_device_name() if args.shape != "tiny" else "the CPU"
+    points = list(map(int, args.tokens.split(",")))
+    configs = args.configs.split(",")
+    results = {c: {t: measure(c, t, args.shape, args.layers) for t in points} for c in configs}
+    rows = []
+    for config in configs:
+        runs = results[config]
+        ok = [t for t in points if "peak_bytes" in runs[t]]
+        slope = (runs[ok[-1]]["peak_bytes"] - runs[ok[0]]["peak_bytes"]) / (ok[-1] - ok[0]) if len(ok) > 1 else None
+        cells = []
+        for t in points:
+            run, plain = runs[t], results.get("plain", {}).get(t, {})
+            if "peak_bytes" not in run:
+                cells.append("OOM" if run.get("oom") else run.get("failed", "?"))
+                continue
+            ratio = f" ({run['seconds'] / plain['seconds']:.2f}x)" if "seconds" in plain else ""
+            cells.append(f"{run['peak_bytes'] / 2**20:.0f} MiB, {run['seconds']:.2f} s{ratio}")
+        fits = (
+            longest(config, points[-1], args.shape, args.layers, args.longest_seconds) if args.longest_seconds else None
+        )
+        per_token = f"{slope / 1024:.1f}" if slope is not None else "-"
+        rows.append(f"| {config} | {per_token} | " + " | ".join(cells) + f" | {fits or '-'} |")
+        print(rows[-1], flush=True)
+    text = (
+        f"## Llama-8B-shaped step on a GPU\n\n`python bench/gpu_llama.py --tokens {args.tokens} --layers "
+        f"{args.layers} --shape {args.shape} --longest-seconds {args.longest_seconds:g} --write` on {device}, torch "
+        f"{torch.__version__}: bf16, {args.layers} layers, one step (SGD) per point in a fresh process; peak device "
+        "memory over the model's, step time (against plain training's at the same length); KiB per token is the "
+        "slope from the shortest to the longest point that ran; longest: doubling from the last point until a step "
+        "runs out of memory.\n\n"
+        "| configuration | KiB per token | " + " | ".join(f"{t} tokens" for t in points) + " | longest |\n"
+        "| --- | ---: | " + " | ".join("---:" for _ in points) + " | ---: |\n" + "\n".join(rows) + "\n"
+    )
+    if args.write:
+        write_section("Llama-8B-shaped step on a GPU", text)
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
