@@ -9,9 +9,12 @@ TORCH_VERSION ?= 2.13.0
 LINT_PACKAGES := ruff==0.17.6 clang-format==23.1.5
 # transformers, peft and trl pinned: their releases rename what apply() reads (5.24 renamed past_key_values to
 # cache), and trl's trainers patch the model's forward.
-DEV_PACKAGES := pytest numpy expecttest scikit-build-core ninja cmake transformers==5.24.0 peft==0.21.2 trl==1.16.0 \
+DEV_PACKAGES := pytest pytest-xdist==3.8.0 numpy expecttest scikit-build-core ninja cmake transformers==5.24.0 peft==0.21.2 trl==1.16.0 \
                 matplotlib tqdm $(LINT_PACKAGES)
 BUILD_DIR := build/python
+# pytest on every core (pytest-xdist); the tests that spawn ranks share one worker (python_tests/conftest.py), and
+# the slowest are named at the end of the log.
+PYTEST_PARALLEL := -n auto --dist loadgroup --durations=20
 # axolotl's own venv: it pins other Hugging Face releases than $(VENV) (see run-axolotl-tests).
 AXOLOTL_VENV := .venv-axolotl
 
@@ -38,7 +41,7 @@ endef
 test: lint build $(AXOLOTL_VENV)/.ready
 	$(VENV)/bin/ctest --test-dir $(BUILD_DIR) --output-on-failure
 	$(run-example-cpp)
-	$(PY) -m pytest python_tests
+	$(PY) -m pytest $(PYTEST_PARALLEL) python_tests
 	$(run-axolotl-tests)
 
 # axolotl 0.19.0 pins other transformers, peft and trl releases (5.16.1, 0.20.0, 1.9.0) than $(VENV): its plugin's
@@ -48,13 +51,13 @@ test: lint build $(AXOLOTL_VENV)/.ready
 define run-axolotl-tests
 	TORCH_OFFLOAD_LIBRARY=$$($(PY) -c 'import torch_offload; print(torch_offload.library_path())') \
 	  TORCH_OFFLOAD_REQUIRE_AXOLOTL=1 HF_HUB_OFFLINE=1 AXOLOTL_DO_NOT_TRACK=1 \
-	  $(AXOLOTL_VENV)/bin/python -m pytest python_tests/test_axolotl.py python_tests/test_real_batches.py
+	  $(AXOLOTL_VENV)/bin/python -m pytest $(PYTEST_PARALLEL) python_tests/test_axolotl.py python_tests/test_real_batches.py
 endef
 
 $(AXOLOTL_VENV)/.ready: Makefile
 	$(PYTHON) -m venv $(AXOLOTL_VENV)
 	$(AXOLOTL_VENV)/bin/pip install --upgrade pip
-	$(AXOLOTL_VENV)/bin/pip install torch==$(TORCH_VERSION) axolotl==0.19.0 pytest
+	$(AXOLOTL_VENV)/bin/pip install torch==$(TORCH_VERSION) axolotl==0.19.0 pytest pytest-xdist==3.8.0
 	touch $@
 
 test-axolotl: build $(AXOLOTL_VENV)/.ready
@@ -124,7 +127,7 @@ cuda-check: $(VENV)/.ready $(CUDA_VENV)/.ready gtest
 # The Python suite on the second torch: the CUDA wheel that cuda-check built the package against. Without a GPU
 # its CUDA tests skip and the rest runs on the CPU, as on torch $(TORCH_VERSION).
 test-cuda-torch: cuda-check
-	$(CUDA_VENV)/bin/python -m pytest python_tests
+	$(CUDA_VENV)/bin/python -m pytest $(PYTEST_PARALLEL) python_tests
 
 # The ends of the supported torch range (pyproject.toml): the CUDA build and the op test files on torch 2.11 (the lent
 # GPU machines') and 2.15 (the newest release), each in its own venv that borrows $(CUDA_VENV)'s other packages.
