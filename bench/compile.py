@@ -25,9 +25,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
-from measure import reset_peak_rss, status_bytes, worker_env, write_section
+from measure import measured_step, worker_env, write_section
 from real_batches import batch
 
 METHODS = ("eager", "compiled")
@@ -74,21 +73,9 @@ def worker(method, tokens, offload, device, kind):
         optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
-    step()
-    if gpu:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-    else:
-        before = reset_peak_rss()
-    start = time.perf_counter()
-    loss = step()
-    if gpu:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() if gpu else status_bytes("VmHWM")
+    loss, seconds, peak_bytes = measured_step(step, gpu)
     spill.cleanup()
-    return {"loss": loss, "seconds": seconds, "peak_bytes": peak - before}
+    return {"loss": loss, "seconds": seconds, "peak_bytes": peak_bytes}
 
 
 def measure(method, tokens, offload, device, kind):

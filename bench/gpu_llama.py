@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from measure import reset_peak_rss, status_bytes, worker_env, write_section
+from measure import measured_step, worker_env, write_section
 from real_batches import batch
 
 CONFIGS = ("plain", "checkpoint_offload", "apply", "apply_packed")
@@ -60,22 +60,10 @@ def worker(config, tokens, shape, layers):
         return loss.item()
 
     try:
-        step()
-        if gpu:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-        else:
-            before = reset_peak_rss()
-        start = time.perf_counter()
-        loss = step()
-        if gpu:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        loss, seconds, peak_bytes = measured_step(step, gpu)
     except torch.OutOfMemoryError:
         return {"oom": True}
-    peak = torch.cuda.max_memory_allocated() if gpu else status_bytes("VmHWM")
-    return {"oom": False, "loss": loss, "seconds": seconds, "peak_bytes": peak - before}
+    return {"oom": False, "loss": loss, "seconds": seconds, "peak_bytes": peak_bytes}
 
 
 def measure(config, tokens, shape, layers):

@@ -3,6 +3,7 @@ BENCHMARKS.md sections."""
 
 import os
 import platform
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,6 +21,27 @@ def reset_peak_rss():
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")
     return status_bytes("VmRSS")
+
+
+def measured_step(step, gpu):
+    """Runs step() once to warm up, then once measured: its value, its seconds, and its peak memory over what was
+    held before it (the GPU's allocated bytes with gpu, else the resident set)."""
+    import torch
+
+    step()
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        before = reset_peak_rss()
+    start = time.perf_counter()
+    value = step()
+    if gpu:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() if gpu else status_bytes("VmHWM")
+    return value, seconds, peak - before
 
 
 def worker_env():
