@@ -13,7 +13,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_offload
-from torch_offload import integrations, masking
+from torch_offload import masking
+from torch_offload.integrations import implementations
 
 SDPA_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2"]
 
@@ -66,7 +67,7 @@ def test_packed_and_padded_batches_give_the_unapplied_loss_and_gradients(name, b
     assert_close_runs(want, step(model, inputs))
     assert handle.mask_fallbacks == {}
     # A tested family's SDPA gets segment ids; Gemma 2 (eager in transformers 5.24, SDPA in 5.16) keeps its own.
-    if implementation == "sdpa" and model.config.model_type in integrations._SEGMENT_MASK_MODEL_TYPES:
+    if implementation == "sdpa" and model.config.model_type in implementations._SEGMENT_MASK_MODEL_TYPES:
         assert model.config._attn_implementation == torch_offload.masking.IMPLEMENTATION
     else:
         assert model.config._attn_implementation == implementation

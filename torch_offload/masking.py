@@ -2,7 +2,7 @@
 
 transformers turns packed ``position_ids`` (documents restarting at 0) and a 2-D ``attention_mask``
 into a dense ``[batch, 1, T, T]`` mask for SDPA. ``apply()`` switches a model of a tested family
-(integrations._SEGMENT_MASK_MODEL_TYPES) whose attention implementation is ``"sdpa"`` to
+(integrations.implementations._SEGMENT_MASK_MODEL_TYPES) whose attention implementation is ``"sdpa"`` to
 ``IMPLEMENTATION``, registered here with transformers' ``AttentionMaskInterface`` and
 ``AttentionInterface``:
 
@@ -180,7 +180,7 @@ def _compiled_segments(
 ):
     """mask()'s answer under torch.compile, where dynamo cannot read a nested function's closure: the
     factories' cells are out of reach, their code objects are not. The families apply() switches
-    (integrations._SEGMENT_MASK_MODEL_TYPES) compose only causal, their config's sliding window and,
+    (integrations.implementations._SEGMENT_MASK_MODEL_TYPES) compose only causal, their config's sliding window and,
     with no attention_mask, the packed-sequence mask (under compile transformers always composes it
     when it has position_ids: it cannot check for a single sequence), which mask() reads. So the mask
     function is evaluated instead, one key back from each query (mask_function(b, 0, i, i - 1)): false

@@ -1,0 +1,199 @@
+"""The handle apply() returns, and the patches it undoes: every attribute apply sets is a _Patch."""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from typing import Any
+
+from torch import nn
+
+from .. import masking
+from ..activations import offload_activations
+from .implementations import _IMPLEMENTATION_KEY
+
+_ABSENT = object()
+# Modules that live handles have patched, with those handles in the order they did: apply()
+# on the same layers again is refused, since two stacked patches could not be undone in any
+# order; a module above two applied stacks (its forward patched by each) has two handles.
+_PATCHED: weakref.WeakKeyDictionary[nn.Module, list[OffloadHandle]] = weakref.WeakKeyDictionary()
+
+
+def _refuse_patched(names: list[str], layers: nn.ModuleList) -> None:
+    """ValueError naming the first of ``layers`` (or its MLP) that an earlier apply() changed."""
+    for name, layer in zip(names, layers):
+        if layer in _PATCHED or getattr(layer, "mlp", None) in _PATCHED:
+            raise ValueError(
+                f"torch_offload.apply: {name} is already changed by an earlier apply(); "
+                "call that handle's remove() first"
+            )
+
+
+def _put(store: dict, key: str, value: Any) -> None:
+    """``store[key] = value``; no ``key`` in ``store`` when ``value`` is ``_ABSENT``."""
+    if value is _ABSENT:
+        store.pop(key, None)
+    else:
+        store[key] = value
+
+
+class _Patch:
+    """One attribute of one module set by apply: ``store`` is the module's ``__dict__`` or ``_modules``."""
+
+    def __init__(self, name: str, owner: nn.Module, store: dict, key: str, value: Any):
+        self.name, self.owner, self.store, self.key, self.value = name, owner, store, key, value
+        self.previous = store.get(key, _ABSENT)  # e.g. the forward accelerate's hooks installed
+        store[key] = value
+
+    def intact(self) -> bool:
+        return self.store.get(self.key, _ABSENT) is self.value
+
+    def undo(self) -> None:
+        _put(self.store, self.key, self.previous)
+
+
+class _StateBeforeApply:
+    """An applied module's ``__getstate__``: its state with apply's patches undone.
+
+    ``copy.deepcopy``, ``copy.copy`` and pickling (``torch.save(model)``) get the state
+    through it, so a copy is the module as it was before apply (its own forward, its own
+    MLP): patched forwards are closures over the original modules, and a copy running them
+    would compute with, and train, the original's parameters. The module itself stays applied.
+    A ``__getstate__`` the module had as an attribute of its own (``own``) still makes the
+    state, and ``remove()`` puts it back.
+    """
+
+    def __init__(self, owner: nn.Module):
+        self.owner_ref = weakref.ref(owner)
+        self.own = vars(owner).get("__getstate__", _ABSENT)
+
+    def __call__(self) -> Any:
+        owner = self.owner_ref()
+        state = type(owner).__getstate__(owner) if self.own is _ABSENT else self.own()
+        if not isinstance(state, dict):  # a format of the module's own: apply cannot find its patches there
+            return state
+        state = dict(state)
+        if state.get("__getstate__", _ABSENT) is self:
+            _put(state, "__getstate__", self.own)
+        if "_modules" in state:
+            state["_modules"] = dict(state["_modules"])
+        patches = [patch for handle in _PATCHED[owner] for patch in handle._patches]
+        for patch in reversed(patches):
+            where = state.get("_modules", {}) if patch.store is owner._modules else state
+            if patch.owner is owner and where.get(patch.key, _ABSENT) is patch.value:  # not replaced since
+                _put(where, patch.key, patch.previous)
+        return state
+
+
+class OffloadHandle:
+    """What ``apply`` changed; ``remove()`` puts the model back exactly as it was.
+
+    - ``layer_path``, ``layers``: the decoder layers found (e.g. ``"model.language_model.layers"``).
+    - ``offload``: the tier the layers' saved activations go to ("cpu", "disk" or None).
+    - ``loss``: ``"linear_cross_entropy"`` when a call with labels computes the loss with that op
+      (no logits), ``"unfused: <why>"`` when the model keeps its own, ``"no output layer: ..."``
+      for a model that has no LM head, ``"off"`` with ``loss=False``.
+    - ``mlp_tiling``: for each layer's MLP, by name: ``"tiled_mlp"`` (the op), ``"tiled_apply"``
+      (its own forward in shards) or ``"untiled: <why>"``.
+    - ``checkpointing``: for each layer, by name, what backward recomputes: ``"layer"``,
+      ``"attention"`` (the rest of what it saves is offloaded) or ``"none"``.
+    - ``attention``: for each layer's attention module, by name: ``"attention_block"`` (the op,
+      where a call allows it; with ``sequence_parallel``, over the group), ``"ulysses_attention"``
+      (with ``sequence_parallel``: the module's own forward, its core attention through that op) or
+      ``"module: <why not>"``.
+    - ``mask_fallbacks``: calls for which transformers built its dense ``[batch, 1, T, T]`` mask
+      although the model's masks are apply's segment ids (``torch_offload.masking``), by reason.
+    """
+
+    def __init__(
+        self, layer_path: str, layers: nn.ModuleList, offload: str | None, context: offload_activations | None
+    ):
+        self.layer_path = layer_path
+        self.layers = layers
+        self.offload = offload
+        self.context = context
+        self.mlp_tiling: dict[str, str] = {}
+        self.checkpointing: dict[str, str] = {}
+        self.attention: dict[str, str] = {}
+        self.loss = "off"
+        self.sequence_parallel: str | None = None  # the name of apply()'s sequence-parallel group
+        self._sequence_parallel_ranks = 1
+        self._patches: list[_Patch] = []
+        # (config, its attention implementation before, the one apply set)
+        self._attention_implementations: list[tuple[Any, Any, str]] = []
+
+    @property
+    def tiled_mlps(self) -> int:
+        """MLPs computed by the tiled_mlp op."""
+        return sum(how == "tiled_mlp" for how in self.mlp_tiling.values())
+
+    @property
+    def attention_blocks(self) -> int:
+        """Attention modules computed by the attention_block op."""
+        return sum(how == "attention_block" for how in self.attention.values())
+
+    @property
+    def tiled_applies(self) -> int:
+        """MLPs computed by the generic tiled_apply."""
+        return sum(how == "tiled_apply" for how in self.mlp_tiling.values())
+
+    @property
+    def mask_fallbacks(self) -> dict[str, int]:
+        counts = collections.Counter()
+        for config, _, _ in self._attention_implementations:
+            counts.update(masking.fallbacks(config))
+        return dict(counts)
+
+    def stats(self) -> dict[str, int]:
+        """The offload context's counters (empty without offloading)."""
+        return self.context.stats() if self.context is not None else {}
+
+    def _patch(self, name: str, owner: nn.Module, key: str, value: Any) -> None:
+        store = owner._modules if key in owner._modules else vars(owner)
+        self._patches.append(_Patch(name, owner, store, key, value))
+        if owner not in _PATCHED:
+            vars(owner)["__getstate__"] = _StateBeforeApply(owner)
+            _PATCHED[owner] = []
+        if self not in _PATCHED[owner]:
+            _PATCHED[owner].append(self)
+
+    def _undo_last_patch(self) -> None:
+        patch = self._patches.pop()
+        patch.undo()
+        if not any(p.owner is patch.owner for p in self._patches):
+            _PATCHED[patch.owner].remove(self)
+            if not _PATCHED[patch.owner]:
+                del _PATCHED[patch.owner]
+                ours = vars(patch.owner).get("__getstate__")
+                if isinstance(ours, _StateBeforeApply):  # not replaced since
+                    _put(vars(patch.owner), "__getstate__", ours.own)
+
+    def remove(self) -> None:
+        """Restores every attribute apply set; refuses, changing nothing, if one was replaced since.
+
+        A backward still to come recomputes with apply's forwards all the same (``_Recompute``)."""
+        replaced = [
+            p.name
+            for i, p in enumerate(self._patches)
+            if not p.intact()
+            and not any(
+                q.store is p.store and q.key == p.key and q.previous is p.value  # wrapped by apply
+                for q in self._patches[i + 1 :]
+            )
+        ]
+        replaced += [
+            f"{type(config).__name__}._attn_implementation"
+            for config, _, ours in self._attention_implementations
+            if vars(config).get(_IMPLEMENTATION_KEY) != ours
+        ]
+        if replaced:
+            raise RuntimeError(
+                f"torch_offload: handle.remove(): {', '.join(replaced)} changed after apply() "
+                "(another wrapper?); undo that change first"
+            )
+        while self._patches:
+            self._undo_last_patch()
+        while self._attention_implementations:
+            config, previous, _ = self._attention_implementations.pop()
+            _put(vars(config), _IMPLEMENTATION_KEY, previous)
+            masking.forget(config)
