@@ -269,5 +269,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attend_backward(const AttentionKe
   return {dq, dk, dv};
 }
 
-
 }  // namespace torch_offload

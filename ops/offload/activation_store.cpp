@@ -122,7 +122,9 @@ class FreedMemorySpiller {
   }
 
  private:
-  FreedMemorySpiller() { std::thread([this] { run(); }).detach(); }
+  FreedMemorySpiller() {
+    std::thread([this] { run(); }).detach();
+  }
 
   void run() {
     while (true) {
