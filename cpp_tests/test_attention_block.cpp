@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include "expect_error.h"
+#include "ops/attention_block/attention_block.h"
 #include "torch_offload/torch_offload.h"
 
 namespace {
@@ -153,6 +154,19 @@ void check_segment_attention(at::Device device, at::ScalarType dtype, double rto
   for (size_t i = 0; i < got_grads.size(); ++i) {
     EXPECT_TRUE(at::allclose(got_grads[i], want_grads[i], rtol, atol)) << i;
   }
+}
+
+TEST(AttentionBlock, HeadGroupBudgetIs16MiBOnTheCpuAndUpTo256MiBOnAGpu) {
+  constexpr int64_t MiB = int64_t{1} << 20;
+  EXPECT_EQ(torch_offload::head_group_bytes(c10::DeviceType::CPU, 0), 16 * MiB);
+  EXPECT_EQ(torch_offload::head_group_bytes(c10::DeviceType::CPU, 80 * 1024 * MiB), 16 * MiB);
+  // An H100 or H200: Llama-8B's key/value heads (34 x 8192 tokens x 128 x 2 bytes each at 8K tokens in bf16) run 3 a
+  // group.
+  EXPECT_EQ(torch_offload::head_group_bytes(c10::DeviceType::CUDA, 80 * 1024 * MiB), 256 * MiB);
+  EXPECT_EQ(torch_offload::head_group_bytes(c10::DeviceType::CUDA, 141 * 1024 * MiB) / (34 * 8192 * 128 * 2), 3);
+  // A small GPU: 1/64 of its memory, never less than the CPU's budget.
+  EXPECT_EQ(torch_offload::head_group_bytes(c10::DeviceType::CUDA, 8 * 1024 * MiB), 128 * MiB);
+  EXPECT_EQ(torch_offload::head_group_bytes(c10::DeviceType::CUDA, 512 * MiB), 16 * MiB);
 }
 
 TEST(SegmentAttention, ValuesAndGradientsMatchAtenWithTheMaskWrittenOut) {

@@ -129,18 +129,50 @@ def test_cuda_low_precision_segments_take_one_flash_call_for_the_documents_and_o
 
 
 def test_cuda_holds_one_head_group_at_a_time():
-    # 16384 tokens, 8 heads of 64: eager's q, k, v, attention output and their gradients are
-    # 8 x 32 MiB; the op's backward holds x, grad_out, dx and one group's share of those.
-    inputs = to_cuda(make_inputs(batch=1, tokens=16384, h=512, heads=8, kv_heads=8, head_dim=64))
-    grad_out = torch.randn(1, 16384, 512, device="cuda")
+    # 65536 tokens, 8 heads of 64: eager's q, k, v, attention output and their gradients are
+    # 8 x 128 MiB; each head's share of a group is 160 MiB, over half a GPU's group budget (256 MiB
+    # at most), so the op's backward holds out, dx and one head's share of those.
+    tokens = 65536
+    inputs = to_cuda(make_inputs(batch=1, tokens=tokens, h=512, heads=8, kv_heads=8, head_dim=64))
+    grad_out = torch.randn(1, tokens, 512, device="cuda")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     out = call(*inputs)
     out.backward(grad_out)
     torch.cuda.synchronize()
-    one_tensor = 16384 * 512 * 4
+    one_tensor = tokens * 512 * 4
     assert torch.cuda.max_memory_allocated() - before < 8 * one_tensor
+
+
+def llama_8b_inputs(tokens):
+    """x [1, tokens, 4096] and Llama-8B's attention weights (32 query heads over 8 key/value heads of 128), cos, sin:
+    bf16 on the GPU."""
+    h, heads, kv_heads, head_dim = 4096, 32, 8, 128
+    generator = torch.Generator("cuda").manual_seed(0)
+
+    def rand(*size, scale=1.0):
+        return (torch.randn(*size, device="cuda", generator=generator) * scale).bfloat16()
+
+    x = rand(1, tokens, h)
+    w_q, w_o = rand(heads * head_dim, h, scale=h**-0.5), rand(h, heads * head_dim, scale=h**-0.5)
+    w_k, w_v = (rand(kv_heads * head_dim, h, scale=h**-0.5) for _ in range(2))
+    angles = torch.arange(tokens, device="cuda")[:, None] * 10000 ** (
+        -torch.arange(head_dim // 2, device="cuda") / (head_dim // 2)
+    )
+    angles = torch.cat([angles, angles], dim=-1)[None]
+    return x, w_q, w_k, w_v, w_o, angles.cos().bfloat16(), angles.sin().bfloat16()
+
+
+def test_cuda_runs_several_key_value_heads_per_group_at_llama_8b_shapes():
+    # At 8192 tokens each key/value head's share of a group is 68 MiB: the CPU's 16 MiB budget would run the 8 one
+    # per group (narrow GEMMs, and an exchange each under sequence parallelism); a GPU's budget holds several. One
+    # attention call per group.
+    inputs = llama_8b_inputs(8192)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        call(*inputs)
+    groups = sum(e.count for e in prof.key_averages() if e.key == "aten::_scaled_dot_product_efficient_attention")
+    assert 1 <= groups < 8
 
 
 def test_cuda_opcheck():
@@ -171,21 +203,10 @@ def test_cuda_bf16_backward_holds_no_float32_product_as_large_as_x():
     # x's float32 gradient accumulator is 128 MiB. Adding each projection's product into it
     # through a whole [tokens, h] float32 GEMM result would allocate one more as large per
     # projection and head group; the op's scratch is 16 MiB.
-    tokens, h, heads, kv_heads, head_dim = 8192, 4096, 32, 8, 128
-    generator = torch.Generator("cuda").manual_seed(0)
-
-    def rand(*size, scale=1.0):
-        return (torch.randn(*size, device="cuda", generator=generator) * scale).bfloat16()
-
-    x = rand(1, tokens, h).requires_grad_()
-    w_q, w_o = rand(heads * head_dim, h, scale=h**-0.5), rand(h, heads * head_dim, scale=h**-0.5)
-    w_k, w_v = (rand(kv_heads * head_dim, h, scale=h**-0.5) for _ in range(2))
-    angles = torch.arange(tokens, device="cuda")[:, None] * 10000 ** (
-        -torch.arange(head_dim // 2, device="cuda") / (head_dim // 2)
-    )
-    angles = torch.cat([angles, angles], dim=-1)[None]
-    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
-    out = call(x, w_q, w_k, w_v, w_o, cos, sin)
+    tokens, h = 8192, 4096
+    x, *weights = llama_8b_inputs(tokens)
+    x.requires_grad_()
+    out = call(x, *weights)
     grad_out = torch.randn_like(out)
     sizes = allocation_sizes(lambda: out.backward(grad_out))
     accumulator = tokens * h * 4

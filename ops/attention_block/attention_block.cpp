@@ -31,12 +31,31 @@
 
 namespace torch_offload {
 
+int64_t head_group_bytes(c10::DeviceType device_type, int64_t device_memory) {
+  // Tuned on a CPU, whose GEMMs lose little at a single head's width.
+  constexpr int64_t kCpuBytes = int64_t{16} << 20;
+  // A GPU's GEMMs want width, and with sequence parallelism each group is an exchange: 16 MiB would
+  // run Llama-8B's shapes (32 query heads over 8 key/value heads of 128) one key/value head per group
+  // from about 2K tokens in bf16; 256 MiB keeps 3 per group at 8K tokens. A small GPU gives the
+  // groups no more than 1/64 of its memory.
+  constexpr int64_t kGpuBytes = int64_t{256} << 20;
+  if (device_type == c10::DeviceType::CPU) {
+    return kCpuBytes;
+  }
+  return std::clamp(device_memory / 64, kCpuBytes, kGpuBytes);
+}
+
 namespace {
 
-// A head group's q, k, v, attention output and their gradients stay within about
-// kGroupBytes: the memory of attention no longer grows with the number of heads,
-// and short sequences still run every head in one group (fewer, larger GEMMs).
-constexpr int64_t kGroupBytes = int64_t{16} << 20;
+// The head-group budget of x's device (head_group_bytes).
+int64_t group_bytes_of(const at::Tensor& x) {
+#ifdef TORCH_OFFLOAD_WITH_CUDA
+  if (x.is_cuda()) {
+    return head_group_bytes(c10::DeviceType::CUDA, cuda_device_memory(x.device().index()));
+  }
+#endif
+  return head_group_bytes(x.device().type(), 0);
+}
 
 // Every argument against x [B, T, h] and cos [1 or B, T, D]; works on symbolic shapes.
 void check_arguments(const char* op, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
@@ -165,7 +184,7 @@ struct Layout {
     // plus k and v themselves.
     const int64_t bytes =
         std::max<int64_t>(1, (8 * repeats + 2) * batch * tokens * head_dim * static_cast<int64_t>(x.element_size()));
-    kv_heads_per_group = std::clamp<int64_t>(kGroupBytes / bytes, 1, kv_heads);
+    kv_heads_per_group = std::clamp<int64_t>(group_bytes_of(x) / bytes, 1, kv_heads);
   }
 };
 

@@ -84,6 +84,11 @@ void check_segment_attention_inputs(const char* op, const at::Tensor& q, const a
 // Errors unless cos and sin are constants for autograd: the op computes no gradient for them.
 void check_rotary_needs_no_grad(const at::Tensor& cos, const at::Tensor& sin);
 
+// The bytes one head group's q, k, v, attention output and their gradients may take on a device of
+// this type with `device_memory` bytes (unused for the CPU): the most heads that fit run as one group, so the
+// memory of attention does not grow with the number of heads.
+int64_t head_group_bytes(c10::DeviceType device_type, int64_t device_memory);
+
 // The kernels registered per dispatch key.
 at::Tensor attention_block_cpu(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v,
                                const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
@@ -127,6 +132,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_meta(
 void check_cuda_support(const char* op, const at::Tensor& x, const char* name, int64_t head_dim, const char* where);
 // Errors while a CUDA graph is being captured on segment_ids' device: segment_runs reads them on the host.
 void check_segment_ids_readable(const char* op, const at::Tensor& segment_ids);
+// The memory of CUDA device `index`, in bytes.
+int64_t cuda_device_memory(c10::DeviceIndex index);
 
 at::Tensor attention_block_cuda(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
                                 const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,

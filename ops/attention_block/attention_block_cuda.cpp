@@ -2,6 +2,9 @@
 // attention kernels for bfloat16 and float16 on sm80 and sm90, and its memory-efficient
 // ones otherwise (float32, other GPUs; no float64; head dimensions a multiple of 4 in
 // float32, of 8 in bf16/fp16).
+#include <array>
+#include <mutex>
+
 #include <ATen/ops/_flash_attention_backward.h>
 #include <ATen/ops/_flash_attention_forward.h>
 #include <ATen/ops/_scaled_dot_product_efficient_attention.h>
@@ -34,6 +37,18 @@ void check_segment_ids_readable(const char* op, const at::Tensor& segment_ids) {
               ": cannot run with segment_ids while a CUDA graph is being captured (torch.cuda.graph, "
               "torch.compile's mode='reduce-overhead'): the ids are read on the host; run it outside the captured "
               "region");
+}
+
+int64_t cuda_device_memory(c10::DeviceIndex index) {
+  // Asked once per device: cudaGetDeviceProperties is slow, and the answer never changes.
+  static std::array<std::once_flag, C10_COMPILE_TIME_MAX_GPUS> asked;
+  static std::array<int64_t, C10_COMPILE_TIME_MAX_GPUS> bytes;
+  std::call_once(asked.at(index), [index] {
+    cudaDeviceProp properties;
+    C10_CUDA_CHECK(cudaGetDeviceProperties(&properties, index));
+    bytes[index] = static_cast<int64_t>(properties.totalGlobalMem);
+  });
+  return bytes[index];
 }
 
 namespace {
