@@ -202,7 +202,7 @@ def test_cuda_bf16_backward_holds_no_float32_product_as_large_as_x():
     # 8192 tokens of h 4096 in bf16, 32 heads of 128 over 8 key/value heads, weights frozen:
     # x's float32 gradient accumulator is 128 MiB. Adding each projection's product into it
     # through a whole [tokens, h] float32 GEMM result would allocate one more as large per
-    # projection and head group; the op's scratch is 16 MiB.
+    # projection and head group; the op adds each product into it in the GEMM.
     tokens, h = 8192, 4096
     x, *weights = llama_8b_inputs(tokens)
     x.requires_grad_()

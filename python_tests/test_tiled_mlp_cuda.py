@@ -93,7 +93,7 @@ def test_device_mismatch_is_rejected_by_name():
 def test_cuda_bf16_backward_holds_no_float32_product_as_large_as_a_weight():
     # Llama-7B's MLP (h 4096, I 11008) in bf16: each weight's float32 gradient accumulator is
     # 172 MiB. Adding each shard's product into it through a whole [I, h] float32 GEMM result
-    # would allocate one more as large per shard and weight; the op's scratch is 16 MiB.
+    # would allocate one more as large per shard and weight; the op adds each product into it in the GEMM.
     h, inter, tokens, shards = 4096, 11008, 2048, 4
     generator = torch.Generator("cuda").manual_seed(0)
 
@@ -112,6 +112,32 @@ def test_cuda_bf16_backward_holds_no_float32_product_as_large_as_a_weight():
         torch.nn.functional.silu(x.float() @ w_gate.float().t()) * (x.float() @ w_up.float().t()), w_down.float()
     )
     assert relative_error(out, want) < 1e-2
+
+
+def test_cuda_bf16_weight_gradients_add_up_in_float32_in_the_gemm():
+    # Integers of magnitude 1 at most: every product and every sum within a shard is exact in bf16 (at most 256), and
+    # the sums over the shards exact in float32 (under 2^24) but not in bf16. The weight gradients, float32 sums
+    # rounded once to bf16, are then float64's rounded to bf16: a product rounded or written over the sum, instead
+    # of added to it, differs. Nothing else in float32 is as large as a weight: a product stored in a scratch, then
+    # added, would be one more per shard and weight.
+    tokens, h, inter, shards = 512, 256, 512, 4
+    generator = torch.Generator("cuda").manual_seed(0)
+
+    def integers(*size):
+        return torch.randint(-1, 2, size, device="cuda", generator=generator).bfloat16()
+
+    x, grad_out = integers(tokens, h), integers(tokens, h)
+    w_gate, w_down = integers(inter, h).requires_grad_(), integers(h, inter).requires_grad_()
+    out = torch.ops.offload.tiled_mlp(x, w_gate, None, w_down, None, None, None, "relu", shards)
+    grads = []
+    sizes = allocation_sizes(lambda: grads.extend(torch.autograd.grad(out, (w_gate, w_down), grad_out)))
+    exact = [w.detach().double().requires_grad_() for w in (w_gate, w_down)]
+    want = torch.autograd.grad(torch.relu(x.double() @ exact[0].t()) @ exact[1].t(), exact, grad_out.double())
+    for got, w in zip(grads, want):
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, w.bfloat16())
+    accumulator = inter * h * 4
+    assert sum(size >= accumulator for size in sizes) == 2  # the two accumulators
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

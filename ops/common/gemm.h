@@ -1,14 +1,13 @@
 #pragma once
 // GEMMs through ATen into preallocated slices, shared by the tiled ops.
-#include <algorithm>
 #include <cstdint>
 #include <optional>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/addmm.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <c10/util/accumulate.h>
+#include <torch/version.h>
 
 namespace torch_offload {
 
@@ -29,30 +28,19 @@ inline void linear_into(const at::Tensor& out, const at::Tensor& in, const at::T
   }
 }
 
-// Bytes of the float32 product a CUDA accumulate_mm holds at once, whatever acc's size.
-inline constexpr int64_t kAccumulateScratchBytes = int64_t{16} << 20;
-
-// acc += a @ b. Products of bf16/fp16 go unrounded into a float32 acc: on CUDA by
-// GEMMs with a float32 result, a block of acc's rows at a time into one scratch of at
-// most kAccumulateScratchBytes (a whole [rows, cols] float32 product would be a
-// transient as large as the accumulator the tiled ops bound); elsewhere by float32
-// operands (callers may pass operands already converted, to convert a shared one once).
+// acc += a @ b. Products of bf16/fp16 go unrounded into a float32 acc: on CUDA by one
+// GEMM that adds into acc (beta = 1), so no float32 product is stored and read back;
+// elsewhere by float32 operands (callers may pass operands already converted, to
+// convert a shared one once). addmm's out_dtype overload takes a float32 acc as the
+// matrix it adds to from torch 2.10 on (pytorch#167931; 2.8 and 2.9 wanted it in the
+// operands' dtype): every torch this project supports (2.11 to 2.15) takes that path.
+static_assert(TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 10),
+              "accumulate_mm needs torch >= 2.10: addmm with out_dtype and a float32 self");
 inline void accumulate_mm(at::Tensor acc, const at::Tensor& a, const at::Tensor& b) {
   if (acc.scalar_type() == a.scalar_type()) {
     acc.addmm_(a, b);
   } else if (a.is_cuda()) {
-    const int64_t rows = acc.size(0), cols = acc.size(1);
-    if (rows == 0 || cols == 0) {
-      return;
-    }
-    const int64_t block = std::clamp<int64_t>(kAccumulateScratchBytes / (cols * 4), 1, rows);
-    const at::Tensor scratch = at::empty({block, cols}, acc.options());
-    for (int64_t first = 0; first < rows; first += block) {
-      const int64_t count = std::min(block, rows - first);
-      at::Tensor product = scratch.narrow(0, 0, count);
-      at::mm_out(product, a.narrow(0, first, count), b, acc.scalar_type());
-      acc.narrow(0, first, count).add_(product);
-    }
+    at::addmm_out(acc, acc, a, b, acc.scalar_type());
   } else {
     acc.addmm_(a.to(acc.scalar_type()), b.to(acc.scalar_type()));
   }
