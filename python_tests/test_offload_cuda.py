@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from test_activations_cuda import SLEEP_CYCLES
 from torch.testing._internal.optests import opcheck
 
 import torch_offload
@@ -174,3 +175,38 @@ def test_disk_spill_of_pinned_memory_and_of_a_pack_still_in_flight(tmp_path):
     packed = torch_offload.offload_pack(src, non_blocking=True)
     ticket = torch_offload.disk_spill(packed, directory=str(tmp_path))  # the copy is still queued
     assert torch.equal(torch_offload.disk_restore(ticket, packed.shape, packed.dtype, "cuda"), expected)
+
+
+def test_disk_restore_to_the_gpu_copies_from_pinned_memory_on_the_copy_stream(tmp_path):
+    # The read lands in pageable memory: the host-to-device copy reads a pinned copy of it (a slice of the arena) on
+    # the copy stream, and the current stream waits for that copy alone, so the restore returns while the current
+    # stream still sleeps, and what the stream reads after it is the spilled tensor.
+    src = torch.randn(1 << 22, device="cuda")
+    ticket = torch_offload.disk_spill(src, directory=str(tmp_path))
+    torch_offload.disk_wait(ticket)
+    slices = torch_offload.pinned_arena_stats()["slice_allocations"]
+    torch.cuda._sleep(SLEEP_CYCLES)
+    restored = torch_offload.disk_restore(ticket, src.shape, src.dtype, "cuda")
+    assert not torch.cuda.current_stream().query()
+    assert torch_offload.pinned_arena_stats()["slice_allocations"] == slices + 1
+    assert torch.equal(restored, src)
+
+
+def test_disk_restore_on_a_side_stream_keeps_its_memory_until_that_stream_read_it(tmp_path):
+    # Restored on a side stream that sleeps first, and freed at once: the side stream is a recorded user of the
+    # memory, so the next restore (allocated on the same copy stream, of the same size) does not take it and write
+    # twos into it before the side stream read the ones.
+    n = 1 << 24
+    ones = torch_offload.disk_spill(torch.ones(n, device="cuda"), directory=str(tmp_path))
+    twos = torch_offload.disk_spill(torch.full((n,), 2.0, device="cuda"), directory=str(tmp_path))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        restored = torch_offload.disk_restore(ones, (n,), torch.float32, "cuda")
+        seen = restored * 1
+    del restored
+    other = torch_offload.disk_restore(twos, (n,), torch.float32, "cuda")
+    side.synchronize()
+    assert torch.equal(seen, torch.ones_like(seen))
+    assert torch.equal(other, torch.full_like(other, 2.0))

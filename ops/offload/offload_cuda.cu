@@ -13,6 +13,7 @@
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/accumulate.h>
 
 #include "ops/common/checks.h"
 #include "ops/common/device_event.h"
@@ -50,6 +51,30 @@ void make_stream_wait(const Fence& fence, const c10::cuda::CUDAStream& stream) {
   static_cast<const DeviceEvent&>(fence).make_wait(stream);
 }
 
+// An uninitialized CPU tensor over a new slice of the pinned arena, which gets the slice back
+// when the tensor is freed (and reuses it once the slice's fences are done); undefined when
+// the tensor is empty or the pinned budget has no room for it.
+at::Tensor empty_pinned(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  const size_t nbytes = static_cast<size_t>(c10::multiply_integers(sizes)) * options.dtype().itemsize();
+  void* slice = nbytes > 0 ? host_arena().allocate(nbytes) : nullptr;
+  if (slice == nullptr) {
+    return {};
+  }
+  return at::from_blob(slice, sizes, [](void* ptr) { host_arena().release(ptr); }, options.device(at::kCPU));
+}
+
+// host's values where a copy stream can read them without the host: host itself when pinned,
+// else a pinned copy (a disk restore's read buffer, any pageable tensor). A copy from pageable
+// memory holds the calling thread until the transfer is done; the pinned copy costs a memcpy.
+// Over the pinned budget, host itself.
+at::Tensor pinned_source(const at::Tensor& host) {
+  if (host.numel() == 0 || host.is_pinned()) {
+    return host;
+  }
+  at::Tensor pinned = empty_pinned(host.sizes(), host.options());
+  return pinned.defined() ? pinned.copy_(host) : host;
+}
+
 }  // namespace
 
 at::Tensor offload_pack_cuda(const at::Tensor& src, bool non_blocking) {
@@ -64,29 +89,26 @@ at::Tensor offload_pack_cuda(const at::Tensor& src, bool non_blocking) {
   // including whatever produced src.
   DeviceEvent(current).make_wait(d2h);
 
-  const auto host_options = src.options().device(at::kCPU);
-  const size_t nbytes = static_cast<size_t>(src.numel()) * src.element_size();
-  PinnedArena& arena = host_arena();
-  void* slice = nbytes > 0 ? arena.allocate(nbytes) : nullptr;
   // Over the pinned budget the copy goes to pageable memory and is synchronous
   // with the host: slower, never a failure.
-  at::Tensor packed = slice != nullptr
-                          ? at::from_blob(
-                                slice, src.sizes(), [](void* ptr) { host_arena().release(ptr); }, host_options)
-                          : at::empty(src.sizes(), host_options);
-  if (nbytes == 0) {
+  at::Tensor packed = empty_pinned(src.sizes(), src.options());
+  const bool pinned = packed.defined();
+  if (!pinned) {
+    packed = at::empty(src.sizes(), src.options().device(at::kCPU));
+  }
+  if (src.numel() == 0) {
     return packed;
   }
   {
     const c10::cuda::CUDAStreamGuard stream_guard(d2h);
-    packed.copy_(src, /*non_blocking=*/slice != nullptr);
+    packed.copy_(src, /*non_blocking=*/pinned);
   }
   // src's block is not handed to other work until the copy stream has read it,
   // even if the caller frees src right now.
   c10::cuda::CUDACachingAllocator::recordStream(src.storage().data_ptr(), d2h);
-  if (slice != nullptr) {
+  if (pinned) {
     auto fence = std::make_shared<DeviceEvent>(d2h);
-    arena.add_fence(slice, fence);
+    host_arena().add_fence(packed.data_ptr(), fence);
     if (!non_blocking) {
       fence->wait();  // this copy only, not the device
     }
@@ -111,6 +133,7 @@ PendingUnpack start_host_to_cuda(const at::Tensor& packed, c10::Device device) {
     wait_for_pending_pack(packed);  // the host reads it to make it contiguous
     host = packed.contiguous();
   }
+  host = pinned_source(host);
 
   // Allocated under the copy stream, which writes it: a block from the consumer's pool
   // may still be read or written by kernels queued there, which the copy does not wait for.
