@@ -424,6 +424,7 @@ def applied_on_ranks(rank, world_size, cases, path, compiled=False):
             dict(handle.attention),
             graphs,
             calls.forwards,
+            handle.report(),
         )
         handle.remove()
     torch.save(results, f"{path}.{rank}")
@@ -447,6 +448,9 @@ def test_applied_model_on_each_ranks_chunk_equals_one_process_on_the_whole_batch
         parts = [r[case] for r in results]
         family = APPLIED[case][0]
         assert set(parts[0][2].values()) == {THE_MODULES_OWN.get(family, "attention_block")}, case
+        report = parts[0][5]  # print(handle)'s rows say the same
+        assert {row["attention"] for row in report["layers"]} == set(parts[0][2].values()), case
+        assert report["sequence_parallel"] is not None and "sequence_parallel" in report["masks"], case
         calls = parts[0][4]  # every layer's in every step (twice in a layer checkpointed whole), or none
         assert calls == 0 if family in THE_MODULES_OWN else calls >= 3 * len(APPLIED[case][2]()), case
         assert_equals_one_process(case, parts)

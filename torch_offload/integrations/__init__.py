@@ -12,6 +12,7 @@ handle restores the model.
 from __future__ import annotations
 
 import inspect
+import logging
 import warnings
 from typing import Any
 
@@ -33,9 +34,12 @@ from .options import (
     _resolve_offload,
     check_option_names,
 )
+from .report import summary_line
 from .sequence_parallelism import _attend_over_ranks, _sequence_parallel_group
 
 __all__ = ["apply", "OffloadHandle"]
+
+_log = logging.getLogger(__name__)
 
 
 def check_apply_option_names(names: Any, caller: str) -> None:
@@ -146,7 +150,8 @@ def apply(
     ``generate()`` and Trainer read.
 
     Returns a handle (see ``OffloadHandle``): ``handle.remove()`` restores the model,
-    ``handle.stats()`` counts. Applying twice to the same layers is refused.
+    ``handle.stats()`` counts, ``print(handle)`` shows what each layer got and why not more (logged at
+    INFO level by the ``torch_offload`` logger too). Applying twice to the same layers is refused.
     """
     _check_arguments(
         offload, {"tiled_mlp": tiled_mlp, "loss": loss, "attention_block": attention_block}, keep_last, num_shards
@@ -165,6 +170,12 @@ def apply(
     # The plan: every layer's MLP tiled (where a probe allows), each layer checkpointed as `recompute`
     # says, and with a tier, all but the last keep_last layers offloaded. Installed, or nothing is.
     offloaded = set(range(len(layer_list) - keep_last)) if handle.context is not None else set()
+    handle._model_name, handle._config, handle._offloaded = (
+        type(model).__name__,
+        getattr(model, "config", None),
+        offloaded,
+    )
+    handle._options = {"tiled_mlp": tiled_mlp, "attention_block": attention_block, "keep_last": keep_last}
     try:
         _install_layers(handle, model, names, layer_list, recompute, offloaded, tiled_mlp, num_shards, attention_block)
         _install_above_layers(handle, model, names, layer_list, group, offloaded, attention_block, loss)
@@ -178,6 +189,7 @@ def apply(
         handle.remove()
         raise
     _warn_what_stays(handle)
+    _log.info("%s", summary_line(handle.report()))
     return handle
 
 
@@ -214,8 +226,12 @@ def _install_above_layers(
 ) -> None:
     """What the model gets above its layers: segment-id masks, the fused loss, attention over the
     sequence-parallel group's ranks, and the offload in compiled graphs."""
-    if attention_block and group is None:
-        _use_segment_masks(handle, model)
+    if not attention_block:
+        handle._masks = "the model's own (attention_block=False)"
+    elif group is None:
+        handle._masks = _use_segment_masks(handle, model)
+    else:
+        handle._masks = "each rank's real-token flags, the whole rows' segments gathered (sequence_parallel)"
     if loss:
         handle.loss = fuse_causal_lm_loss(handle, model, handle.sequence_parallel)
     if group is not None:

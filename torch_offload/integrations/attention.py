@@ -106,11 +106,27 @@ def _op_weights(attention: nn.Module, layout: tuple[str, ...], weights: dict[str
     }
 
 
+def _layout_problem(attention: nn.Module) -> str:
+    """Why ``attention``'s children are not exactly the nn.Linear q_proj, k_proj, v_proj (or qkv_proj) and o_proj."""
+    children = dict(attention.named_children())
+    layout = _FUSED if "qkv_proj" in children else _SEPARATE
+    missing = [name for name in layout if name not in children]
+    if missing:
+        return f"it has no {', '.join(missing)} ({', '.join(children) or 'no modules'} instead)"
+    kinds = {name: type(children[name]) for name in layout}
+    wrapped = [
+        f"{name} is a {kind.__module__}.{kind.__qualname__}" for name, kind in kinds.items() if kind is not nn.Linear
+    ]
+    if wrapped:
+        return f"{', '.join(wrapped)}, not an nn.Linear"
+    return f"it has {', '.join(name for name in children if name not in layout)} besides its nn.Linear projections"
+
+
 def _attention_block_problem(attention: nn.Module) -> str | None:
     """None when ``attention`` computes what the attention_block op computes; else why not."""
     layout = _projection_layout(attention)
     if layout is None:
-        return "it is not made of exactly the nn.Linear q_proj, k_proj, v_proj (or qkv_proj) and o_proj"
+        return _layout_problem(attention)
     if any("forward" in vars(m) or m._forward_hooks or m._forward_pre_hooks for m in attention.modules()):
         return "it or a projection has hooks or a forward of its own (the op would bypass them)"
     parameters = inspect.signature(attention.forward).parameters

@@ -11,6 +11,7 @@ from torch import nn
 from .. import masking
 from ..activations import offload_activations
 from .implementations import _IMPLEMENTATION_KEY
+from .report import format_report, report
 
 _ABSENT = object()
 # Modules that live handles have patched, with those handles in the order they did: apply()
@@ -103,6 +104,9 @@ class OffloadHandle:
       ``"module: <why not>"``.
     - ``mask_fallbacks``: calls for which transformers built its dense ``[batch, 1, T, T]`` mask
       although the model's masks are apply's segment ids (``torch_offload.masking``), by reason.
+
+    ``print(handle)`` shows it all per decoder layer (identical neighbours in one row), with the reason
+    for each part left as the model had it; ``handle.report()`` returns the same as data.
     """
 
     def __init__(
@@ -118,6 +122,12 @@ class OffloadHandle:
         self.loss = "off"
         self.sequence_parallel: str | None = None  # the name of apply()'s sequence-parallel group
         self._sequence_parallel_ranks = 1
+        # For the report: the model's class and config, apply's options, the offloaded layers' indices, what
+        # the masks are.
+        self._model_name, self._config = "", None
+        self._options: dict[str, Any] = {}
+        self._offloaded: set[int] = set()
+        self._masks = "the model's own"
         self._patches: list[_Patch] = []
         # (config, its attention implementation before, the one apply set)
         self._attention_implementations: list[tuple[Any, Any, str]] = []
@@ -143,6 +153,16 @@ class OffloadHandle:
         for config, _, _ in self._attention_implementations:
             counts.update(masking.fallbacks(config))
         return dict(counts)
+
+    def report(self) -> dict[str, Any]:
+        """What each decoder layer got, as ``print(handle)`` shows it: ``"layers"`` is a list of rows, one per
+        run of identical layers, each with its layer indices, ``"mlp"``, ``"attention"``, ``"recompute"``,
+        ``"saved"`` and ``"why"`` (by column, the reason a part is left as the model had it); beside it the
+        model's ``"loss"``, ``"masks"`` and ``"sequence_parallel"``."""
+        return report(self)
+
+    def __str__(self) -> str:
+        return format_report(self.report())
 
     def stats(self) -> dict[str, int]:
         """The offload context's counters (empty without offloading)."""

@@ -51,18 +51,31 @@ def _configs(model: nn.Module) -> list[Any]:
 _SEGMENT_MASK_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2"})
 
 
-def _use_segment_masks(handle: OffloadHandle, model: nn.Module) -> None:
+def _use_segment_masks(handle: OffloadHandle, model: nn.Module) -> str:
     """Every config of the model whose attention is SDPA gets masking.IMPLEMENTATION: packed and padded
-    batches then reach attention modules as segment ids, not as a dense [batch, 1, T, T] mask."""
+    batches then reach attention modules as segment ids, not as a dense [batch, 1, T, T] mask. Returns
+    what the model's masks are, for the handle's report."""
     can_set = getattr(model, "_can_set_attn_implementation", None)
     if can_set is not None and not can_set():  # attention not through transformers' AttentionInterface
-        return
-    configs = [
+        return "the model's own (its attention does not go through transformers' attention functions)"
+    configs = _configs(model)
+    ours = [
         c
-        for c in _configs(model)
+        for c in configs
         if vars(c).get(_IMPLEMENTATION_KEY) == "sdpa" and getattr(c, "model_type", None) in _SEGMENT_MASK_MODEL_TYPES
     ]
-    if configs:
+    if ours:
         masking.register()
-    for config in configs:
+    for config in ours:
         _set_implementation(handle, config, masking.IMPLEMENTATION)
+    if ours:
+        return "segment ids (packed and padded rows reach attention without a [T, T] mask)"
+    named = [(getattr(c, "model_type", type(c).__name__), vars(c).get(_IMPLEMENTATION_KEY)) for c in configs]
+    other = [
+        f"{kind} has {implementation!r} attention"
+        for kind, implementation in named
+        if implementation not in (None, "sdpa")
+    ]
+    untested = [kind for kind, implementation in named if implementation == "sdpa"]
+    problems = other + ([f"{', '.join(untested)}: not among the families tested with segment ids"] if untested else [])
+    return f"the model's own ({'; '.join(problems) or 'no attention implementation in its configs'})"

@@ -1,0 +1,140 @@
+"""What apply() did to each decoder layer, and why not more: ``handle.report()``, ``print(handle)`` and the
+log line apply() writes. Read from the handle's records and the configs' current attention implementations,
+so the report says what runs now."""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any
+
+from .. import masking
+from .layers import _attention_of
+
+if TYPE_CHECKING:
+    from .handle import OffloadHandle
+
+_COLUMNS = ("mlp", "attention", "recompute", "saved")
+_HEADINGS = {"layers": "layers", "mlp": "mlp", "attention": "attention", "recompute": "recomputed", "saved": "saved to"}
+
+
+def _mlp(handle: OffloadHandle, name: str) -> tuple[str, str | None]:
+    how = handle.mlp_tiling.get(f"{name}.mlp")
+    if how is None:
+        return "own", "tiled_mlp=False" if not handle._options["tiled_mlp"] else "the layer has no mlp"
+    if how.startswith("untiled: "):
+        return "own", how.removeprefix("untiled: ")
+    return how, None
+
+
+def _attention(handle: OffloadHandle, name: str, layer: Any) -> tuple[str, str | None]:
+    child = _attention_of(layer)
+    how = None if child is None else handle.attention.get(f"{name}.{child}")
+    if how in ("attention_block", "ulysses_attention"):
+        return how, None
+    if child is None:
+        why = "no single attention module in the layer"
+    elif how is not None:
+        why = how.removeprefix("module: ")
+    elif not handle._options["attention_block"]:
+        why = "attention_block=False"
+    else:
+        why = "the layer is neither checkpointed nor offloaded"
+    config = getattr(getattr(layer, child, None), "config", None) if child is not None else None
+    if getattr(config, "_attn_implementation", None) == masking.IMPLEMENTATION:
+        # The module's own forward, whose core attention takes segment ids: the segment_attention op.
+        return "segment_attention", f"own forward ({why})"
+    return "own", why
+
+
+def _saved(handle: OffloadHandle, index: int, recompute: str) -> tuple[str, str | None]:
+    if index in handle._offloaded:
+        return handle.offload, None
+    if handle.context is not None:
+        return "in place", f"keep_last={handle._options['keep_last']}: backward needs the last layers first"
+    return ("in place", "offload=None") if recompute != "none" else ("in place", "neither checkpointed nor offloaded")
+
+
+def _loss(handle: OffloadHandle) -> str:
+    if handle.loss == "linear_cross_entropy" and getattr(handle._config, "output_router_logits", False):
+        # causal_lm_loss leaves such calls to the model: it adds its router loss to a loss of its own only.
+        return (
+            "the model's own while config.output_router_logits is True (its router loss joins only its own loss); "
+            "linear_cross_entropy in calls with output_router_logits=False"
+        )
+    return handle.loss
+
+
+def report(handle: OffloadHandle) -> dict[str, Any]:
+    """The handle's report as data; ``format_report`` prints it."""
+    rows = []
+    for index, layer in enumerate(handle.layers):
+        name = f"{handle.layer_path}.{index}"
+        recompute = handle.checkpointing.get(name, "none")
+        cells = {"mlp": _mlp(handle, name), "attention": _attention(handle, name, layer)}
+        cells["recompute"] = (recompute, None)
+        cells["saved"] = _saved(handle, index, recompute)
+        row = {column: cells[column][0] for column in _COLUMNS}
+        row["why"] = {column: cells[column][1] for column in _COLUMNS if cells[column][1] is not None}
+        if rows and {k: v for k, v in rows[-1].items() if k != "layers"} == row:
+            rows[-1]["layers"].append(index)
+        else:
+            rows.append({"layers": [index], **row})
+    return {
+        "model": handle._model_name,
+        "layer_path": handle.layer_path,
+        "layers": rows,
+        "loss": _loss(handle),
+        "masks": handle._masks,
+        "sequence_parallel": handle.sequence_parallel,
+    }
+
+
+def _span(indices: list[int]) -> str:
+    return str(indices[0]) if len(indices) == 1 else f"{indices[0]}-{indices[-1]}"
+
+
+def _layers_named(indices: list[int]) -> str:
+    return f"{'layer' if len(indices) == 1 else 'layers'} {_span(indices)}"
+
+
+def _heading(data: dict[str, Any]) -> str:
+    count = sum(len(row["layers"]) for row in data["layers"])
+    return f"torch_offload.apply({data['model']}): {count} layers at {data['layer_path']}"
+
+
+def _model_lines(data: dict[str, Any]) -> list[str]:
+    lines = [f"loss: {data['loss']}", f"masks: {data['masks']}"]
+    if data["sequence_parallel"] is not None:
+        lines.append(f"sequence_parallel: group {data['sequence_parallel']}")
+    return lines
+
+
+def format_report(data: dict[str, Any]) -> str:
+    """A table of the rows, each reason once as a numbered note below it, then the model's loss and masks."""
+    reasons: dict[str, int] = {}
+    table = [[_HEADINGS[column] for column in ("layers", *_COLUMNS)]]
+    for row in data["layers"]:
+        cells = [_span(row["layers"])]
+        for column in _COLUMNS:
+            why = row["why"].get(column)
+            note = "" if why is None else f" [{reasons.setdefault(why, len(reasons) + 1)}]"
+            cells.append(row[column] + note)
+        table.append(cells)
+    widths = [max(len(cells[i]) for cells in table) for i in range(len(table[0]))]
+    lines = [_heading(data)]
+    lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip() for cells in table]
+    lines += [f"  [{number}] {why}" for why, number in reasons.items()]
+    return "\n".join(lines + _model_lines(data))
+
+
+def summary_line(data: dict[str, Any]) -> str:
+    """The report in one line, for apply()'s log."""
+    rows = (
+        f"{_layers_named(row['layers'])}: "
+        + ", ".join(
+            f"{column} {row[column]}" + (f" ({row['why'][column]})" if column in row["why"] else "")
+            for column in _COLUMNS
+        )
+        for row in data["layers"]
+    )
+    return "; ".join(itertools.chain([_heading(data)], rows, _model_lines(data)))
