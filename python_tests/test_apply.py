@@ -255,7 +255,7 @@ FAMILIES = {
         "model.layers",
         ["tiled_apply", "tiled_apply", "tiled_mlp"],
     ),
-    # Mixture-of-experts blocks (router logits recorded for the aux loss) stay as they are; dense MLPs are tiled.
+    # Mixture-of-experts blocks (router logits recorded for the aux loss) stay whole, their experts in shards.
     "qwen2_moe": (
         lambda: transformers.Qwen2MoeForCausalLM(
             transformers.Qwen2MoeConfig(
@@ -267,19 +267,54 @@ FAMILIES = {
             )
         ),
         "model.layers",
-        ["tiled_mlp", "untiled", "tiled_mlp"],
+        ["tiled_mlp", "tiled_experts", "tiled_mlp"],
     ),
     "qwen3_moe": (
         lambda: transformers.Qwen3MoeForCausalLM(
             transformers.Qwen3MoeConfig(**MOE, moe_intermediate_size=16, num_experts=4, head_dim=8, mlp_only_layers=[0])
         ),
         "model.layers",
-        ["tiled_mlp", "untiled", "untiled"],
+        ["tiled_mlp", "tiled_experts", "tiled_experts"],
     ),
     "mixtral": (
         lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(**MOE, num_local_experts=4)),
         "model.layers",
-        ["untiled", "untiled", "untiled"],
+        ["tiled_experts", "tiled_experts", "tiled_experts"],
+    ),
+    # Mixtures whose router returns dense scores (GPT-OSS, its experts with biases) or whose experts sit beside a
+    # shared expert, after a dense first layer (DeepSeek-V3, with multi-head latent attention).
+    "gpt_oss": (
+        lambda: transformers.GptOssForCausalLM(
+            transformers.GptOssConfig(
+                **MOE,
+                num_local_experts=4,
+                head_dim=8,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            )
+        ),
+        "model.layers",
+        ["tiled_experts", "tiled_experts", "tiled_experts"],
+    ),
+    "deepseek_v3": (
+        lambda: transformers.DeepseekV3ForCausalLM(
+            transformers.DeepseekV3Config(
+                **dict(MOE, num_key_value_heads=4),  # multi-head latent attention: a key and value per query head
+                moe_intermediate_size=16,
+                n_routed_experts=4,
+                n_shared_experts=1,
+                first_k_dense_replace=1,
+                n_group=1,
+                topk_group=1,
+                q_lora_rank=16,
+                kv_lora_rank=8,
+                qk_rope_head_dim=4,
+                qk_nope_head_dim=4,
+                v_head_dim=8,
+            )
+        ),
+        "model.layers",
+        ["tiled_mlp", "tiled_experts", "tiled_experts"],
     ),
     # A VLM: the language model's layers, not the vision tower's blocks (which also have an `mlp`).
     "qwen2_vl": (

@@ -55,6 +55,8 @@ class Observe(TorchDispatchMode):
         self.module_calls = collections.Counter()
         self.owner = {p.untyped_storage().data_ptr(): i for i, layer in enumerate(layers) for p in layer.parameters()}
         self.where = {}  # id(module) -> (layer index, "mlp" / "attention" / None for the layer itself)
+        self.experts = {id(layer.mlp.experts): i for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts")}
+        self.experts_output = {}
         for index, layer in enumerate(layers):
             self.where[id(layer)] = index, None
             attention = _attention_of(layer)
@@ -72,7 +74,10 @@ class Observe(TorchDispatchMode):
                 observe.layer = where[0]
                 if where[1] is not None:
                     observe.module_calls[observe.phase, where[0], where[1], id(module)] += 1
-            return call(module, *args, **kwargs)
+            out = call(module, *args, **kwargs)
+            if id(module) in observe.experts:  # which autograd node made a mixture's experts' output
+                observe.experts_output[observe.phase, observe.experts[id(module)]] = type(out.grad_fn).__name__
+            return out
 
         self.restore = call
         nn.Module.__call__ = counted
@@ -110,6 +115,8 @@ def run_step(model, handle, ids, attention_mask):
 
 
 def observed_mlp(seen, index):
+    if seen.experts_output.get(("forward", index), "").startswith("_TiledApply"):
+        return "tiled_experts"
     calls = seen.most_calls("forward", index, "mlp")
     if seen.ops["forward", index, "tiled_mlp"] == 1 and calls == 0:
         return "tiled_mlp"
@@ -126,6 +133,8 @@ def observed_recompute(seen, index, mlp):
     """What backward ran of the layer's forward again: its MLP ("layer"), its attention alone, or nothing."""
     own_recompute = SHARDS if mlp == "tiled_apply" else 0  # tiled_apply recomputes its shards in its backward
     mlp_again = seen.ops["backward", index, "tiled_mlp"] or seen.most_calls("backward", index, "mlp") > own_recompute
+    if mlp == "tiled_experts":  # its router runs once in forward, and again where the layer is recomputed
+        mlp_again = ("backward", index) in seen.experts_output
     attention_again = seen.ops["backward", index, "attention_block"] or seen.most_calls("backward", index, "attention")
     return "layer" if mlp_again else "attention" if attention_again else "none"
 

@@ -257,7 +257,7 @@ def tiled_apply(
     _require_tensor(x, "tiled_apply", "x")
     if torch.compiler.is_compiling():
         return _checkpointed_shards(fn, x, num_shards)
-    return _TiledApply.apply(fn, num_shards, x, *params)
+    return _TiledApply.apply(fn, num_shards, 1, x, *params)
 
 
 def _checkpointed_shards(fn, x: torch.Tensor, num_shards: int) -> torch.Tensor:
@@ -283,10 +283,15 @@ def _shards(tokens: int, num_shards: int):
 
 
 class _TiledApply(torch.autograd.Function):
+    """``fn`` over shards of rows of its ``num_rows`` first tensors (the first, ``x``, as ``[tokens, h]``; the
+    others, as a mixture of experts' routing, already ``[tokens, ...]``), recomputed shard by shard in backward,
+    where the gradients of the row tensors that need one and of the parameters that follow them are taken."""
+
     @staticmethod
-    def forward(ctx, fn, num_shards, x, *params):
-        flat = _token_rows(x)
-        ctx.fn, ctx.num_shards, ctx.params = fn, num_shards, params
+    def forward(ctx, fn, num_shards, num_rows, *tensors):
+        x, others, params = tensors[0], tensors[1:num_rows], tensors[num_rows:]
+        rows_of = [_token_rows(x), *others]
+        ctx.fn, ctx.num_shards, ctx.num_rows, ctx.params = fn, num_shards, num_rows, params
         ctx.rng_states = (torch.get_rng_state(), torch.cuda.get_rng_state(x.device) if x.is_cuda else None)
         device_type = x.device.type
         ctx.autocast = {
@@ -294,53 +299,56 @@ class _TiledApply(torch.autograd.Function):
             "enabled": torch.is_autocast_enabled(device_type),
             "dtype": torch.get_autocast_dtype(device_type),
         }
-        ctx.save_for_backward(x)
-        shards = _shards(flat.shape[0], num_shards)
+        ctx.save_for_backward(x, *others)
+        shards = _shards(rows_of[0].shape[0], num_shards)
         # The output is made in its final shape, not returned as a view: a caller may add to
         # it in place (Falcon's mlp_output += attention_output), which autograd refuses on a
         # view made inside a Function.
         if not shards:
-            y = fn(flat)
+            y = fn(*rows_of)
             return y.new_empty((*x.shape[:-1], *y.shape[1:]))
         out = rows_out = None
         for start, rows in shards:
-            y = fn(flat.narrow(0, start, rows))
+            y = fn(*(t.narrow(0, start, rows) for t in rows_of))
             if out is None:
                 out = y.new_empty((*x.shape[:-1], *y.shape[1:]))
-                rows_out = out.view(flat.shape[0], *y.shape[1:])
+                rows_out = out.view(rows_of[0].shape[0], *y.shape[1:])
             rows_out.narrow(0, start, rows).copy_(y)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        (x,) = ctx.saved_tensors
-        flat = _token_rows(x.detach())
+        x, *others = ctx.saved_tensors
+        rows_of = [_token_rows(x.detach()), *(t.detach() for t in others)]
         grad_flat = _token_rows(grad_out)
-        want_x = ctx.needs_input_grad[2]
-        wanted = [i for i, need in enumerate(ctx.needs_input_grad[3:]) if need]
+        want_rows = list(ctx.needs_input_grad[3 : 3 + ctx.num_rows])
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[3 + ctx.num_rows :]) if need]
         reduced = (torch.bfloat16, torch.float16)
         sums = [
             torch.zeros_like(ctx.params[i], dtype=torch.float32 if ctx.params[i].dtype in reduced else None)
             for i in wanted
         ]
-        grad_x = torch.zeros_like(flat) if want_x else None
+        grad_rows = [torch.zeros_like(t) if want else None for t, want in zip(rows_of, want_rows)]
         cpu_state, cuda_state = ctx.rng_states
         with torch.random.fork_rng(devices=[x.device] if x.is_cuda else []):
             torch.set_rng_state(cpu_state)
             if cuda_state is not None:
                 torch.cuda.set_rng_state(cuda_state, x.device)
-            for start, rows in _shards(flat.shape[0], ctx.num_shards):
-                shard = flat.narrow(0, start, rows).detach().requires_grad_(want_x)
+            for start, rows in _shards(rows_of[0].shape[0], ctx.num_shards):
+                shards = [t.narrow(0, start, rows).detach().requires_grad_(w) for t, w in zip(rows_of, want_rows)]
                 with torch.enable_grad(), torch.autocast(**ctx.autocast):
-                    y = ctx.fn(shard)
-                inputs = ([shard] if want_x else []) + [ctx.params[i] for i in wanted]
-                grads = torch.autograd.grad(y, inputs, grad_flat.narrow(0, start, rows), allow_unused=True)
-                if want_x and grads[0] is not None:
-                    grad_x.narrow(0, start, rows).copy_(grads[0])
-                for total, grad in zip(sums, grads[int(want_x) :]):
+                    y = ctx.fn(*shards)
+                inputs = [s for s, w in zip(shards, want_rows) if w] + [ctx.params[i] for i in wanted]
+                grads = list(torch.autograd.grad(y, inputs, grad_flat.narrow(0, start, rows), allow_unused=True))
+                for grad_row in grad_rows:
+                    grad = grads.pop(0) if grad_row is not None else None
+                    if grad is not None:
+                        grad_row.narrow(0, start, rows).copy_(grad)
+                for total, grad in zip(sums, grads):
                     if grad is not None:
                         total.add_(grad)
         param_grads = [None] * len(ctx.params)
         for i, total in zip(wanted, sums):
             param_grads[i] = total.to(ctx.params[i].dtype)
-        return None, None, grad_x.view_as(x) if want_x else None, *param_grads
+        grad_x = grad_rows[0].view_as(x) if grad_rows[0] is not None else None
+        return None, None, None, grad_x, *grad_rows[1:], *param_grads

@@ -73,9 +73,10 @@ def apply(
       the ``tiled_mlp`` op (``TiledMLP``) for gate/up/down or fc1/fc2 ``nn.Linear`` MLPs
       that compute exactly the op's function, through ``tiled_apply`` around the module's
       own forward for other token-wise MLPs (LoRA/PEFT-wrapped, quantized, fused
-      gate_up_proj as in Phi-3, GPT-2's Conv1D, Gemma3n's activation sparsity). MLPs that
-      are not token-wise or whose outputs the model records (mixture-of-experts blocks and
-      their router logits) stay as they are, with a warning. ``num_shards=0`` chooses per call.
+      gate_up_proj as in Phi-3, GPT-2's Conv1D, Gemma3n's activation sparsity). A mixture of
+      experts, whose router logits the model records, stays whole with its experts module in
+      shards (``"tiled_experts"``) where a probe allows. MLPs that are not token-wise stay as
+      they are, with a warning. ``num_shards=0`` chooses per call.
     - ``checkpoint``: what backward recomputes (non-reentrant checkpointing, DDP-safe):
       ``"layer"``: each decoder layer, whose inputs alone are saved; ``"attention"``: each
       layer's attention module alone, while everything else the layer saves goes to the

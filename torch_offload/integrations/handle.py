@@ -95,7 +95,8 @@ class OffloadHandle:
       (no logits), ``"unfused: <why>"`` when the model keeps its own, ``"no output layer: ..."``
       for a model that has no LM head, ``"off"`` with ``loss=False``.
     - ``mlp_tiling``: for each layer's MLP, by name: ``"tiled_mlp"`` (the op), ``"tiled_apply"``
-      (its own forward in shards) or ``"untiled: <why>"``.
+      (its own forward in shards), ``"tiled_experts"`` (a mixture of experts: its experts in shards)
+      or ``"untiled: <why>"``.
     - ``checkpointing``: for each layer, by name, what backward recomputes: ``"layer"``,
       ``"attention"`` (the rest of what it saves is offloaded) or ``"none"``.
     - ``attention``: for each layer's attention module, by name: ``"attention_block"`` (the op,

@@ -11,6 +11,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ..tiled_mlp import TiledMLP, _first_argument, _module_in_shards
+from .experts import _tile_experts
 from .probes import _PROBE_ERRORS, _close, _finite, _probing, _unprobeable
 
 if TYPE_CHECKING:
@@ -68,13 +69,32 @@ def _row_wise_problem(mlp: nn.Module) -> str | None:
     return None
 
 
+def _tile_dense_children(handle: OffloadHandle, name: str, mlp: nn.Module, num_shards: int) -> None:
+    """The children of a mixture of experts that the tiled_mlp op computes exactly (a shared expert), through it."""
+    for child_name, child in mlp.named_children():
+        try:
+            tiled = TiledMLP(child, num_shards)
+        except ValueError:
+            continue
+        if _op_computes(child, tiled):
+            handle._patch(f"{name}.{child_name}", mlp, child_name, tiled)
+
+
 def _tile_mlp(handle: OffloadHandle, name: str, layer: nn.Module, num_shards: int, recorded: dict[type, str]) -> None:
     mlp = layer.mlp
     recorded_key = next(
         (key for module in mlp.modules() for cls, key in recorded.items() if isinstance(module, cls)), None
     )
-    # A mixture of experts' router logits, recorded for the aux loss: shards would split them and detach them.
-    problem = f"the model records its {recorded_key}" if recorded_key is not None else _unprobeable(mlp)
+    problem = _unprobeable(mlp)
+    if problem is None and recorded_key is not None:
+        # A mixture of experts whose router logits the model records for the aux loss: shards of the whole
+        # block would split them and detach them; its experts (and dense MLPs beside them) go in shards instead.
+        problem = _tile_experts(handle, name, mlp, num_shards)
+        if problem is None:
+            _tile_dense_children(handle, name, mlp, num_shards)
+            handle.mlp_tiling[name] = "tiled_experts"
+            return
+        problem = f"the model records its {recorded_key}, and {problem}"
     if problem is not None:
         handle.mlp_tiling[name] = f"untiled: {problem}"
         return

@@ -1,0 +1,103 @@
+"""A mixture of experts in shards of tokens: its experts module, and the dense MLPs beside it (a shared expert).
+
+The block itself stays whole: the model records its router's logits for the auxiliary loss, and those must be
+the whole batch's, with their gradient. What grows with the tokens times top-k is the experts' work, and the
+experts module (transformers' ``Qwen2MoeExperts``, ``MixtralExperts``, ``GptOssExperts``...) maps each token's
+row of hidden states, given that token's routing (expert indices and weights, rows of their own), to that
+token's output: apply computes it in shards of rows through tiled_apply's autograd function, with the routing
+weights' gradient, where a probe shows that the shards give the whole call's result.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from ..tiled_mlp import _mlp_width, _TiledApply, tiled_mlp_num_shards
+from .probes import _PROBE_ERRORS, _close, _finite, _probing
+
+if TYPE_CHECKING:
+    from .handle import OffloadHandle
+
+
+def _rows_of_the_call(experts: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor] | None:
+    """The call's arguments in their order when the first is ``[tokens, h]`` and the others are tensors of as
+    many rows (the routing), else None. They are passed on by position: transformers' experts implementations
+    (``grouped_mm``...) take the routing under other names than the module's own forward gives it."""
+    try:
+        bound = inspect.signature(experts.forward).bind(*args, **kwargs)
+    except TypeError:
+        return None
+    values = list(bound.arguments.values())
+    if bound.kwargs or not values or not isinstance(values[0], torch.Tensor) or values[0].dim() != 2:
+        return None
+    if not all(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == values[0].shape[0] for v in values[1:]):
+        return None
+    return values
+
+
+def _captured_call(mlp: nn.Module, experts: nn.Module, params: dict, x: torch.Tensor) -> tuple[tuple, dict] | None:
+    calls = []
+    hook = experts.register_forward_pre_hook(lambda _, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
+    try:
+        functional_call(mlp, params, (x,))
+    finally:
+        hook.remove()
+    return calls[0] if len(calls) == 1 else None
+
+
+def _experts_problem(mlp: nn.Module) -> str | None:
+    """None when ``mlp.experts`` maps rows and their routing to rows, so that shards of rows give the whole
+    call's result (probed in ``mlp``'s own forward on random weights); else why not."""
+    experts = getattr(mlp, "experts", None)
+    if not isinstance(experts, nn.Module) or isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
+        return "it has no experts module taking the tokens and their routing"
+    prefix = "experts."
+    try:
+        with _probing(mlp, training=False) as (params, inputs):
+            own = {name.removeprefix(prefix): p for name, p in params.items() if name.startswith(prefix)}
+            for x in inputs.values():
+                call = _captured_call(mlp, experts, params, x)
+                rows = None if call is None else _rows_of_the_call(experts, *call)
+                if rows is None:
+                    return "its experts are not called once with [tokens, h] rows and their routing"
+                whole = functional_call(experts, own, tuple(rows))
+                if not _finite(whole):
+                    continue
+                half = rows[0].shape[0] // 2
+                parts = [
+                    functional_call(experts, own, tuple(v[part] for v in rows))
+                    for part in (slice(None, half), slice(half, None))
+                ]
+                if not _close(torch.cat(parts), whole):
+                    return "its experts' output for a token depends on the other tokens"
+    except _PROBE_ERRORS as error:
+        return f"apply cannot probe its experts ({type(error).__name__}: {error})"
+    return None
+
+
+def _tile_experts(handle: OffloadHandle, name: str, mlp: nn.Module, num_shards: int) -> str | None:
+    """``mlp.experts`` in shards of tokens (None), or why not."""
+    problem = _experts_problem(mlp)
+    if problem is not None:
+        return problem
+    experts = mlp.experts
+    original = experts.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        rows = _rows_of_the_call(experts, args, kwargs)
+        # Without gradients nothing is saved; under torch.compile the shards' autograd function cannot be traced.
+        if rows is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return original(*args, **kwargs)
+        shards = num_shards or tiled_mlp_num_shards(rows[0].shape[0], _mlp_width(experts), dtype=rows[0].dtype)
+        params = [p for p in experts.parameters() if p.requires_grad]
+        return _TiledApply.apply(original, shards, len(rows), *rows, *params)
+
+    handle._patch(f"{name}.experts.forward", experts, "forward", forward)
+    return None
