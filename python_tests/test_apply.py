@@ -728,16 +728,21 @@ def test_fused_loss_honours_transformers_loss_arguments(name):
     assert not any("forward" in vars(m) or "__getstate__" in vars(m) for m in model.modules())
 
 
-def test_fused_loss_leaves_router_losses_and_a_replaced_head_to_the_model():
+def test_fused_loss_adds_router_losses_as_the_model_does_and_leaves_a_replaced_head_to_it():
     model, (ids, _) = FAMILIES["mixtral"][0](), _labelled_batch()
     model.train()
-    model.config.router_aux_loss_coef = 0.5
+    model.router_aux_loss_coef = 0.5
     model.config.output_router_logits = False  # Mixtral's released configs: asked for per call
     routed = lambda **kw: model(**kw, output_router_logits=True)  # noqa: E731  the model adds coef * aux_loss
     want = loss_and_grads(model, ids, run=routed)
     handle = torch_offload.apply(model, offload=None, tiled_mlp=False)
     assert handle.loss == "linear_cross_entropy"
-    assert_close_runs(want, loss_and_grads(model, ids, run=routed))
+    fused = torch.ops.offload.linear_cross_entropy_with_gradients.default
+    with CountCalls(fused) as calls:
+        assert_close_runs(want, loss_and_grads(model, ids, run=routed))
+    assert calls.counts[fused] == 1
+    output = routed(input_ids=ids, labels=ids, use_cache=False)
+    assert output.logits is None and output.aux_loss is not None
     model.config.output_router_logits = True  # asked for by the config after apply
     assert_close_runs(want, loss_and_grads(model, ids))
     handle.remove()

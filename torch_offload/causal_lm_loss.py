@@ -193,20 +193,18 @@ def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath, group:
         if group is not None:
             _check_sequence_parallel_call(arguments, extra)
         keep = arguments.get("logits_to_keep", 0)
-        router_logits = arguments.get("output_router_logits", extra.get("output_router_logits"))
-        if router_logits is None:  # as transformers' mixture-of-experts models: the call's, else the config's
-            router_logits = getattr(getattr(owner, "config", None), "output_router_logits", False)
+        router_logits = _router_logits_asked(owner, signature, arguments, extra)
         if (
             arguments.get("labels") is None
             or not (isinstance(keep, int) and keep == 0)
-            or router_logits
+            or (router_logits and group is not None)
             or owner.get_output_embeddings() is not head
             or extra.get("fused_lm_head")
         ):
-            # No loss asked for, or logits asked for; a mixture of experts' router loss, which the
-            # model adds only to a loss of its own; an output layer replaced since apply
-            # (resize_token_embeddings); TRL's own fused LM head, patched in before apply (its
-            # SFTTrainer, then TorchOffloadCallback), which computes the loss itself: the model's own path.
+            # No loss asked for, or logits asked for; a router loss over sequence-parallel ranks (each rank's
+            # own); an output layer replaced since apply (resize_token_embeddings); TRL's own fused LM head,
+            # patched in before apply (its SFTTrainer, then TorchOffloadCallback), which computes the loss
+            # itself: the model's own path.
             return original(*args, **kwargs)
         # Hooks put on the output layer since apply (a user's, FSDP2's) would see no logits, nor a
         # gradient of them: the model's own head and loss, logits and all.
@@ -242,8 +240,11 @@ def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath, group:
                 f"torch_offload: {type(owner).__name__}'s forward did not call its output layer; "
                 "apply(..., loss=False) keeps the model's own loss"
             )
+        loss = request.loss
+        if router_logits:  # the model adds its router loss to a loss of its own only; to the op's here, as it would
+            loss = loss + owner.router_aux_loss_coef * output["aux_loss"].to(loss.device)
         fields = {key: value for key, value in output.items() if key not in ("loss", "logits")}
-        output = type(output)(loss=request.loss, logits=None, **fields)
+        output = type(output)(loss=loss, logits=None, **fields)
         if as_tuple:  # the logits' place kept (as None), so that out[1:] mean what they mean without apply
             return tuple(
                 output[f.name] if f.name != "logits" else None
@@ -253,6 +254,15 @@ def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath, group:
         return output
 
     return forward, fused_forward, head_forward
+
+
+def _router_logits_asked(owner: nn.Module, signature: inspect.Signature, arguments: dict, extra: dict) -> bool:
+    """Whether a call makes a mixture-of-experts model compute its router loss: the call's
+    output_router_logits, else its config's, as transformers' models read it (only those whose forward takes it)."""
+    if "output_router_logits" not in signature.parameters and "output_router_logits" not in extra:
+        return False
+    asked = arguments.get("output_router_logits", extra.get("output_router_logits"))
+    return bool(getattr(getattr(owner, "config", None), "output_router_logits", False) if asked is None else asked)
 
 
 def _check_sequence_parallel_call(arguments: dict, extra: dict) -> None:
@@ -305,6 +315,8 @@ def _probe_batches(forward, vocab: int, device: torch.device) -> list[dict[str, 
         calls.append(dict(input_ids=ids, labels=ids.clone(), attention_mask=mask, use_cache=False))
     if "num_items_in_batch" in parameters or takes_any:
         calls.append(dict(calls[0], num_items_in_batch=torch.tensor(5, device=device)))
+    if "output_router_logits" in parameters:  # the router loss added, whatever the config says
+        calls.append(dict(calls[-1], output_router_logits=True))
     return calls
 
 
@@ -347,6 +359,11 @@ def fuse_causal_lm_loss(handle, model: nn.Module, sequence_parallel_group: str |
     if isinstance(found, str):
         return f"unfused: {found}"
     owner, head = found
+    coefficient = getattr(owner, "router_aux_loss_coef", None)
+    if "output_router_logits" in inspect.signature(owner.forward).parameters and not isinstance(
+        coefficient, (int, float)
+    ):
+        return "unfused: it computes a router loss with output_router_logits but has no router_aux_loss_coef"
     math = _head_math(owner, head)
     if isinstance(math, str):
         return f"unfused: {math}"

@@ -171,11 +171,7 @@ def apply(
     # The plan: every layer's MLP tiled (where a probe allows), each layer checkpointed as `recompute`
     # says, and with a tier, all but the last keep_last layers offloaded. Installed, or nothing is.
     offloaded = set(range(len(layer_list) - keep_last)) if handle.context is not None else set()
-    handle._model_name, handle._config, handle._offloaded = (
-        type(model).__name__,
-        getattr(model, "config", None),
-        offloaded,
-    )
+    handle._model_name, handle._offloaded = type(model).__name__, offloaded
     handle._options = {"tiled_mlp": tiled_mlp, "attention_block": attention_block, "keep_last": keep_last}
     try:
         _install_layers(handle, model, names, layer_list, recompute, offloaded, tiled_mlp, num_shards, attention_block)

@@ -123,9 +123,8 @@ class OffloadHandle:
         self.loss = "off"
         self.sequence_parallel: str | None = None  # the name of apply()'s sequence-parallel group
         self._sequence_parallel_ranks = 1
-        # For the report: the model's class and config, apply's options, the offloaded layers' indices, what
-        # the masks are.
-        self._model_name, self._config = "", None
+        # For the report: the model's class, apply's options, the offloaded layers' indices, what the masks are.
+        self._model_name = ""
         self._options: dict[str, Any] = {}
         self._offloaded: set[int] = set()
         self._masks = "the model's own"

@@ -54,16 +54,6 @@ def _saved(handle: OffloadHandle, index: int, recompute: str) -> tuple[str, str 
     return ("in place", "offload=None") if recompute != "none" else ("in place", "neither checkpointed nor offloaded")
 
 
-def _loss(handle: OffloadHandle) -> str:
-    if handle.loss == "linear_cross_entropy" and getattr(handle._config, "output_router_logits", False):
-        # causal_lm_loss leaves such calls to the model: it adds its router loss to a loss of its own only.
-        return (
-            "the model's own while config.output_router_logits is True (its router loss joins only its own loss); "
-            "linear_cross_entropy in calls with output_router_logits=False"
-        )
-    return handle.loss
-
-
 def report(handle: OffloadHandle) -> dict[str, Any]:
     """The handle's report as data; ``format_report`` prints it."""
     rows = []
@@ -83,7 +73,7 @@ def report(handle: OffloadHandle) -> dict[str, Any]:
         "model": handle._model_name,
         "layer_path": handle.layer_path,
         "layers": rows,
-        "loss": _loss(handle),
+        "loss": handle.loss,
         "masks": handle._masks,
         "sequence_parallel": handle.sequence_parallel,
     }
