@@ -86,7 +86,7 @@ def test_a_compiled_applied_model_honours_accelerate_hooks_put_on_after_its_firs
 
 
 def test_inductor_compiled_applied_model_matches_eager():
-    model, handle = applied("phi3", offload=None, num_shards=2)  # tiled_apply, checkpoint and the fused loss
+    model, handle = applied("phi3", offload=None, num_shards=2)  # fused projections split, checkpoint, fused loss
     ids = batch()
     want = loss_and_grads(model, ids)
     torch._dynamo.reset()
@@ -97,7 +97,7 @@ def test_inductor_compiled_applied_model_matches_eager():
     handle.remove()
 
 
-# Phi-3: tiled_apply's checkpointed shards inside the layer's checkpoint. GPT-2 trips a dynamo assertion
+# LoRA on the MLPs: tiled_apply's checkpointed shards inside the layer's checkpoint. GPT-2 trips a dynamo assertion
 # under dynamic=True ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer", tracing
 # its NewGELU inside a checkpoint, the layer's or a shard's); static shapes compile. Plain
 # torch.utils.checkpoint around GPT-2's blocks, without torch_offload, fails the same way: pytorch/pytorch#193194.
@@ -105,7 +105,7 @@ def test_inductor_compiled_applied_model_matches_eager():
     "name, offload",
     [
         ("llama", None),
-        ("phi3", None),
+        ("lora", None),
         ("llama", "disk"),
         pytest.param("gpt2", None, marks=pytest.mark.xfail(strict=True)),
     ],

@@ -344,6 +344,20 @@ class PlainMLP(nn.Module):
         return self.fc2(self.activation_fn(self.fc1(x)))
 
 
+class FusedGateUpMLP(nn.Module):
+    """A Phi3MLP lookalike: one gate_up_proj whose rows are the gate's, then the up projection's."""
+
+    def __init__(self, hidden=16, intermediate=40, bias=False, rows=None):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, rows or 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.activation_fn = nn.SiLU()
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * self.activation_fn(gate))
+
+
 def hf_style_activation(class_name, fn):
     """A module class named like one of transformers' ACT2FN classes."""
     return type(class_name, (nn.Module,), {"forward": lambda self, x: fn(x)})()
@@ -361,6 +375,8 @@ def hf_style_activation(class_name, fn):
         (lambda: PlainMLP(), "gelu"),
         (lambda: PlainMLP(act=nn.GELU(approximate="tanh")), "gelu_tanh"),
         (lambda: PlainMLP(act=nn.ReLU()), "relu"),
+        (lambda: FusedGateUpMLP(), "silu"),
+        (lambda: FusedGateUpMLP(bias=True), "silu"),
     ],
     ids=[
         "llama",
@@ -372,6 +388,8 @@ def hf_style_activation(class_name, fn):
         "fc_gelu",
         "fc_gelu_tanh",
         "fc_relu",
+        "phi3_fused_gate_up",
+        "fused_gate_up_bias",
     ],
 )
 def test_tiled_mlp_module_matches_the_module_it_wraps(make_mlp, activation):
@@ -418,9 +436,10 @@ def lora_mlp(dropout=0.0):
         (lora_mlp(), "gate_proj is LoraLinear, not a plain nn.Linear.*use torch_offload.tiled_apply"),
         (GatedMLP(act=nn.Tanh()), "activation Tanh.*use torch_offload.tiled_apply"),
         (GatedMLP(act=hf_style_activation("QuickGELUActivation", torch.sigmoid)), "QuickGELUActivation.*tiled_apply"),
-        (nn.Sequential(nn.Linear(4, 4)), "neither gate_proj/up_proj/down_proj nor fc1/fc2.*tiled_apply"),
+        (nn.Sequential(nn.Linear(4, 4)), "none of gate_proj/up_proj/down_proj, gate_up_proj/down_proj.*tiled_apply"),
+        (FusedGateUpMLP(intermediate=40, rows=81), "gate_up_proj has 81 rows, not two halves"),
     ],
-    ids=["lora", "tanh", "quick_gelu", "not_an_mlp"],
+    ids=["lora", "tanh", "quick_gelu", "not_an_mlp", "odd_gate_up"],
 )
 def test_tiled_mlp_module_rejects_what_the_op_cannot_compute(mlp, message):
     with pytest.raises(ValueError, match=message):

@@ -91,7 +91,9 @@ _ACTIVATION_CLASSES = {
 _ACTIVATION_FUNCTIONS = {F.silu: "silu", F.relu: "relu", torch.relu: "relu", F.gelu: "gelu"}
 
 # (gate, up, down) attribute names of the MLP layouts TiledMLP knows; up is None for plain MLPs.
-_LAYOUTS = (("gate_proj", "up_proj", "down_proj"), ("fc1", None, "fc2"))
+# The MLPs' projections: gate, up (None: not gated) and down. A fused gate_up_proj (Phi-3) holds the gate's rows, then
+# the up projection's: the op takes the two halves of its weight as views, whose gradients reach it.
+_LAYOUTS = (("gate_proj", "up_proj", "down_proj"), ("gate_up_proj", None, "down_proj"), ("fc1", None, "fc2"))
 
 
 def _activation_name(act) -> str:
@@ -164,9 +166,9 @@ def _module_in_shards(
 class TiledMLP(nn.Module):
     """A Hugging Face style MLP computed by ``tiled_mlp``, with the same parameters.
 
-    ``mlp`` has ``gate_proj``/``up_proj``/``down_proj`` (LLaMA, Mistral, Qwen) or
-    ``fc1``/``fc2`` (plain MLP) ``nn.Linear`` layers and its activation in ``act_fn`` or
-    ``activation_fn``. The wrapper holds the very children of ``mlp`` (the same
+    ``mlp`` has ``gate_proj``/``up_proj``/``down_proj`` (LLaMA, Mistral, Qwen), ``gate_up_proj``/``down_proj``
+    (Phi-3: the gate's rows, then the up projection's) or ``fc1``/``fc2`` (plain MLP) ``nn.Linear`` layers and
+    its activation in ``act_fn`` or ``activation_fn``. The wrapper holds the very children of ``mlp`` (the same
     ``_modules``), so ``layer.mlp = TiledMLP(layer.mlp)`` keeps the state dict's keys and
     the optimizer's parameters, and a layer replaced in one after wrapping (PEFT's
     ``get_peft_model``) is replaced in both. While a layer is not a plain ``nn.Linear``
@@ -179,7 +181,8 @@ class TiledMLP(nn.Module):
         layout = next((names for names in _LAYOUTS if all(hasattr(mlp, n) for n in names if n)), None)
         if layout is None:
             raise ValueError(
-                f"TiledMLP: {type(mlp).__name__} has neither gate_proj/up_proj/down_proj nor fc1/fc2; "
+                f"TiledMLP: {type(mlp).__name__} has none of gate_proj/up_proj/down_proj, gate_up_proj/down_proj "
+                "and fc1/fc2; "
                 "use torch_offload.tiled_apply for this module instead"
             )
         act = _activation_of(mlp)
@@ -190,6 +193,8 @@ class TiledMLP(nn.Module):
         for attr in layout:
             if attr:
                 _check_linear(getattr(mlp, attr), attr)
+        if layout[0] == "gate_up_proj" and mlp.gate_up_proj.out_features % 2:
+            raise ValueError(f"TiledMLP: gate_up_proj has {mlp.gate_up_proj.out_features} rows, not two halves")
         parameters = list(inspect.signature(mlp.forward).parameters.values())
         if len(parameters) != 1 or parameters[0].kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
             raise ValueError(
@@ -217,15 +222,20 @@ class TiledMLP(nn.Module):
             or _activation_of(self._wrapped) is not self._activation_fn
         ):  # replaced since: the op's is not it
             return _module_in_shards(self._wrapped, self, x, self.num_shards)
+        w_gate, b_gate = gate.weight, gate.bias
+        w_up, b_up = (up.weight, up.bias) if up is not None else (None, None)
+        if self._layout[0] == "gate_up_proj":
+            w_gate, w_up = w_gate.chunk(2)
+            b_gate, b_up = b_gate.chunk(2) if b_gate is not None else (None, None)
         return tiled_mlp(
             x,
-            gate.weight,
-            up.weight if up is not None else None,
+            w_gate,
+            w_up,
             down.weight,
             activation=self.activation,
             num_shards=self.num_shards,
-            b_gate=gate.bias,
-            b_up=up.bias if up is not None else None,
+            b_gate=b_gate,
+            b_up=b_up,
             b_down=down.bias,
         )
 

@@ -70,10 +70,10 @@ def apply(
       ValueError.
     - ``tiled_mlp``: every layer's MLP runs in shards of tokens where a probe at apply time
       (the module's own forward on random weights) shows the result is the same: through
-      the ``tiled_mlp`` op (``TiledMLP``) for gate/up/down or fc1/fc2 ``nn.Linear`` MLPs
-      that compute exactly the op's function, through ``tiled_apply`` around the module's
-      own forward for other token-wise MLPs (LoRA/PEFT-wrapped, quantized, fused
-      gate_up_proj as in Phi-3, GPT-2's Conv1D, Gemma3n's activation sparsity). A mixture of
+      the ``tiled_mlp`` op (``TiledMLP``) for gate/up/down (or Phi-3's fused gate_up) or
+      fc1/fc2 ``nn.Linear`` MLPs that compute exactly the op's function, through ``tiled_apply``
+      around the module's own forward for other token-wise MLPs (LoRA/PEFT-wrapped, quantized,
+      GPT-2's Conv1D, Gemma3n's activation sparsity). A mixture of
       experts, whose router logits the model records, stays whole with its experts module in
       shards (``"tiled_experts"``) where a probe allows. MLPs that are not token-wise stay as
       they are, with a warning. ``num_shards=0`` chooses per call.

@@ -101,7 +101,7 @@ def _tile_mlp(handle: OffloadHandle, name: str, layer: nn.Module, num_shards: in
     try:
         tiled = TiledMLP(mlp, num_shards)  # same Linear objects under the same names
     except ValueError:
-        tiled = None  # LoRA-wrapped, quantized, fused gate_up_proj, Conv1D (GPT-2): the generic path
+        tiled = None  # LoRA-wrapped, quantized, Conv1D (GPT-2): the generic path
     if tiled is not None and _op_computes(mlp, tiled):
         handle._patch(name, layer, "mlp", tiled)
         handle.mlp_tiling[name] = "tiled_mlp"
