@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: peak resident memory of a worker process, the machine, and their
-BENCHMARKS.md sections."""
+"""What the benchmark scripts share: peak resident memory of a worker process, its slope over token lengths,
+the machine, and their BENCHMARKS.md sections."""
 
 import os
 import platform
@@ -42,6 +42,15 @@ def measured_step(step, gpu):
     seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() if gpu else status_bytes("VmHWM")
     return value, seconds, peak - before
+
+
+def slope(points):
+    """KiB per token: the least-squares line through (tokens, peak bytes), of points {tokens: {"peak": bytes}}."""
+    tokens = list(points)
+    mean_t = sum(tokens) / len(tokens)
+    mean_b = sum(p["peak"] for p in points.values()) / len(tokens)
+    covariance = sum((t - mean_t) * (points[t]["peak"] - mean_b) for t in tokens)
+    return covariance / sum((t - mean_t) ** 2 for t in tokens) / 1024
 
 
 def worker_env():

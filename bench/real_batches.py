@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 
-from measure import machine, reset_peak_rss, status_bytes, worker_env, write_section
+from measure import machine, reset_peak_rss, slope, status_bytes, worker_env, write_section
 
 BATCHES = ("one sequence", "packed", "padded")
 
@@ -92,15 +92,6 @@ def measure(kind, method, tokens, in_flight_mib):
         text=True,
     ).stdout
     return json.loads(out.strip().splitlines()[-1])
-
-
-def slope(points):
-    """KiB per token: the least-squares line through (tokens, peak bytes)."""
-    tokens = list(points)
-    mean_t = sum(tokens) / len(tokens)
-    mean_b = sum(p["peak"] for p in points.values()) / len(tokens)
-    covariance = sum((t - mean_t) * (points[t]["peak"] - mean_b) for t in tokens)
-    return covariance / sum((t - mean_t) ** 2 for t in tokens) / 1024
 
 
 def main():
