@@ -316,6 +316,21 @@ FAMILIES = {
         "model.layers",
         ["tiled_mlp", "tiled_experts", "tiled_experts"],
     ),
+    # Llama 4's layers call their MLP feed_forward; its mixtures run their experts on expert-major rows (untiled).
+    "llama4": (
+        lambda: transformers.Llama4ForCausalLM(
+            transformers.Llama4TextConfig(
+                **dict(TINY, intermediate_size=32, head_dim=8),
+                intermediate_size_mlp=64,
+                num_local_experts=4,
+                num_experts_per_tok=1,
+                interleave_moe_layer_step=2,
+                attn_implementation="sdpa",
+            )
+        ),
+        "model.layers",
+        ["tiled_mlp", "untiled", "tiled_mlp"],
+    ),
     # A VLM: the language model's layers, not the vision tower's blocks (which also have an `mlp`).
     "qwen2_vl": (
         lambda: transformers.Qwen2VLForConditionalGeneration(
@@ -353,7 +368,8 @@ def test_apply_on_moe_vlm_and_custom_mlps_matches_unpatched(name, tmp_path):
     assert_close_runs(want, loss_and_grads(model, ids))
     assert handle.stats()["disk_bytes"] > 0
     assert handle.layer_path == layer_path and handle.layers is model.get_submodule(layer_path)
-    assert list(handle.mlp_tiling) == [f"{layer_path}.{i}.mlp" for i in range(3)]
+    mlp = "feed_forward" if name == "llama4" else "mlp"
+    assert list(handle.mlp_tiling) == [f"{layer_path}.{i}.{mlp}" for i in range(3)]
     assert [how.split(":")[0] for how in handle.mlp_tiling.values()] == tiling
     assert any("stay untiled" in str(w.message) for w in caught) == ("untiled" in tiling)
     handle.remove()

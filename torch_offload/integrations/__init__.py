@@ -23,7 +23,7 @@ from .compiled import _offload_in_compiled_graphs
 from .handle import OffloadHandle, _refuse_patched
 from .implementations import _use_segment_masks
 from .layer_wrapping import _wrap_layer
-from .layers import _find_layers
+from .layers import _find_layers, _mlp_name
 from .mlp import _recorded_outputs, _tile_mlp
 from .options import (
     _check_arguments,
@@ -204,8 +204,9 @@ def _install_layers(
     """Each layer in turn: its MLP tiled, then its forward checkpointed and/or offloaded."""
     recorded = _recorded_outputs(model) if tiled_mlp else {}
     for index, (name, layer) in enumerate(zip(names, layers)):
-        if tiled_mlp and hasattr(layer, "mlp"):
-            _tile_mlp(handle, f"{name}.mlp", layer, num_shards, recorded)
+        mlp = _mlp_name(layer)
+        if tiled_mlp and mlp is not None:
+            _tile_mlp(handle, f"{name}.{mlp}", layer, mlp, num_shards, recorded)
         offload_layer = index in offloaded
         if recompute or offload_layer:
             _wrap_layer(handle, index, name, layer, recompute, offload_layer, attention_block)

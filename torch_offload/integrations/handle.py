@@ -11,6 +11,7 @@ from torch import nn
 from .. import masking
 from ..activations import offload_activations
 from .implementations import _IMPLEMENTATION_KEY
+from .layers import _mlp_name
 from .report import format_report, report
 
 _ABSENT = object()
@@ -23,7 +24,7 @@ _PATCHED: weakref.WeakKeyDictionary[nn.Module, list[OffloadHandle]] = weakref.We
 def _refuse_patched(names: list[str], layers: nn.ModuleList) -> None:
     """ValueError naming the first of ``layers`` (or its MLP) that an earlier apply() changed."""
     for name, layer in zip(names, layers):
-        if layer in _PATCHED or getattr(layer, "mlp", None) in _PATCHED:
+        if layer in _PATCHED or getattr(layer, _mlp_name(layer) or "mlp", None) in _PATCHED:
             raise ValueError(
                 f"torch_offload.apply: {name} is already changed by an earlier apply(); "
                 "call that handle's remove() first"

@@ -1,15 +1,23 @@
-"""Finding the decoder layers apply changes, and each layer's attention module."""
+"""Finding the decoder layers apply changes, and each layer's MLP and attention module."""
 
 from __future__ import annotations
 
 from torch import nn
+
+# What a decoder layer calls its MLP: "mlp" in most families, "feed_forward" in Llama 4's.
+_MLP_NAMES = ("mlp", "feed_forward")
+
+
+def _mlp_name(layer: nn.Module) -> str | None:
+    """The name of the layer's MLP child (see _MLP_NAMES), or None."""
+    return next((name for name in _MLP_NAMES if isinstance(getattr(layer, name, None), nn.Module)), None)
 
 
 def _layer_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     return [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, nn.ModuleList) and len(module) > 0 and all(hasattr(m, "mlp") for m in module)
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and all(_mlp_name(m) for m in module)
     ]
 
 
@@ -40,8 +48,8 @@ def _find_layers(model: nn.Module, path: str | None) -> tuple[str, nn.ModuleList
     if not found:
         raise ValueError(
             f"torch_offload.apply: found no decoder layers in {type(model).__name__}: looked for an nn.ModuleList "
-            "whose every module has an `mlp` (model.model.layers in Llama/Mistral/Qwen/Gemma/Phi-3, "
-            "model.transformer.h in GPT-2); name them with layers='path.to.layers'"
+            "whose every module has an `mlp` or a `feed_forward` (model.model.layers in Llama/Mistral/Qwen/Gemma/"
+            "Phi-3, model.transformer.h in GPT-2); name them with layers='path.to.layers'"
         )
     decoder = _decoder(model)
     inside = found if decoder is None else [(n, m) for n, m in found if any(m is d for d in decoder.modules())]

@@ -80,8 +80,11 @@ def _tile_dense_children(handle: OffloadHandle, name: str, mlp: nn.Module, num_s
             handle._patch(f"{name}.{child_name}", mlp, child_name, tiled)
 
 
-def _tile_mlp(handle: OffloadHandle, name: str, layer: nn.Module, num_shards: int, recorded: dict[type, str]) -> None:
-    mlp = layer.mlp
+def _tile_mlp(
+    handle: OffloadHandle, name: str, layer: nn.Module, attribute: str, num_shards: int, recorded: dict[type, str]
+) -> None:
+    """The layer's MLP (its child ``attribute``, named ``name``) in shards of tokens, or why not in mlp_tiling."""
+    mlp = getattr(layer, attribute)
     recorded_key = next(
         (key for module in mlp.modules() for cls, key in recorded.items() if isinstance(module, cls)), None
     )
@@ -103,7 +106,7 @@ def _tile_mlp(handle: OffloadHandle, name: str, layer: nn.Module, num_shards: in
     except ValueError:
         tiled = None  # LoRA-wrapped, quantized, Conv1D (GPT-2): the generic path
     if tiled is not None and _op_computes(mlp, tiled):
-        handle._patch(name, layer, "mlp", tiled)
+        handle._patch(name, layer, attribute, tiled)
         handle.mlp_tiling[name] = "tiled_mlp"
         return
     problem = _row_wise_problem(mlp)

@@ -8,7 +8,7 @@ import itertools
 from typing import TYPE_CHECKING, Any
 
 from .. import masking
-from .layers import _attention_of
+from .layers import _attention_of, _mlp_name
 
 if TYPE_CHECKING:
     from .handle import OffloadHandle
@@ -17,8 +17,8 @@ _COLUMNS = ("mlp", "attention", "recompute", "saved")
 _HEADINGS = {"layers": "layers", "mlp": "mlp", "attention": "attention", "recompute": "recomputed", "saved": "saved to"}
 
 
-def _mlp(handle: OffloadHandle, name: str) -> tuple[str, str | None]:
-    how = handle.mlp_tiling.get(f"{name}.mlp")
+def _mlp(handle: OffloadHandle, name: str, layer: Any) -> tuple[str, str | None]:
+    how = handle.mlp_tiling.get(f"{name}.{_mlp_name(layer)}")
     if how is None:
         return "own", "tiled_mlp=False" if not handle._options["tiled_mlp"] else "the layer has no mlp"
     if how.startswith("untiled: "):
@@ -60,7 +60,7 @@ def report(handle: OffloadHandle) -> dict[str, Any]:
     for index, layer in enumerate(handle.layers):
         name = f"{handle.layer_path}.{index}"
         recompute = handle.checkpointing.get(name, "none")
-        cells = {"mlp": _mlp(handle, name), "attention": _attention(handle, name, layer)}
+        cells = {"mlp": _mlp(handle, name, layer), "attention": _attention(handle, name, layer)}
         cells["recompute"] = (recompute, None)
         cells["saved"] = _saved(handle, index, recompute)
         row = {column: cells[column][0] for column in _COLUMNS}
