@@ -255,7 +255,8 @@ FAMILIES = {
         "model.layers",
         ["tiled_apply", "tiled_apply", "tiled_mlp"],
     ),
-    # Mixture-of-experts blocks (router logits recorded for the aux loss) stay whole, their experts in shards.
+    # Mixture-of-experts blocks (router logits recorded for the aux loss) stay whole: streamed from the tier where
+    # offloaded and not recomputed, else their experts in shards (the last layer, checkpointed whole).
     "qwen2_moe": (
         lambda: transformers.Qwen2MoeForCausalLM(
             transformers.Qwen2MoeConfig(
@@ -267,19 +268,19 @@ FAMILIES = {
             )
         ),
         "model.layers",
-        ["tiled_mlp", "tiled_experts", "tiled_mlp"],
+        ["tiled_mlp", "streamed", "tiled_mlp"],
     ),
     "qwen3_moe": (
         lambda: transformers.Qwen3MoeForCausalLM(
             transformers.Qwen3MoeConfig(**MOE, moe_intermediate_size=16, num_experts=4, head_dim=8, mlp_only_layers=[0])
         ),
         "model.layers",
-        ["tiled_mlp", "tiled_experts", "tiled_experts"],
+        ["tiled_mlp", "streamed", "tiled_experts"],
     ),
     "mixtral": (
         lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(**MOE, num_local_experts=4)),
         "model.layers",
-        ["tiled_experts", "tiled_experts", "tiled_experts"],
+        ["streamed", "streamed", "tiled_experts"],
     ),
     # Mixtures whose router returns dense scores (GPT-OSS, its experts with biases) or whose experts sit beside a
     # shared expert, after a dense first layer (DeepSeek-V3, with multi-head latent attention).
@@ -294,7 +295,7 @@ FAMILIES = {
             )
         ),
         "model.layers",
-        ["tiled_experts", "tiled_experts", "tiled_experts"],
+        ["streamed", "streamed", "tiled_experts"],
     ),
     "deepseek_v3": (
         lambda: transformers.DeepseekV3ForCausalLM(
@@ -314,9 +315,9 @@ FAMILIES = {
             )
         ),
         "model.layers",
-        ["tiled_mlp", "tiled_experts", "tiled_experts"],
+        ["tiled_mlp", "streamed", "tiled_experts"],
     ),
-    # Llama 4's layers call their MLP feed_forward; its mixtures run their experts on expert-major rows (untiled).
+    # Llama 4's layers call their MLP feed_forward (its mixtures' experts take expert-major rows: never in shards).
     "llama4": (
         lambda: transformers.Llama4ForCausalLM(
             transformers.Llama4TextConfig(
@@ -329,7 +330,7 @@ FAMILIES = {
             )
         ),
         "model.layers",
-        ["tiled_mlp", "untiled", "tiled_mlp"],
+        ["tiled_mlp", "streamed", "tiled_mlp"],
     ),
     # A VLM: the language model's layers, not the vision tower's blocks (which also have an `mlp`).
     "qwen2_vl": (
@@ -761,6 +762,15 @@ def test_fused_loss_adds_router_losses_as_the_model_does_and_leaves_a_replaced_h
     assert output.logits is None and output.aux_loss is not None
     model.config.output_router_logits = True  # asked for by the config after apply
     assert_close_runs(want, loss_and_grads(model, ids))
+    handle.remove()
+    # A model that takes the flag through **kwargs and ignores it: no router loss, the fused loss as always.
+    model, ids = make_model("llama"), batch()
+    flagged = lambda **kw: model(**kw, output_router_logits=True)  # noqa: E731
+    want = loss_and_grads(model, ids, run=flagged)
+    handle = torch_offload.apply(model, offload=None)
+    with CountCalls(fused) as calls:
+        assert_close_runs(want, loss_and_grads(model, ids, run=flagged))
+    assert calls.counts[fused] == 1
     handle.remove()
     model, ids = make_model("llama"), batch()
     handle = torch_offload.apply(model, offload=None)

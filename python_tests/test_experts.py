@@ -4,6 +4,7 @@ compared with their un-applied selves in test_apply.py's family tests."""
 
 import warnings
 
+import pytest
 import torch
 from test_apply import FAMILIES
 from torch import nn
@@ -120,3 +121,15 @@ def test_experts_whose_output_mixes_tokens_stay_whole():
     torch.testing.assert_close(model(x), want)
     assert "forward" not in vars(model.layers[0].mlp.experts)
     handle.remove()
+
+
+def test_a_second_apply_on_layers_whose_experts_the_first_patched_is_refused():
+    torch.manual_seed(0)
+    model = FAMILIES["mixtral"][0]().float().train()  # no shared expert: only the experts' forward is patched
+    handle = torch_offload.apply(model, offload=None, checkpoint=False, loss=False, attention_block=False)
+    assert set(handle.mlp_tiling.values()) == {"tiled_experts"}
+    with pytest.raises(ValueError, match="model.layers.0 is already changed by an earlier apply"):
+        torch_offload.apply(model, offload=None, checkpoint=False, loss=False, attention_block=False)
+    handle.remove()
+    assert str(handle).splitlines()[0].endswith("(removed: the model is as it was before apply)")
+    torch_offload.apply(model, offload=None, checkpoint=False, loss=False, attention_block=False).remove()

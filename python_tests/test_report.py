@@ -39,7 +39,9 @@ BUILDERS = {
     "phi3_lora": phi3_with_lora,
     "qwen2_moe": lambda: family("qwen2_moe"),
     "qwen2_vl": lambda: family("qwen2_vl"),
+    "qwen2_moe_layer_checkpoint": lambda: family("qwen2_moe"),  # recomputed whole: its experts in shards
 }
+OPTIONS = {"qwen2_moe_layer_checkpoint": dict(checkpoint="layer")}
 
 
 class Observe(TorchDispatchMode):
@@ -133,7 +135,7 @@ def observed_recompute(seen, index, mlp):
     """What backward ran of the layer's forward again: its MLP ("layer"), its attention alone, or nothing."""
     own_recompute = SHARDS if mlp == "tiled_apply" else 0  # tiled_apply recomputes its shards in its backward
     mlp_again = seen.ops["backward", index, "tiled_mlp"] or seen.most_calls("backward", index, "mlp") > own_recompute
-    if mlp == "tiled_experts":  # its router runs once in forward, and again where the layer is recomputed
+    if mlp == "tiled_experts":  # its experts' module is called again only where the layer is recomputed
         mlp_again = ("backward", index) in seen.experts_output
     attention_again = seen.ops["backward", index, "attention_block"] or seen.most_calls("backward", index, "attention")
     return "layer" if mlp_again else "attention" if attention_again else "none"
@@ -157,7 +159,9 @@ def test_each_row_says_what_runs_in_its_layers(name, tmp_path):
     model = BUILDERS[name]()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        handle = torch_offload.apply(model, spill_directory=str(tmp_path), min_bytes=0, num_shards=SHARDS)
+        handle = torch_offload.apply(
+            model, spill_directory=str(tmp_path), min_bytes=0, num_shards=SHARDS, **OPTIONS.get(name, {})
+        )
     report = handle.report()
     assert [i for row in report["layers"] for i in row["layers"]] == list(range(len(handle.layers)))
     text = str(handle)
@@ -180,6 +184,8 @@ def test_each_row_says_what_runs_in_its_layers(name, tmp_path):
         )
         assert fused == (report["loss"] == "linear_cross_entropy"), report["loss"]
     assert (handle.stats()["disk_bytes"] > 0) == any(row["saved"] == "disk" for row in report["layers"])
+    mlps = {row["mlp"] for row in report["layers"]}
+    assert ("tiled_experts" in mlps) == (name == "qwen2_moe_layer_checkpoint")
     handle.remove()
 
 

@@ -437,7 +437,7 @@ def lora_mlp(dropout=0.0):
         (GatedMLP(act=nn.Tanh()), "activation Tanh.*use torch_offload.tiled_apply"),
         (GatedMLP(act=hf_style_activation("QuickGELUActivation", torch.sigmoid)), "QuickGELUActivation.*tiled_apply"),
         (nn.Sequential(nn.Linear(4, 4)), "none of gate_proj/up_proj/down_proj, gate_up_proj/down_proj.*tiled_apply"),
-        (FusedGateUpMLP(intermediate=40, rows=81), "gate_up_proj has 81 rows, not two halves"),
+        (FusedGateUpMLP(intermediate=40, rows=81), "gate_up_proj has 81 rows, not two halves.*tiled_apply"),
     ],
     ids=["lora", "tanh", "quick_gelu", "not_an_mlp", "odd_gate_up"],
 )

@@ -193,18 +193,24 @@ def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath, group:
         if group is not None:
             _check_sequence_parallel_call(arguments, extra)
         keep = arguments.get("logits_to_keep", 0)
-        router_logits = _router_logits_asked(owner, signature, arguments, extra)
+        adds_router_loss = _adds_router_loss(owner, signature, arguments)
+        if adds_router_loss and group is not None:
+            raise ValueError(
+                f"torch_offload sequence parallelism: {type(owner).__name__} was asked for its router loss "
+                "(output_router_logits), which would be each rank's, not the whole batch's; pass "
+                "output_router_logits=False"
+            )
         if (
             arguments.get("labels") is None
             or not (isinstance(keep, int) and keep == 0)
-            or (router_logits and group is not None)
+            or (adds_router_loss and not isinstance(_router_loss_coefficient(owner), (int, float)))
             or owner.get_output_embeddings() is not head
             or extra.get("fused_lm_head")
         ):
-            # No loss asked for, or logits asked for; a router loss over sequence-parallel ranks (each rank's
-            # own); an output layer replaced since apply (resize_token_embeddings); TRL's own fused LM head,
-            # patched in before apply (its SFTTrainer, then TorchOffloadCallback), which computes the loss
-            # itself: the model's own path.
+            # No loss asked for, or logits asked for; a router loss whose coefficient apply cannot find; an
+            # output layer replaced since apply (resize_token_embeddings); TRL's own fused LM head, patched in
+            # before apply (its SFTTrainer, then TorchOffloadCallback), which computes the loss itself: the
+            # model's own path.
             return original(*args, **kwargs)
         # Hooks put on the output layer since apply (a user's, FSDP2's) would see no logits, nor a
         # gradient of them: the model's own head and loss, logits and all.
@@ -241,8 +247,9 @@ def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath, group:
                 "apply(..., loss=False) keeps the model's own loss"
             )
         loss = request.loss
-        if router_logits:  # the model adds its router loss to a loss of its own only; to the op's here, as it would
-            loss = loss + owner.router_aux_loss_coef * output["aux_loss"].to(loss.device)
+        aux_loss = output.get("aux_loss") if adds_router_loss else None
+        if aux_loss is not None:  # the model adds its router loss to a loss of its own only; to the op's, as it would
+            loss = loss + _router_loss_coefficient(owner) * aux_loss.to(loss.device)
         fields = {key: value for key, value in output.items() if key not in ("loss", "logits")}
         output = type(output)(loss=loss, logits=None, **fields)
         if as_tuple:  # the logits' place kept (as None), so that out[1:] mean what they mean without apply
@@ -256,13 +263,25 @@ def _patched_forwards(owner: nn.Module, head: nn.Linear, math: _HeadMath, group:
     return forward, fused_forward, head_forward
 
 
-def _router_logits_asked(owner: nn.Module, signature: inspect.Signature, arguments: dict, extra: dict) -> bool:
-    """Whether a call makes a mixture-of-experts model compute its router loss: the call's
-    output_router_logits, else its config's, as transformers' models read it (only those whose forward takes it)."""
-    if "output_router_logits" not in signature.parameters and "output_router_logits" not in extra:
+def _adds_router_loss(owner: nn.Module, signature: inspect.Signature, arguments: dict) -> bool:
+    """Whether a call makes a mixture-of-experts model add its router loss to its loss: its forward takes
+    output_router_logits, and the call's (else its config's, the text model's in a VLM) is true."""
+    if "output_router_logits" not in signature.parameters:
         return False
-    asked = arguments.get("output_router_logits", extra.get("output_router_logits"))
-    return bool(getattr(getattr(owner, "config", None), "output_router_logits", False) if asked is None else asked)
+    asked = arguments.get("output_router_logits")
+    return bool(getattr(_text_config(owner), "output_router_logits", False) if asked is None else asked)
+
+
+def _router_loss_coefficient(owner: nn.Module):
+    """What the model multiplies its router loss by: its own attribute, else its (text) config's."""
+    coefficient = getattr(owner, "router_aux_loss_coef", None)
+    return coefficient if coefficient is not None else getattr(_text_config(owner), "router_aux_loss_coef", None)
+
+
+def _text_config(owner: nn.Module):
+    config = getattr(owner, "config", None)
+    get_text_config = getattr(config, "get_text_config", None)
+    return get_text_config() if callable(get_text_config) else config
 
 
 def _check_sequence_parallel_call(arguments: dict, extra: dict) -> None:
@@ -359,11 +378,6 @@ def fuse_causal_lm_loss(handle, model: nn.Module, sequence_parallel_group: str |
     if isinstance(found, str):
         return f"unfused: {found}"
     owner, head = found
-    coefficient = getattr(owner, "router_aux_loss_coef", None)
-    if "output_router_logits" in inspect.signature(owner.forward).parameters and not isinstance(
-        coefficient, (int, float)
-    ):
-        return "unfused: it computes a router loss with output_router_logits but has no router_aux_loss_coef"
     math = _head_math(owner, head)
     if isinstance(math, str):
         return f"unfused: {math}"

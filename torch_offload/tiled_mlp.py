@@ -91,8 +91,8 @@ _ACTIVATION_CLASSES = {
 _ACTIVATION_FUNCTIONS = {F.silu: "silu", F.relu: "relu", torch.relu: "relu", F.gelu: "gelu"}
 
 # (gate, up, down) attribute names of the MLP layouts TiledMLP knows; up is None for plain MLPs.
-# The MLPs' projections: gate, up (None: not gated) and down. A fused gate_up_proj (Phi-3) holds the gate's rows, then
-# the up projection's: the op takes the two halves of its weight as views, whose gradients reach it.
+# The MLPs' projections: gate, up and down; no up: not gated, unless the gate is a fused gate_up_proj (Phi-3), which
+# holds the gate's rows, then the up projection's: the op takes the two halves of its weight as views.
 _LAYOUTS = (("gate_proj", "up_proj", "down_proj"), ("gate_up_proj", None, "down_proj"), ("fc1", None, "fc2"))
 
 
@@ -194,7 +194,10 @@ class TiledMLP(nn.Module):
             if attr:
                 _check_linear(getattr(mlp, attr), attr)
         if layout[0] == "gate_up_proj" and mlp.gate_up_proj.out_features % 2:
-            raise ValueError(f"TiledMLP: gate_up_proj has {mlp.gate_up_proj.out_features} rows, not two halves")
+            raise ValueError(
+                f"TiledMLP: {type(mlp).__name__}.gate_up_proj has {mlp.gate_up_proj.out_features} rows, not two "
+                "halves; use torch_offload.tiled_apply for this module instead"
+            )
         parameters = list(inspect.signature(mlp.forward).parameters.values())
         if len(parameters) != 1 or parameters[0].kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
             raise ValueError(

@@ -186,7 +186,8 @@ def apply(
         handle.remove()
         raise
     _warn_what_stays(handle)
-    _log.info("%s", summary_line(handle.report()))
+    if _log.isEnabledFor(logging.INFO):
+        _log.info("%s", summary_line(handle.report()))
     return handle
 
 
@@ -205,9 +206,10 @@ def _install_layers(
     recorded = _recorded_outputs(model) if tiled_mlp else {}
     for index, (name, layer) in enumerate(zip(names, layers)):
         mlp = _mlp_name(layer)
-        if tiled_mlp and mlp is not None:
-            _tile_mlp(handle, f"{name}.{mlp}", layer, mlp, num_shards, recorded)
         offload_layer = index in offloaded
+        if tiled_mlp and mlp is not None:
+            streamed = offload_layer and recompute != "layer"  # what it saves comes back from the tier one by one
+            _tile_mlp(handle, f"{name}.{mlp}", layer, mlp, num_shards, recorded, streamed)
         if recompute or offload_layer:
             _wrap_layer(handle, index, name, layer, recompute, offload_layer, attention_block)
 
@@ -224,12 +226,12 @@ def _install_above_layers(
 ) -> None:
     """What the model gets above its layers: segment-id masks, the fused loss, attention over the
     sequence-parallel group's ranks, and the offload in compiled graphs."""
-    if not attention_block:
-        handle._masks = "the model's own (attention_block=False)"
-    elif group is None:
+    if group is not None:
+        handle._masks = "each rank's real-token flags, the whole rows' segments gathered (sequence_parallel)"
+    elif attention_block:
         handle._masks = _use_segment_masks(handle, model)
     else:
-        handle._masks = "each rank's real-token flags, the whole rows' segments gathered (sequence_parallel)"
+        handle._masks = "the model's own (attention_block=False)"
     if loss:
         handle.loss = fuse_causal_lm_loss(handle, model, handle.sequence_parallel)
     if group is not None:

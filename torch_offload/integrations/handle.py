@@ -11,7 +11,6 @@ from torch import nn
 from .. import masking
 from ..activations import offload_activations
 from .implementations import _IMPLEMENTATION_KEY
-from .layers import _mlp_name
 from .report import format_report, report
 
 _ABSENT = object()
@@ -22,9 +21,10 @@ _PATCHED: weakref.WeakKeyDictionary[nn.Module, list[OffloadHandle]] = weakref.We
 
 
 def _refuse_patched(names: list[str], layers: nn.ModuleList) -> None:
-    """ValueError naming the first of ``layers`` (or its MLP) that an earlier apply() changed."""
+    """ValueError naming the first of ``layers`` of which an earlier apply() changed the layer or a module in it
+    (its MLP, its attention, a mixture's experts)."""
     for name, layer in zip(names, layers):
-        if layer in _PATCHED or getattr(layer, _mlp_name(layer) or "mlp", None) in _PATCHED:
+        if any(module in _PATCHED for module in layer.modules()):
             raise ValueError(
                 f"torch_offload.apply: {name} is already changed by an earlier apply(); "
                 "call that handle's remove() first"
@@ -96,8 +96,9 @@ class OffloadHandle:
       (no logits), ``"unfused: <why>"`` when the model keeps its own, ``"no output layer: ..."``
       for a model that has no LM head, ``"off"`` with ``loss=False``.
     - ``mlp_tiling``: for each layer's MLP, by name: ``"tiled_mlp"`` (the op), ``"tiled_apply"``
-      (its own forward in shards), ``"tiled_experts"`` (a mixture of experts: its experts in shards)
-      or ``"untiled: <why>"``.
+      (its own forward in shards), ``"tiled_experts"`` (a mixture of experts: its experts in shards),
+      ``"streamed: <why>"`` (a mixture of experts in a layer whose saved tensors go to the tier and are not
+      recomputed: backward takes them back one at a time, which holds less) or ``"untiled: <why>"``.
     - ``checkpointing``: for each layer, by name, what backward recomputes: ``"layer"``,
       ``"attention"`` (the rest of what it saves is offloaded) or ``"none"``.
     - ``attention``: for each layer's attention module, by name: ``"attention_block"`` (the op,
@@ -129,6 +130,7 @@ class OffloadHandle:
         self._options: dict[str, Any] = {}
         self._offloaded: set[int] = set()
         self._masks = "the model's own"
+        self._removed = False  # remove() ran: the report says so
         self._patches: list[_Patch] = []
         # (config, its attention implementation before, the one apply set)
         self._attention_implementations: list[tuple[Any, Any, str]] = []
@@ -214,6 +216,7 @@ class OffloadHandle:
             )
         while self._patches:
             self._undo_last_patch()
+        self._removed = True
         while self._attention_implementations:
             config, previous, _ = self._attention_implementations.pop()
             _put(vars(config), _IMPLEMENTATION_KEY, previous)

@@ -69,6 +69,9 @@ def _row_wise_problem(mlp: nn.Module) -> str | None:
     return None
 
 
+_STREAMED = "streamed: a mixture of experts whose saved tensors come back from the tier one at a time"
+
+
 def _tile_dense_children(handle: OffloadHandle, name: str, mlp: nn.Module, num_shards: int) -> None:
     """The children of a mixture of experts that the tiled_mlp op computes exactly (a shared expert), through it."""
     for child_name, child in mlp.named_children():
@@ -81,14 +84,26 @@ def _tile_dense_children(handle: OffloadHandle, name: str, mlp: nn.Module, num_s
 
 
 def _tile_mlp(
-    handle: OffloadHandle, name: str, layer: nn.Module, attribute: str, num_shards: int, recorded: dict[type, str]
+    handle: OffloadHandle,
+    name: str,
+    layer: nn.Module,
+    attribute: str,
+    num_shards: int,
+    recorded: dict[type, str],
+    streamed: bool,
 ) -> None:
-    """The layer's MLP (its child ``attribute``, named ``name``) in shards of tokens, or why not in mlp_tiling."""
+    """The layer's MLP (its child ``attribute``, named ``name``) in shards of tokens, or why not in mlp_tiling;
+    ``streamed``: what the layer saves goes to the offload tier, and backward does not recompute its MLP."""
     mlp = getattr(layer, attribute)
     recorded_key = next(
         (key for module in mlp.modules() for cls, key in recorded.items() if isinstance(module, cls)), None
     )
     problem = _unprobeable(mlp)
+    if problem is None and recorded_key is not None and streamed:
+        # Measured (BENCHMARKS.md, "Model families"): backward then takes the block's saved tensors back one at a
+        # time, which holds less than a shard of its experts rebuilt whole.
+        handle.mlp_tiling[name] = _STREAMED
+        return
     if problem is None and recorded_key is not None:
         # A mixture of experts whose router logits the model records for the aux loss: shards of the whole
         # block would split them and detach them; its experts (and dense MLPs beside them) go in shards instead.

@@ -30,7 +30,7 @@ def _input_width(mlp: nn.Module) -> int | None:
         width = getattr(module, "in_features", None)  # nn.Linear and the LoRA / quantized linears
         if width is None:
             width = getattr(module, "nx", None)  # transformers' Conv1D (GPT-2)
-        if width is None:
+        if width is None and module is not mlp:  # the MLP's own hidden_dim may be its width (XLM's)
             width = getattr(module, "hidden_dim", None)  # transformers' mixture-of-experts routers and experts
         if isinstance(width, int):
             return width

@@ -21,8 +21,8 @@ def _mlp(handle: OffloadHandle, name: str, layer: Any) -> tuple[str, str | None]
     how = handle.mlp_tiling.get(f"{name}.{_mlp_name(layer)}")
     if how is None:
         return "own", "tiled_mlp=False" if not handle._options["tiled_mlp"] else "the layer has no mlp"
-    if how.startswith("untiled: "):
-        return "own", how.removeprefix("untiled: ")
+    if how.startswith(("untiled: ", "streamed: ")):
+        return "own", how.split(": ", 1)[1]
     return how, None
 
 
@@ -76,6 +76,7 @@ def report(handle: OffloadHandle) -> dict[str, Any]:
         "loss": handle.loss,
         "masks": handle._masks,
         "sequence_parallel": handle.sequence_parallel,
+        "removed": handle._removed,
     }
 
 
@@ -89,7 +90,8 @@ def _layers_named(indices: list[int]) -> str:
 
 def _heading(data: dict[str, Any]) -> str:
     count = sum(len(row["layers"]) for row in data["layers"])
-    return f"torch_offload.apply({data['model']}): {count} layers at {data['layer_path']}"
+    removed = " (removed: the model is as it was before apply)" if data["removed"] else ""
+    return f"torch_offload.apply({data['model']}): {count} layer{'s' * (count != 1)} at {data['layer_path']}{removed}"
 
 
 def _model_lines(data: dict[str, Any]) -> list[str]:
