@@ -100,7 +100,7 @@ def _tile_mlp(
     )
     problem = _unprobeable(mlp)
     if problem is None and recorded_key is not None and streamed:
-        # Measured (BENCHMARKS.md, "Model families"): backward then takes the block's saved tensors back one at a
+        # Measured (BENCHMARKS.md, "Mixture of experts"): backward then takes the block's saved tensors back one at a
         # time, which holds less than a shard of its experts rebuilt whole.
         handle.mlp_tiling[name] = _STREAMED
         return
