@@ -7,7 +7,7 @@ import torch
 import transformers
 from functorch.compile import make_boxed_func
 from op_recording import CountCalls
-from test_apply import MODELS, assert_close_runs, make_model, tier_options
+from test_apply import FAMILIES, MODELS, assert_close_runs, make_model, tier_options
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -57,10 +57,17 @@ def step(model, batch):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def build(name):
+    if name in MODELS:
+        return make_model(name)
+    torch.manual_seed(0)
+    return FAMILIES[name][0]().float().train()
+
+
 @pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", [*MODELS, "qwen3_moe", "mixtral"])
 def test_packed_and_padded_batches_give_the_unapplied_loss_and_gradients(name, batch):
-    model, inputs = make_model(name), BATCHES[batch]()
+    model, inputs = build(name), BATCHES[batch]()
     implementation = model.config._attn_implementation
     want = step(model, inputs)
     handle = torch_offload.apply(model, num_shards=2)
@@ -171,12 +178,12 @@ class LargestTensor(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("batch", ["packed", "right_padded", "left_padded"])
-@pytest.mark.parametrize("name", SDPA_FAMILIES)
+@pytest.mark.parametrize("name", [*SDPA_FAMILIES, "qwen3_moe"])  # (Mixtral's experts hold [rows x top-k, 2I] > T^2)
 def test_no_tensor_of_tokens_squared_elements_in_an_applied_step(name, batch):
     # 512 tokens: T * T = 262,144 elements, more than any weight or activation of these models
     # (GPT-2's MLP, [3 x 512, 128], is the largest); the un-applied step's mask has 3 x T * T.
     tokens = 512
-    model = make_model(name, max_position_embeddings=1024)
+    model = make_model(name, max_position_embeddings=1024) if name in MODELS else build(name)
     inputs = (
         packed(tokens, documents=(200, 112, 140, 60))
         if batch == "packed"
@@ -245,7 +252,7 @@ def calls_and_largest(graphs):
 def test_compiled_applied_step_equals_the_unapplied_with_no_tensor_of_tokens_squared(name, batch):
     torch._dynamo.reset()
     tokens = 512
-    model = make_model(name, max_position_embeddings=1024)
+    model = make_model(name, max_position_embeddings=1024) if name in MODELS else build(name)
     inputs = (
         packed(tokens, documents=(200, 112, 140, 60))
         if batch == "packed"

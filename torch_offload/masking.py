@@ -34,6 +34,12 @@ IMPLEMENTATION = "torch_offload_sdpa"
 _FALLBACKS: dict[int, collections.Counter] = {}
 
 
+def config_window(config: Any) -> int | None:
+    """The config's sliding window, unless it says windows are off (Qwen2-MoE keeps a size beside
+    use_sliding_window=False)."""
+    return getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+
+
 def is_segment_ids(mask: Any) -> bool:
     """Whether an attention module's ``attention_mask`` is this implementation's segment ids."""
     return (
@@ -190,7 +196,7 @@ def _compiled_segments(
     which segment ids cannot describe, and a query that sees the key after it (a composition this does
     not know, e.g. a bidirectional block)."""
     factories = _FACTORIES
-    window = getattr(config, "sliding_window", None)
+    window = config_window(config)
     if (
         use_vmap
         or q_length != kv_length

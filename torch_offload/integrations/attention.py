@@ -176,10 +176,7 @@ def _attention_block_forward(attention: nn.Module, fallback, group: str | None =
     signature = inspect.signature(attention.forward)
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
     config = getattr(attention, "config", None)
-    # The module's window, and the config's unless it says windows are off (Qwen2-MoE keeps a size beside
-    # use_sliding_window=False).
-    config_window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    windows = [w for w in (getattr(attention, "sliding_window", None), config_window) if w is not None]
+    windows = [w for w in (getattr(attention, "sliding_window", None), masking.config_window(config)) if w is not None]
 
     @functools.wraps(attention.forward)
     def forward(*args, **kwargs):

@@ -47,8 +47,12 @@ def _configs(model: nn.Module) -> list[Any]:
 
 # The families whose modelling code is tested to hand the mask to the attention untouched
 # (test_real_batches.py): segment ids reach no other, since code that computes with a mask
-# (adds it, indexes it as [batch, 1, T, T]) would misread them without a word.
-_SEGMENT_MASK_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2"})
+# (adds it, indexes it as [batch, 1, T, T]) would misread them without a word. Not Qwen2-MoE: it
+# builds a sliding-window mask beside the causal one at every call, used by no layer when
+# use_sliding_window is off, which segment ids cannot describe (dense, [T, T]).
+_SEGMENT_MASK_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "qwen3_moe", "mixtral"}
+)
 
 
 def _use_segment_masks(handle: OffloadHandle, model: nn.Module) -> str:
