@@ -109,7 +109,7 @@ def apply(
       modules keep their own forward (``handle.attention`` says which modules and why; a call
       with a cache warns). In a layer checkpointed whole this adds one attention forward to
       backward. With it, a model of a tested family (Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3,
-      GPT-2) whose attention implementation is ``"sdpa"`` gets
+      GPT-2, Qwen3-MoE, Mixtral) whose attention implementation is ``"sdpa"`` gets
       ``torch_offload.masking``'s, so that packed documents (``position_ids`` restarting) and
       padded rows (``attention_mask``) reach the attention as segment ids, never as a dense
       ``[batch, 1, T, T]`` mask, eager and under ``torch.compile``: the op takes them, and
