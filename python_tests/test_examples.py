@@ -27,32 +27,24 @@ def test_ddp_example_with_torchrun_matches_one_process(tmp_path):
 
 
 def test_demo_measures_every_configuration_and_their_losses_agree(tmp_path):
+    # make demo's configurations, and apply()'s alternatives that BENCHMARKS.md's table of defaults compares, in
+    # one run (one baseline).
     demo = os.path.join(ROOT, "examples", "demo.py")
-    result = run([sys.executable, demo, "--seq-lens", "128,256", "--out", str(tmp_path / "out")], tmp_path)
-    assert "losses agree across the 3 configurations on one sequence at every length" in result.stdout
-    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "KiB" not in line]
-    assert [row.split(" | ")[0] for row in rows if not row.startswith("| ---")] == [
-        "| baseline",
-        "| checkpointing",
-        "| torch_offload",
-        "| torch_offload_packed",
-    ]
-    assert (tmp_path / "out" / "memory.png").stat().st_size > 0
-    for name in ("baseline", "torch_offload", "torch_offload_packed"):
-        assert json.loads((tmp_path / "out" / f"{name}-256.json").read_text())["training_bytes"] > 0
-
-
-def test_demo_runs_apply_defaults_and_alternatives_with_equal_losses(tmp_path):
-    # BENCHMARKS.md's table of apply()'s defaults comes from these configurations.
-    demo = os.path.join(ROOT, "examples", "demo.py")
-    configs = ["baseline", "apply_default", "apply_layer", "apply_no_checkpoint", "apply_disk_layer"]
+    configs = ["baseline", "checkpointing", "torch_offload", "torch_offload_packed"]
+    configs += ["apply_default", "apply_layer", "apply_no_checkpoint", "apply_disk_layer"]
     result = run(
         [sys.executable, demo, "--seq-lens", "128,256", "--configs", ",".join(configs), "--out", str(tmp_path / "out")],
         tmp_path,
     )
-    assert "losses agree across the 5 configurations on one sequence at every length" in result.stdout
+    # The packed configuration's loss is its own documents'.
+    assert "losses agree across the 7 configurations on one sequence at every length" in result.stdout
     rows = [line.split(" | ")[0] for line in result.stdout.splitlines() if line.startswith("| ")]
-    assert rows[2:] == [f"| {name}" for name in configs]
+    assert [row for row in rows if not row.startswith("| ---") and "configuration" not in row] == [
+        f"| {name}" for name in configs
+    ]
+    assert (tmp_path / "out" / "memory.png").stat().st_size > 0
+    for name in ("baseline", "torch_offload", "torch_offload_packed", "apply_default"):
+        assert json.loads((tmp_path / "out" / f"{name}-256.json").read_text())["training_bytes"] > 0
     assert not list((tmp_path / "out").glob("tmp*")), "a spill directory was left behind"
 
 

@@ -64,8 +64,13 @@ def build(name):
     return FAMILIES[name][0]().float().train()
 
 
-@pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("name", [*MODELS, "qwen3_moe", "mixtral"])
+# Every batch on every tested family; the mixtures of experts (their attention and masks as Llama's or Qwen3's)
+# on one packed and two padded batches.
+CASES = [(name, batch) for name in MODELS for batch in BATCHES]
+CASES += [(name, batch) for name in ("qwen3_moe", "mixtral") for batch in ("packed", "left_padded", "right_padded")]
+
+
+@pytest.mark.parametrize("name, batch", CASES)
 def test_packed_and_padded_batches_give_the_unapplied_loss_and_gradients(name, batch):
     model, inputs = build(name), BATCHES[batch]()
     implementation = model.config._attn_implementation
