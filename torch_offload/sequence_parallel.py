@@ -135,8 +135,8 @@ def _shard(batch: dict, rank: int, ranks: int) -> dict:
 
 def _gathered(t: torch.Tensor, group: str) -> torch.Tensor:
     """[rows, tokens / ranks] on each rank -> [rows, tokens], the ranks' chunks in rank order."""
-    chunks = funcol.all_gather_single(t.t().contiguous(), 0, group)  # [tokens, rows]: dim 0 is the one it gathers
-    return chunks.t()
+    # [tokens, rows]: dim 0 is the one torch 2.11 gathers under torch.compile (all_gather_single is newer)
+    return funcol.all_gather_tensor(t.t().contiguous(), 0, group).t()
 
 
 def group_sum(t: torch.Tensor, group: str) -> torch.Tensor:
