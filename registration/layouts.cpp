@@ -70,6 +70,7 @@ constexpr const char* kOpsTakingTensors[] = {
     "segment_attention",
     "segment_attention_backward",
     "ulysses_attention",
+    "_assert_all",
 };
 
 void reject_at_this_key(torch::Library& m) {

@@ -1,6 +1,7 @@
 #include <torch/library.h>
 
 #include "ops/attention_block/attention_block.h"
+#include "ops/common/checks.h"
 #include "ops/disk_spill/disk_spill.h"
 #include "ops/linear_cross_entropy/linear_cross_entropy.h"
 #include "ops/offload/offload.h"
@@ -19,6 +20,7 @@ TORCH_LIBRARY_IMPL(offload, Meta, m) {
   // tiled_mlp's results live on x's device, which FakeTensor derives by itself.
   m.impl("tiled_mlp", &torch_offload::tiled_mlp_meta);
   m.impl("tiled_mlp_backward", &torch_offload::tiled_mlp_backward_meta);
+  m.impl("_assert_all", &torch_offload::assert_all_meta);
 }
 
 TORCH_LIBRARY_IMPL(offload, Meta, m) {

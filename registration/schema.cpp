@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "ops/attention_block/attention_block.h"
+#include "ops/common/checks.h"
 #include "ops/common/pinned_arena.h"
 #include "ops/disk_spill/disk_spill.h"
 #include "ops/linear_cross_entropy/linear_cross_entropy.h"
@@ -124,6 +125,14 @@ TORCH_LIBRARY(offload, m) {
   m.def(
       "ulysses_attention(Tensor query, Tensor key, Tensor value, Tensor segment_ids, str group_name, "
       "float? scale=None) -> Tensor");
+
+  // A copy of value once every element of condition is true, else the error message (ops/common/checks.h):
+  // apply()'s masks check with it under torch.compile what only the data shows.
+  m.def("_assert_all(Tensor value, Tensor condition, str message) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(offload, CompositeExplicitAutograd, m) {
+  m.impl("_assert_all", &torch_offload::assert_all_kernel);
 }
 
 TORCH_LIBRARY_IMPL(offload, CompositeImplicitAutograd, m) {

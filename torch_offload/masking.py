@@ -126,7 +126,7 @@ def mask(
     **kwargs,
 ):
     """The mask function registered for IMPLEMENTATION: segment ids, None, or SDPA's dense mask."""
-    from transformers import masking_utils as mu
+    from transformers.masking_utils import sdpa_mask  # a submodule: dynamo 2.11 cannot import from the lazy package
 
     dense = dict(
         batch_size=batch_size,
@@ -153,7 +153,7 @@ def mask(
             config,
             kwargs.get("device"),
         )
-        return mu.sdpa_mask(**dense) if segments is _DENSE else segments
+        return sdpa_mask(**dense) if segments is _DENSE else segments
     reason = None
     try:
         window, packed = _describe(mask_function, _FACTORIES)
@@ -175,7 +175,7 @@ def mask(
             return attention_block_segment_ids(attention_mask=attention_mask[:, -kv_length:])
         return None
     fallbacks(config)[reason] += 1
-    return mu.sdpa_mask(**dense)
+    return sdpa_mask(**dense)
 
 
 _DENSE = object()
@@ -214,22 +214,27 @@ def _compiled_segments(
     rows = torch.arange(batch_size, device=device)[:, None]
     queries = torch.arange(1, q_length, device=device)[None, :]
     head = torch.zeros((), dtype=torch.long, device=device)
-    torch._assert_async(
-        ~mask_function(rows, head, queries - 1, queries).any(),
-        "torch_offload: under torch.compile the mask transformers composed lets a query see a later "
-        "key, which segment ids cannot describe",
-    )
+    sees_later = mask_function(rows, head, queries - 1, queries).any()
     if attention_mask is not None:
         real = attention_mask[:, -kv_length:]
-        torch._assert_async(
+        segment_ids = torch.ops.offload._assert_all(
+            attention_block_segment_ids(attention_mask=real),
             _real_tokens_are_contiguous(real),
             "torch_offload: under torch.compile an attention_mask's real tokens must be contiguous "
             "in each row (padding only before or after them); this batch has a hole",
         )
-        return attention_block_segment_ids(attention_mask=real)
-    follows = mask_function(rows, head, queries, queries - 1)
-    starts = torch.nn.functional.pad(~follows.expand(batch_size, q_length - 1), (1, 0), value=False)
-    return starts.long().cumsum(dim=1)
+    else:
+        follows = mask_function(rows, head, queries, queries - 1)
+        starts = torch.nn.functional.pad(~follows.expand(batch_size, q_length - 1), (1, 0), value=False)
+        segment_ids = starts.long().cumsum(dim=1)
+    # A pure op that returns the ids, so the check stays in the graph: torch 2.11's partitioner refuses
+    # torch._assert_async in a graph with activation checkpointing.
+    return torch.ops.offload._assert_all(
+        segment_ids,
+        ~sees_later,
+        "torch_offload: under torch.compile the mask transformers composed lets a query see a later "
+        "key, which segment ids cannot describe",
+    )
 
 
 def _runs(segment_ids: torch.Tensor) -> list[list[tuple[int, int, tuple[int, int] | None]]]:

@@ -1,6 +1,7 @@
 #include "ops/common/checks.h"
 
 #include <ATen/Context.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/core/SymBool.h>
 #include <c10/util/Exception.h>
 #include <unistd.h>
@@ -37,6 +38,15 @@ void check_device_available(c10::Device device, const char* op, const char* arg)
     return;
   }
   TORCH_CHECK(false, op, ": ", arg, " is ", device, "; expected a cpu or cuda device");
+}
+
+at::Tensor assert_all_kernel(const at::Tensor& value, const at::Tensor& condition, c10::string_view message) {
+  TORCH_CHECK(condition.all().item<bool>(), message);
+  return value.clone();
+}
+
+at::Tensor assert_all_meta(const at::Tensor& value, const at::Tensor& /*condition*/, c10::string_view /*message*/) {
+  return at::empty_like(value);
 }
 
 int64_t physical_host_bytes() {

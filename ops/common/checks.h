@@ -17,6 +17,13 @@ void check_tensor(const char* op, const char* arg, const at::Tensor& t, const at
 // CUDA build of torch and a visible GPU with that index).
 void check_device_available(c10::Device device, const char* op, const char* arg);
 
+// The _assert_all op: a copy of `value` once every element of `condition` is true, else `message` as
+// the error. A runtime check that torch.compile keeps in the graph as a pure op (torch 2.11's
+// partitioner refuses aten::_assert_async in a graph with activation checkpointing); it waits for
+// `condition` on a GPU.
+at::Tensor assert_all_kernel(const at::Tensor& value, const at::Tensor& condition, c10::string_view message);
+at::Tensor assert_all_meta(const at::Tensor& value, const at::Tensor& condition, c10::string_view message);
+
 // Bytes of physical host memory; byte budgets above it are rejected as absurd.
 int64_t physical_host_bytes();
 

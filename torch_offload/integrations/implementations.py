@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copyreg
+import pickle
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .. import masking
+from .. import masking, sequence_parallel
 
 if TYPE_CHECKING:
     from .handle import OffloadHandle
@@ -16,26 +19,36 @@ if TYPE_CHECKING:
 _IMPLEMENTATION_KEY = "_attn_implementation_internal"
 
 
-class _ImplementationBeforeCopies(str):
-    """The attention implementation apply gives a config: the name of ours, which copies and pickles
-    (``copy.deepcopy``, ``torch.save(model)``) turn back into the one the config had before apply, as
-    they do the modules' patches (_StateBeforeApply): a copy loads where torch_offload is not imported
-    and runs as the model did before apply."""
+# id(config) -> (a weak reference to it, the implementation it had before the first apply): read by
+# _reduce_config. The config itself holds a plain str: torch.compile (torch 2.11's dynamo) traces no str
+# subclass, and transformers looks the name up in its registries inside the compiled code.
+_BEFORE_APPLY: dict[int, tuple[weakref.ref, Any]] = {}
 
-    def __new__(cls, ours: str, before: str):
-        name = super().__new__(cls, ours)
-        name.before = before
-        return name
 
-    def __reduce__(self):
-        return str, (self.before,)
+def _reduce_config(config: Any) -> Any:
+    """How copies and pickles (``copy.deepcopy``, ``torch.save(model)``) reduce a config of a class apply
+    gave an implementation: as the config does by itself, with the implementation it had before apply
+    while it holds one of ours, as they do the modules' patches (_StateBeforeApply): a copy loads where
+    torch_offload is not imported and runs as the model did before apply."""
+    reduced = config.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+    entry = _BEFORE_APPLY.get(id(config))
+    state = reduced[2] if isinstance(reduced, tuple) and len(reduced) > 2 else None
+    if entry is None or entry[0]() is not config or not isinstance(state, dict):
+        return reduced
+    if state.get(_IMPLEMENTATION_KEY) not in (masking.IMPLEMENTATION, sequence_parallel.IMPLEMENTATION):
+        return reduced  # removed, or set by the user since
+    return (*reduced[:2], dict(state, **{_IMPLEMENTATION_KEY: entry[1]}), *reduced[3:])
 
 
 def _set_implementation(handle: OffloadHandle, config: Any, implementation: str) -> None:
     previous = vars(config)[_IMPLEMENTATION_KEY]
-    before = getattr(previous, "before", previous)  # a second handle's: the config's own from before the first
     handle._attention_implementations.append((config, previous, implementation))
-    vars(config)[_IMPLEMENTATION_KEY] = _ImplementationBeforeCopies(implementation, before)
+    entry = _BEFORE_APPLY.get(id(config))
+    if entry is None or entry[0]() is not config:  # a second handle's: the config's own from before the first
+        key = id(config)
+        _BEFORE_APPLY[key] = (weakref.ref(config, lambda _: _BEFORE_APPLY.pop(key, None)), previous)
+        copyreg.pickle(type(config), _reduce_config)
+    vars(config)[_IMPLEMENTATION_KEY] = implementation
 
 
 def _configs(model: nn.Module) -> list[Any]:
