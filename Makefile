@@ -129,8 +129,9 @@ cuda-check: $(VENV)/.ready $(CUDA_VENV)/.ready gtest
 test-cuda-torch: cuda-check
 	$(CUDA_VENV)/bin/python -m pytest $(PYTEST_PARALLEL) python_tests
 
-# The ends of the supported torch range (pyproject.toml): the CUDA build and the op test files on torch 2.11 (the lent
-# GPU machines') and 2.15 (the newest release), each in its own venv that borrows $(CUDA_VENV)'s other packages.
+# The ends of the supported torch range (pyproject.toml): the CUDA build and the op, compile and sequence-parallel
+# test files on torch 2.11 (the lent GPU machines') and 2.15 (the newest release), each in its own venv that borrows
+# $(CUDA_VENV)'s other packages.
 TORCH_RANGE ?= 2.11.0 2.15.0
 test-torch-range: $(CUDA_VENV)/.ready
 	.ci/torch_range.sh $(CUDA_VENV) $(CUDA_HOME) $(TORCH_RANGE)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The ends of the supported torch range (`make test-torch-range`): for each version given, the CUDA build of the
-# library (nvcc, sm_80 and sm_90, as the lent GPU machines build it) and the op test files on the CPU.
+# library (nvcc, sm_80 and sm_90, as the lent GPU machines build it) and the op test files on the CPU, with
+# torch.compile's and sequence parallelism's: the parts of apply() that lean on torch's private corners.
 #   torch_range.sh CUDA_VENV CUDA_HOME VERSION...
 # Each version gets a venv under build/torch-VERSION holding only that torch (from PyPI, without its dependencies);
 # everything else, the CUDA libraries included, comes from CUDA_VENV's site-packages through a .pth file: CUDA 13
@@ -12,7 +13,7 @@ cuda_venv=$(realpath "$1") cuda_home=$2
 shift 2
 declare -A EXTRA_WHEELS=([2.15.0]="nvidia-nvshmem-cu13==3.7.2")  # torch 2.15's libtorch_nvshmem needs 3.7
 OP_TESTS=(test_offload_ops.py test_tiled_mlp.py test_linear_cross_entropy.py test_attention_block.py
-  test_segment_attention.py test_disk_spill.py test_activations.py)
+  test_segment_attention.py test_disk_spill.py test_activations.py test_compile.py test_sequence_parallel.py)
 cuda_site=$("$cuda_venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')
 for version in "$@"; do
   SECONDS=0
