@@ -1,6 +1,7 @@
 """The GPU check (`make gpu-check`): on a machine with a GPU, build the library against that machine's
-own CUDA build of torch, run every CUDA test (pytest's test_*_cuda.py, the C++ suite's *Cuda tests
-where GoogleTest is installed) and the GPU variant of the benches, and print one summary table.
+own CUDA build of torch, run every CUDA test (pytest's test_*_cuda.py, one process per file, and the
+whole C++ suite where GoogleTest is installed), the CPU's error paths and the GPU variant of the
+benches, and print one summary table.
 
     make gpu-check                         # GPU_PYTHON=python3: the interpreter that holds CUDA torch
     python3 .ci/gpu_check.py --allow-no-gpu  # the same steps where no GPU is (every GPU test skips)
@@ -99,7 +100,7 @@ def main():
         sys.exit("gpu-check: torch sees no GPU here (torch.cuda.is_available() is False); nothing to check")
     if torch.version.cuda is None:
         sys.exit(f"gpu-check: {python} holds torch {torch.__version__}, a CPU-only build; set GPU_PYTHON")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_OFFLOAD_FAILURES_AT_ONCE="1")
     site = os.path.join(BUILD, "site")
     wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", "*.whl")))
     results = []
@@ -140,15 +141,24 @@ def main():
         env["TORCH_OFFLOAD_LIBRARY"] = os.path.join(BUILD, "libtorch_offload.so")
         if with_gtest:
             ctest = os.path.join(os.path.dirname(cmake), "ctest") if os.path.isabs(cmake) else "ctest"
-            run("C++ *Cuda tests", [ctest, "--test-dir", BUILD, "-R", "Cuda", "--output-on-failure"], env, results)
-        report = os.path.join(BUILD, "pytest.xml")
-        tests = sorted(glob.glob(os.path.join("python_tests", "test_*_cuda.py")))
-        run(
-            "pytest",
-            [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *tests],
-            env,
-            results,
-        )
+            # The whole suite: the CPU tests tell the build's own faults (error paths) from the GPU's.
+            run("C++ tests", [ctest, "--test-dir", BUILD, "-j", str(args.jobs), "--output-on-failure"], env, results)
+        # Errors raised on the CPU, whose messages format numbers: 2026-11-27's lease saw such errors of the CUDA
+        # kernels end in a segfault, and this step says whether the CPU's do too.
+        cpu_errors = "test_bad_inputs_raise_errors_naming_the_argument"
+        for test in ("python_tests/test_linear_cross_entropy.py", "python_tests/test_attention_block.py"):
+            run(
+                f"CPU errors {os.path.basename(test)}",
+                [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", cpu_errors, test],
+                env,
+                results,
+            )
+        # One process per file: a crash (a segfault in a kernel) costs only its own file's results.
+        reports = []
+        for test in sorted(glob.glob(os.path.join("python_tests", "test_*_cuda.py"))):
+            reports.append(os.path.join(BUILD, os.path.basename(test) + ".xml"))
+            pytest = [python, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider"]
+            run(f"pytest {os.path.basename(test)}", [*pytest, f"--junitxml={reports[-1]}", test], env, results)
         benches = {
             "bench/gpu_llama.py": ["--tokens", "8192,32768", "--longest-seconds", "45"],
             "bench/compile.py (GPU)": [
@@ -175,10 +185,14 @@ def main():
     for r in results:
         outcome = "ok" if r["rc"] == 0 else f"FAILED (exit {r['rc']})"
         print(f"| {r['step']} | {outcome} | {r['seconds']:.0f} |")
-    if built and os.path.exists(report):
+    if built:
         print("\n| test file | passed | failed | skipped |\n| --- | ---: | ---: | ---: |")
-        for name, (passed, failed, skipped) in sorted(pytest_counts(report).items()):
-            print(f"| {name} | {passed} | {failed} | {skipped} |")
+        for report in reports:
+            if not os.path.exists(report):
+                print(f"| {os.path.basename(report)[:-4]} | crashed before its report | | |")
+                continue
+            for name, (passed, failed, skipped) in sorted(pytest_counts(report).items()):
+                print(f"| {name} | {passed} | {failed} | {skipped} |")
     if not with_gtest:
         print("\nThe C++ suite was not built: GoogleTest (/usr/include/gtest) is not installed here.")
     if gpu is None:

@@ -1,6 +1,9 @@
 """Under pytest-xdist (make test), the tests of modules that spawn ranks run on one worker, one after another: two
 process groups at once would halve each one's cores, and their rendezvous ports come from the same free pool."""
 
+import os
+import sys
+
 import pytest
 
 RANK_MODULES = frozenset(
@@ -24,3 +27,9 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.module.__name__ in RANK_MODULES:
             item.add_marker(pytest.mark.xdist_group("ranks"))
+
+
+def pytest_runtest_logreport(report):
+    # The GPU check sets this: a failure's traceback at once, as a later test's segfault would lose pytest's summary.
+    if report.failed and os.environ.get("TORCH_OFFLOAD_FAILURES_AT_ONCE"):
+        sys.stderr.write(f"\n=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n")
