@@ -30,6 +30,6 @@ for version in "$@"; do
   "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -C "build-dir=build/torch-$version/build" \
     -C cmake.define.TORCH_OFFLOAD_CUDA=ON -C "cmake.define.CMAKE_CUDA_COMPILER=$cuda_home/bin/nvcc" \
     -C "cmake.define.CUDA_TOOLKIT_ROOT_DIR=$cuda_home" -C "cmake.define.CUDA_nvrtc_LIBRARY=$nvrtc" .
-  (cd python_tests && "../$venv/bin/python" -m pytest -q -p no:cacheprovider -n auto "${OP_TESTS[@]}")
+  (cd python_tests && "../$venv/bin/python" -m pytest -q -p no:cacheprovider -n auto --dist loadgroup "${OP_TESTS[@]}")
   echo "torch_range: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'): built and tested in ${SECONDS} s"
 done
