@@ -110,7 +110,7 @@ def main():
     parser.add_argument("--allow-no-gpu", action="store_true", help="run the steps where no GPU is (they skip)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
     parser.add_argument(
-        "--bench-after", type=float, default=300, help="skip the benches if the steps before took longer (seconds)"
+        "--bench-after", type=float, default=240, help="skip the benches if the steps before took longer (seconds)"
     )
     args = parser.parse_args()
     started = time.monotonic()
