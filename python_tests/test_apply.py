@@ -332,6 +332,61 @@ FAMILIES = {
         "model.layers",
         ["tiled_mlp", "streamed", "tiled_mlp"],
     ),
+    # Dense families whose layers differ from Llama's elsewhere: q/k norms on whole projections (OLMo 2), scaled
+    # embeddings, residuals, attention and logits (Granite), layers without rotary (SmolLM3), a parallel block with
+    # LayerNorm and scaled logits (Cohere), partial rotary and a fused gate_up_proj (GLM-4), q/k norms and sliding
+    # windows beside full layers (Gemma 3).
+    "olmo2": (
+        lambda: transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**TINY, intermediate_size=64)),
+        "model.layers",
+        ["tiled_mlp"] * 3,
+    ),
+    "granite": (
+        lambda: transformers.GraniteForCausalLM(
+            transformers.GraniteConfig(
+                **TINY,
+                intermediate_size=64,
+                embedding_multiplier=2.0,
+                residual_multiplier=0.5,
+                attention_multiplier=0.3,
+                logits_scaling=4.0,
+            )
+        ),
+        "model.layers",
+        ["tiled_mlp"] * 3,
+    ),
+    "smollm3": (
+        lambda: transformers.SmolLM3ForCausalLM(
+            transformers.SmolLM3Config(**TINY, intermediate_size=64, no_rope_layers=[1, 0, 1])
+        ),
+        "model.layers",
+        ["tiled_mlp"] * 3,
+    ),
+    "cohere": (
+        lambda: transformers.CohereForCausalLM(
+            transformers.CohereConfig(**TINY, intermediate_size=64, logit_scale=0.5)
+        ),
+        "model.layers",
+        ["tiled_mlp"] * 3,
+    ),
+    "glm4": (
+        lambda: transformers.Glm4ForCausalLM(transformers.Glm4Config(**TINY, intermediate_size=64, head_dim=8)),
+        "model.layers",
+        ["tiled_mlp"] * 3,
+    ),
+    "gemma3_text": (
+        lambda: transformers.Gemma3ForCausalLM(
+            transformers.Gemma3TextConfig(
+                **TINY,
+                intermediate_size=64,
+                head_dim=8,
+                sliding_window=32,  # longer than the batches: their masks are segment ids (Mistral tests windows)
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            )
+        ),
+        "model.layers",
+        ["tiled_mlp"] * 3,
+    ),
     # A VLM: the language model's layers, not the vision tower's blocks (which also have an `mlp`).
     "qwen2_vl": (
         lambda: transformers.Qwen2VLForConditionalGeneration(

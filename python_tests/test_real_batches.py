@@ -66,9 +66,13 @@ def build(name):
 
 
 # Every batch on every tested family; the mixtures of experts (their attention and masks as Llama's or Qwen3's)
-# on one packed and two padded batches.
+# and the dense families whose masks are Llama's on one packed and two padded batches.
 CASES = [(name, batch) for name in MODELS for batch in BATCHES]
-CASES += [(name, batch) for name in ("qwen3_moe", "mixtral") for batch in ("packed", "left_padded", "right_padded")]
+CASES += [
+    (name, batch)
+    for name in ("qwen3_moe", "mixtral", "olmo2", "granite", "smollm3", "cohere", "glm4", "gemma3_text")
+    for batch in ("packed", "left_padded", "right_padded")
+]
 
 
 @pytest.mark.parametrize("name, batch", CASES)
@@ -183,8 +187,13 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("batch", ["packed", "right_padded", "left_padded"])
-@pytest.mark.parametrize("name", [*SDPA_FAMILIES, "qwen3_moe"])  # (Mixtral's experts hold [rows x top-k, 2I] > T^2)
+# The families whose masks are Llama's code on packed documents (Mixtral's experts hold [rows x top-k, 2I] > T^2;
+# Gemma 3's windows are shorter than T).
+@pytest.mark.parametrize(
+    "name, batch",
+    [(name, batch) for name in [*SDPA_FAMILIES, "qwen3_moe"] for batch in ("packed", "right_padded", "left_padded")]
+    + [(name, "packed") for name in ("olmo2", "granite", "smollm3", "cohere", "glm4")],
+)
 def test_no_tensor_of_tokens_squared_elements_in_an_applied_step(name, batch):
     # 512 tokens: T * T = 262,144 elements, more than any weight or activation of these models
     # (GPT-2's MLP, [3 x 512, 128], is the largest); the un-applied step's mask has 3 x T * T.

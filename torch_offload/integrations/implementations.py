@@ -64,7 +64,10 @@ def _configs(model: nn.Module) -> list[Any]:
 # builds a sliding-window mask beside the causal one at every call, used by no layer when
 # use_sliding_window is off, which segment ids cannot describe (dense, [T, T]).
 _SEGMENT_MASK_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "qwen3_moe", "mixtral"}
+    {
+        *("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "qwen3_moe", "mixtral"),
+        *("olmo2", "granite", "smollm3", "cohere", "glm4", "gemma3_text"),
+    }
 )
 
 
