@@ -111,7 +111,11 @@ def test_inductor_compiled_applied_model_matches_eager():
         pytest.param(
             "gpt2",
             None,
-            marks=pytest.mark.xfail(torch.torch_version.TorchVersion(torch.__version__) < "2.15", strict=True),
+            marks=pytest.mark.xfail(
+                torch.torch_version.TorchVersion(torch.__version__) < "2.15",
+                reason="pytorch/pytorch#193194, fixed in torch 2.15",
+                strict=True,
+            ),
         ),
     ],
 )
