@@ -50,12 +50,17 @@ at::Tensor rotate_half(const at::Tensor& t) {
 }
 
 // The same attention in plain ATen: every head at once, the mask and softmax written out.
-// `blocked` [batch or 1, 9, 9] says which keys each query may not see (default: the future).
-at::Tensor reference(const Attention& a, at::Tensor blocked = {}) {
+// `blocked` [batch or 1, 9, 9] says which keys each query may not see (default: the future);
+// q_norm, k_norm [4], when defined: each head's q, k through an RMSNorm (eps 1e-6) before the rotary embedding.
+at::Tensor reference(const Attention& a, at::Tensor blocked = {}, const at::Tensor& q_norm = {},
+                     const at::Tensor& k_norm = {}) {
   const auto heads = [](const at::Tensor& rows) { return rows.view({2, 9, -1, 4}).transpose(1, 2); };
   const auto rope = [&](const at::Tensor& t) { return t * a.cos.unsqueeze(1) + rotate_half(t) * a.sin.unsqueeze(1); };
-  const at::Tensor q = rope(heads(at::linear(a.x, a.w_q, a.b_q)));
-  const at::Tensor k = rope(heads(at::linear(a.x, a.w_k, a.b_k))).repeat_interleave(2, 1);
+  const auto norm = [](const at::Tensor& t, const at::Tensor& weight) {
+    return weight.defined() ? weight * t * at::rsqrt(t.square().mean(-1, true) + 1e-6) : t;
+  };
+  const at::Tensor q = rope(norm(heads(at::linear(a.x, a.w_q, a.b_q)), q_norm));
+  const at::Tensor k = rope(norm(heads(at::linear(a.x, a.w_k, a.b_k)), k_norm)).repeat_interleave(2, 1);
   const at::Tensor v = heads(at::linear(a.x, a.w_v, a.b_v)).repeat_interleave(2, 1);
   if (!blocked.defined()) {
     blocked = at::ones({1, 9, 9}, at::TensorOptions().dtype(at::kBool).device(a.x.device())).triu(1);
@@ -102,12 +107,34 @@ TEST(AttentionBlock, SegmentsMatchAtenWithTheirMaskWrittenOut) {
   }
 }
 
+TEST(AttentionBlock, PerHeadNormsMatchAtenWithTheirGradientsFromCpp) {
+  const Attention a = make_attention();
+  const auto options = at::TensorOptions().dtype(at::kDouble);
+  const at::Tensor q_norm = (1 + at::randn({4}, options) / 2).requires_grad_(true);
+  const at::Tensor k_norm = (1 + at::randn({4}, options) / 2).requires_grad_(true);
+  const at::Tensor out =
+      torch_offload::attention_block(a.x, a.w_q, a.w_k, a.w_v, a.w_o, a.cos, a.sin, a.b_q, a.b_k, a.b_v, a.b_o,
+                                     std::nullopt, std::nullopt, std::nullopt, q_norm, k_norm);
+  const at::Tensor want = reference(a, {}, q_norm, k_norm);
+  expect_close(out, want);
+  std::vector<at::Tensor> leaves = a.leaves();
+  leaves.insert(leaves.end(), {q_norm, k_norm});
+  const at::Tensor grad_out = at::randn_like(want);
+  const auto got_grads = torch::autograd::grad({out}, leaves, {grad_out});
+  const auto want_grads = torch::autograd::grad({want}, leaves, {grad_out});
+  for (size_t i = 0; i < got_grads.size(); ++i) {
+    expect_close(got_grads[i], want_grads[i]);
+  }
+}
+
 TEST(AttentionBlock, GradientsNotAskedForAreUndefined) {
   const Attention a = make_attention();
-  const auto [dx, dw_q, dw_k, dw_v, dw_o, db_q, db_k, db_v, db_o] = torch_offload::attention_block_backward(
-      at::ones({2, 9, 12}, at::kDouble), a.x.detach(), a.w_q, a.w_k, a.w_v, a.w_o, a.cos, a.sin, a.b_q, a.b_k, a.b_v,
-      a.b_o, std::nullopt, std::nullopt, {false, false, false, false, true, false, false, false, true});
-  for (const at::Tensor& g : {dx, dw_q, dw_k, dw_v, db_q, db_k, db_v}) {
+  const auto [dx, dw_q, dw_k, dw_v, dw_o, db_q, db_k, db_v, db_o, dq_norm, dk_norm] =
+      torch_offload::attention_block_backward(
+          at::ones({2, 9, 12}, at::kDouble), a.x.detach(), a.w_q, a.w_k, a.w_v, a.w_o, a.cos, a.sin, a.b_q, a.b_k,
+          a.b_v, a.b_o, std::nullopt, std::nullopt,
+          {false, false, false, false, true, false, false, false, true, true, true});
+  for (const at::Tensor& g : {dx, dw_q, dw_k, dw_v, db_q, db_k, db_v, dq_norm, dk_norm}) {
     EXPECT_FALSE(g.defined());
   }
   const auto want = torch::autograd::grad({reference(a).sum()}, {a.w_o, a.b_o});

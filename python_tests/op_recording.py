@@ -6,7 +6,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class RecordBackwardMask(TorchDispatchMode):
-    """Records the output_mask (its last argument) of every call of `op`."""
+    """Records the output_mask argument of every call of `op`."""
 
     def __init__(self, op):
         super().__init__()
@@ -15,7 +15,7 @@ class RecordBackwardMask(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is self.op:
-            self.masks.append(list(args[-1]))
+            self.masks.append(list(args[[a.name for a in func._schema.arguments].index("output_mask")]))
         return func(*args, **(kwargs or {}))
 
 

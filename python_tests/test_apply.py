@@ -931,7 +931,7 @@ ATTENTION = {
     "mistral": "attention_block",
     "qwen2": "attention_block",
     "gemma": "attention_block",
-    "qwen3": "module: it has q_norm, k_norm besides its nn.Linear projections",  # per-head norms
+    "qwen3": "attention_block",  # its per-head norms are the op's q_norm and k_norm
     "phi3": "attention_block",  # its fused qkv_proj split into the op's q, k, v
     "gpt2": "module: it has no q_proj, k_proj, v_proj, o_proj (c_attn, c_proj",  # Conv1D c_attn
     "gemma2": "module: config.attn_logit_softcapping is 50.0",  # soft-capped attention scores

@@ -235,10 +235,10 @@ def test_autocast_is_as_close_to_float32_as_the_module_under_autocast():
 @pytest.mark.parametrize(
     "trainable, expected_mask",
     [
-        ("all", [True] * 9),
-        ("x", [True] + [False] * 8),
-        ("weights", [False] + [True] * 8),
-        ("w_o", [False, False, False, False, True, False, False, False, True]),
+        ("all", [True] * 9 + [False] * 2),  # no norms given
+        ("x", [True] + [False] * 10),
+        ("weights", [False] + [True] * 8 + [False] * 2),
+        ("w_o", [False, False, False, False, True, False, False, False, True, False, False]),
     ],
     ids=["all", "x_only", "frozen_input", "output_projection_only"],
 )
@@ -275,10 +275,10 @@ def test_opcheck(case):
     opcheck(torch.ops.offload.attention_block.default, (*inputs, scale))
     grad_out = torch.randn(inputs[0].shape[0], inputs[0].shape[1], inputs[4].shape[0])
     detached = [t.detach() if t is not None else None for t in inputs]
-    opcheck(torch.ops.offload.attention_block_backward.default, (grad_out, *detached, scale, None, [True] * 9))
+    opcheck(torch.ops.offload.attention_block_backward.default, (grad_out, *detached, scale, None, [True] * 11))
     opcheck(
         torch.ops.offload.attention_block_backward.default,
-        (grad_out, *detached, scale, None, [False, True] + [False] * 7),
+        (grad_out, *detached, scale, None, [False, True] + [False] * 9),
     )
 
 
@@ -337,12 +337,12 @@ def test_meta_tensors_give_shapes_only():
         *inputs,
         None,
         None,
-        [True, False, True, False, True, True, False, True, False],
+        [True, False, True, False, True, True, False, True, False, True, True],
     )
     want = [
         t.shape if m else None
         for t, m in zip(inputs[:5] + inputs[7:], [True, False, True, False, True, True, False, True, False])
-    ]
+    ] + [None, None]  # no norms given
     assert [g.shape if g is not None else None for g in grads] == want
 
 
@@ -392,7 +392,7 @@ def test_bad_inputs_raise_errors_naming_the_argument(name, kwargs, message):
         return
     # The backward op checks the same.
     args = [kwargs[n] for n in ("x", "w_q", "w_k", "w_v", "w_o", "cos", "sin")]
-    args += [kwargs.get(n) for n in ("b_q", "b_k", "b_v", "b_o", "scale", "segment_ids")] + [[True] * 9]
+    args += [kwargs.get(n) for n in ("b_q", "b_k", "b_v", "b_o", "scale", "segment_ids")] + [[True] * 11]
     with pytest.raises(RuntimeError, match=f"attention_block_backward: {message}"):
         torch.ops.offload.attention_block_backward(torch.zeros(2, 7, 16), *args)
 
@@ -405,7 +405,7 @@ def test_rotary_tables_that_require_grad_and_bad_grad_out_are_refused():
     inputs[5].requires_grad_(False)
     detached = [t.detach() if t is not None else None for t in inputs]
     with pytest.raises(RuntimeError, match=r"attention_block_backward: grad_out has shape \[2, 7, 15\]"):
-        torch.ops.offload.attention_block_backward(torch.zeros(2, 7, 15), *detached, None, None, [True] * 9)
+        torch.ops.offload.attention_block_backward(torch.zeros(2, 7, 15), *detached, None, None, [True] * 11)
 
 
 def segment_mask(segment_ids):
@@ -478,7 +478,7 @@ def test_segments_opcheck():
     opcheck(torch.ops.offload.attention_block.default, (*inputs, None, SEGMENTS))
     grad_out = torch.randn(3, 13, 16)
     detached = [t.detach() if t is not None else None for t in inputs]
-    opcheck(torch.ops.offload.attention_block_backward.default, (grad_out, *detached, None, SEGMENTS, [True] * 9))
+    opcheck(torch.ops.offload.attention_block_backward.default, (grad_out, *detached, None, SEGMENTS, [True] * 11))
 
 
 def test_long_segments_run_as_balanced_pieces_and_still_match():

@@ -14,6 +14,10 @@ from test_attention_block import (
     relative_error,
     segment_reference,
 )
+from test_attention_block_norms import call as norm_call
+from test_attention_block_norms import make_norm_inputs
+from test_attention_block_norms import output_and_grads as norm_output_and_grads
+from test_attention_block_norms import reference as norm_reference
 from test_segment_attention import make_qkv
 from test_segment_attention import output_and_grads as qkv_output_and_grads
 from test_segment_attention import reference as qkv_reference
@@ -28,6 +32,13 @@ def to_cuda(inputs, dtype=None):
     return [t.detach().to("cuda", dtype).requires_grad_(t.requires_grad) if t is not None else None for t in inputs]
 
 
+def gradient_error(got, want, scale):
+    """relative_error, but against a hundredth of `scale` (the largest gradient's norm) where want is smaller: one
+    token's w_q and w_k get a zero gradient, in float32 a few rounding errors that two kernels make differently (most
+    likely what failed in the H200 run of 2026-11-27, whose traceback a later crash lost)."""
+    return ((got.double() - want.double()).norm() / max(want.double().norm(), 1e-2 * float(scale))).item()
+
+
 @pytest.mark.parametrize(
     "shape",
     [
@@ -38,13 +49,6 @@ def to_cuda(inputs, dtype=None):
     ],
     ids=["gqa", "one_kv_head_biases", "one_token", "longer"],
 )
-def gradient_error(got, want, scale):
-    """relative_error, but against a hundredth of `scale` (the largest gradient's norm) where want is smaller: one
-    token's w_q and w_k get a zero gradient, in float32 a few rounding errors that two kernels make differently (most
-    likely what failed in the H200 run of 2026-11-27, whose traceback a later crash lost)."""
-    return ((got.double() - want.double()).norm() / max(want.double().norm(), 1e-2 * float(scale))).item()
-
-
 def test_cuda_matches_eager_and_the_cpu_op_float32(shape):
     inputs = make_inputs(**shape)
     gpu = to_cuda(inputs)
@@ -190,7 +194,7 @@ def test_cuda_opcheck():
     detached = [t.detach() if t is not None else None for t in inputs]
     opcheck(
         torch.ops.offload.attention_block_backward.default,
-        (torch.randn(2, 7, 16, device="cuda"), *detached, 0.5, None, [True] * 9),
+        (torch.randn(2, 7, 16, device="cuda"), *detached, 0.5, None, [True] * 11),
     )
 
 
@@ -354,3 +358,22 @@ def test_cuda_graph_capture_with_segment_ids_is_refused_by_name():
             with torch.cuda.graph(torch.cuda.CUDAGraph()):
                 run()
         assert torch.isfinite(run()).all()  # outside a capture, as before
+
+
+def test_cuda_per_head_norms_match_the_cpu_op_and_bf16_is_as_close_to_float32_as_eager():
+    inputs = make_norm_inputs(batch=3, tokens=13, h=32, heads=4, kv_heads=2, head_dim=8, bias=True)
+    grad_out = torch.randn(3, 13, 32)
+    got = norm_output_and_grads(lambda *a: norm_call(*a, segment_ids=SEGMENTS.cuda()), to_cuda(inputs), grad_out.cuda())
+    cpu = norm_output_and_grads(lambda *a: norm_call(*a, segment_ids=SEGMENTS), inputs, grad_out)
+    torch.testing.assert_close(got[0].cpu(), cpu[0], rtol=1e-4, atol=1e-5)
+    scale = max(w.norm() for w in cpu[1].values())
+    for name, want in cpu[1].items():
+        assert gradient_error(got[1][name].cpu(), want, scale) < 1e-4, name
+    gpu, low = to_cuda(inputs), to_cuda(inputs, torch.bfloat16)
+    want = norm_output_and_grads(norm_reference, gpu, grad_out.cuda())
+    eager = norm_output_and_grads(norm_reference, low, grad_out.cuda().bfloat16())
+    got = norm_output_and_grads(norm_call, low, grad_out.cuda().bfloat16())
+    assert relative_error(got[0], want[0]) <= max(2 * relative_error(eager[0], want[0]), 1e-2)
+    for name in want[1]:
+        error, eager_error = relative_error(got[1][name], want[1][name]), relative_error(eager[1][name], want[1][name])
+        assert error <= max(2 * eager_error, 1e-2), name

@@ -106,6 +106,7 @@ def test_inductor_compiled_applied_model_matches_eager():
     "name, offload",
     [
         ("llama", None),
+        ("qwen3", None),  # attention_block with its per-head norms (and their epsilon, a float)
         ("lora", None),
         ("llama", "disk"),
         pytest.param(

@@ -79,13 +79,15 @@ at::Tensor attention_block_autocast(const at::Tensor& x, const at::Tensor& w_q, 
                                     const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                     const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                     const std::optional<at::Tensor>& segment_ids,
-                                    std::optional<c10::string_view> group_name) {
+                                    std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
+                                    const std::optional<at::Tensor>& k_norm, double norm_eps) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(
       at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
   const auto cast = [&](const auto& t) { return at::autocast::cached_cast(dtype, t, kDevice); };
   return attention_block(cast(x), cast(w_q), cast(w_k), cast(w_v), cast(w_o), cast(cos), cast(sin), cast(b_q),
-                         cast(b_k), cast(b_v), cast(b_o), scale, segment_ids, group_name);
+                         cast(b_k), cast(b_v), cast(b_o), scale, segment_ids, group_name, cast(q_norm), cast(k_norm),
+                         norm_eps);
 }
 
 // segment_attention runs in the autocast dtype, as the SDPA it stands for does.

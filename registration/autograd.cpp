@@ -293,26 +293,34 @@ class AttentionBlockFunction : public torch::autograd::Function<AttentionBlockFu
                             const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k,
                             const std::optional<at::Tensor>& b_v, const std::optional<at::Tensor>& b_o,
                             std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
-                            std::optional<c10::string_view> group_name) {
+                            std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
+                            const std::optional<at::Tensor>& k_norm, double norm_eps) {
     check_rotary_needs_no_grad(cos, sin);
     const auto or_undefined = [](const std::optional<at::Tensor>& t) { return t.value_or(at::Tensor()); };
     ctx->save_for_backward({x, w_q, w_k, w_v, w_o, cos, sin, or_undefined(b_q), or_undefined(b_k), or_undefined(b_v),
-                            or_undefined(b_o), or_undefined(segment_ids)});
+                            or_undefined(b_o), or_undefined(segment_ids), or_undefined(q_norm), or_undefined(k_norm)});
     ctx->saved_data["scale"] = scale;
+    ctx->saved_data["norm_eps"] = norm_eps;
     ctx->saved_data["group_name"] = group_name.has_value() ? c10::IValue(std::string(*group_name)) : c10::IValue();
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return attention_block(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids, group_name);
+    return attention_block(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids, group_name, q_norm,
+                           k_norm, norm_eps);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
-    // Edges: x, the four weights, cos and sin, then the biases given (absent ones have none).
-    std::array<bool, 9> output_mask{};
+    // Edges: x, the four weights, cos and sin, then the biases, segment_ids and norms given (absent ones
+    // have none).
+    std::array<bool, 11> output_mask{};
     for (size_t i = 0; i < 5; ++i) {
       output_mask[i] = ctx->needs_input_grad(i);
     }
     size_t edge = 7;
     for (size_t i = 5; i < output_mask.size(); ++i) {
-      if (saved[i + 2].defined()) {
+      const size_t saved_index = i < 9 ? i + 2 : i + 3;  // segment_ids (saved[11]) gets no gradient
+      if (i == 9 && saved[11].defined()) {
+        ++edge;
+      }
+      if (saved[saved_index].defined()) {
         output_mask[i] = ctx->needs_input_grad(edge++);
       }
     }
@@ -322,12 +330,13 @@ class AttentionBlockFunction : public torch::autograd::Function<AttentionBlockFu
     const auto scale = ctx->saved_data["scale"].toOptional<double>();
     const c10::IValue& group = ctx->saved_data["group_name"];
     const auto group_name = group.isNone() ? std::nullopt : std::optional<c10::string_view>(group.toStringRef());
-    const auto [x, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o] =
-        attention_block_backward(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], saved[6],
-                                 or_nullopt(saved[7]), or_nullopt(saved[8]), or_nullopt(saved[9]),
-                                 or_nullopt(saved[10]), scale, or_nullopt(saved[11]), output_mask, group_name);
-    return {x,   w_q, w_k, w_v, w_o,          at::Tensor(), at::Tensor(),
-            b_q, b_k, b_v, b_o, at::Tensor(), at::Tensor(), at::Tensor()};
+    const auto [x, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, q_norm, k_norm] = attention_block_backward(
+        grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], saved[6], or_nullopt(saved[7]),
+        or_nullopt(saved[8]), or_nullopt(saved[9]), or_nullopt(saved[10]), scale, or_nullopt(saved[11]), output_mask,
+        group_name, or_nullopt(saved[12]), or_nullopt(saved[13]), ctx->saved_data["norm_eps"].toDouble());
+    // One per forward argument: none for cos, sin, scale, segment_ids, group_name and norm_eps.
+    return {x,   w_q, w_k,          w_v,          w_o,          at::Tensor(), at::Tensor(), b_q,         b_k,
+            b_v, b_o, at::Tensor(), at::Tensor(), at::Tensor(), q_norm,       k_norm,       at::Tensor()};
   }
 };
 
@@ -337,9 +346,10 @@ at::Tensor attention_block_autograd(const at::Tensor& x, const at::Tensor& w_q, 
                                     const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                     const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                     const std::optional<at::Tensor>& segment_ids,
-                                    std::optional<c10::string_view> group_name) {
+                                    std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
+                                    const std::optional<at::Tensor>& k_norm, double norm_eps) {
   return AttentionBlockFunction::apply(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids,
-                                       group_name);
+                                       group_name, q_norm, k_norm, norm_eps);
 }
 
 // segment_attention saves its inputs only; segment_attention_backward recomputes. No double backward.

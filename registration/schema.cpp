@@ -94,19 +94,23 @@ TORCH_LIBRARY(offload, m) {
   // tokens, head_dim]), causal attention (grouped-query when w_k has fewer heads than
   // w_q) and w_o, one group of heads at a time; backward saves only the inputs and
   // recomputes each group. The backward op returns the gradients output_mask asks for
-  // (x, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o), undefined where not asked or absent.
+  // (x, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, q_norm, k_norm), undefined where not asked or absent.
+  // q_norm and k_norm [head_dim] (Qwen3's): each head's q and k through an RMSNorm (norm_eps) before the
+  // rotary embedding.
   // With group_name (sequence parallelism), x and cos/sin are this rank's contiguous chunk of the
   // rows, segment_ids the whole rows', and each head group's attention runs over the whole rows
   // for a share of its heads, between two all-to-alls (ops/sequence_parallel).
   m.def(
       "attention_block(Tensor x, Tensor w_q, Tensor w_k, Tensor w_v, Tensor w_o, Tensor cos, Tensor sin, "
       "Tensor? b_q=None, Tensor? b_k=None, Tensor? b_v=None, Tensor? b_o=None, float? scale=None, "
-      "Tensor? segment_ids=None, str? group_name=None) -> Tensor");
+      "Tensor? segment_ids=None, str? group_name=None, Tensor? q_norm=None, Tensor? k_norm=None, "
+      "float norm_eps=1e-06) -> Tensor");
   m.def(
       "attention_block_backward(Tensor grad_out, Tensor x, Tensor w_q, Tensor w_k, Tensor w_v, Tensor w_o, "
       "Tensor cos, Tensor sin, Tensor? b_q, Tensor? b_k, Tensor? b_v, Tensor? b_o, float? scale, "
-      "Tensor? segment_ids, bool[9] output_mask, str? group_name=None) "
-      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor? segment_ids, bool[11] output_mask, str? group_name=None, Tensor? q_norm=None, Tensor? k_norm=None, "
+      "float norm_eps=1e-06) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+      "Tensor)");
 
   // attention_block's attention alone, for attention modules it does not replace: query, key and
   // value [batch, heads, tokens, head_dim], causal within the segments of segment_ids [batch,

@@ -26,6 +26,9 @@ def attention_block(
     scale: float | None = None,
     segment_ids: torch.Tensor | None = None,
     group_name: str | None = None,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
 ) -> torch.Tensor:
     """Causal self-attention with rotary embeddings and its projections, as Llama's (differentiable).
 
@@ -37,6 +40,11 @@ def attention_block(
     ``softmax(q @ k.T * scale, causal) @ v``, and the heads' outputs through ``w_o`` and
     ``b_o``. ``rope`` is transformers' ``apply_rotary_pos_emb`` (rotate_half); ``scale``
     defaults to ``head_dim ** -0.5``.
+
+    ``q_norm`` and ``k_norm`` ``[head_dim]`` (Qwen3's per-head norms): each head's q (k) before the
+    rotary embedding goes through an RMSNorm over its ``head_dim`` values with that weight and
+    ``norm_eps``, as transformers' ``Qwen3RMSNorm`` computes it (in float32 for bf16/fp16, rounded to
+    ``x``'s dtype, then times the weight); they get gradients.
 
     It runs one group of heads at a time (as many as fit in 16 MiB of per-group tensors),
     so one group's q, k, v and attention output exist at once; backward saves only the
@@ -61,8 +69,11 @@ def attention_block(
     """
     for value, arg in ((x, "x"), (w_q, "w_q"), (w_k, "w_k"), (w_v, "w_v"), (w_o, "w_o"), (cos, "cos"), (sin, "sin")):
         _require_tensor(value, "attention_block", arg)
+    # The norms' arguments only where there are norms: under torch.compile(dynamic=True) before torch 2.15, a float
+    # reaching a checkpoint's subgraph as a graph input trips pytorch/pytorch#193194 (test_compile's GPT-2).
+    norms = (q_norm, k_norm, norm_eps) if q_norm is not None or k_norm is not None else ()
     return torch.ops.offload.attention_block(
-        x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids, group_name
+        x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids, group_name, *norms
     )
 
 

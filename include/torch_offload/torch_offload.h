@@ -247,36 +247,41 @@ inline std::vector<int64_t> linear_cross_entropy_tile(int64_t tokens, int64_t vo
 // group_name (sequence parallelism, a torch.distributed group's name): x, cos and sin are this
 // rank's contiguous chunk of the rows and segment_ids the whole rows'; each head group's attention
 // runs over the whole rows for a share of its heads, between two all-to-alls (heads a multiple of the ranks).
-inline at::Tensor attention_block(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
-                                  const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
-                                  const at::Tensor& sin, const std::optional<at::Tensor>& b_q = std::nullopt,
-                                  const std::optional<at::Tensor>& b_k = std::nullopt,
-                                  const std::optional<at::Tensor>& b_v = std::nullopt,
-                                  const std::optional<at::Tensor>& b_o = std::nullopt,
-                                  std::optional<double> scale = std::nullopt,
-                                  const std::optional<at::Tensor>& segment_ids = std::nullopt,
-                                  std::optional<std::string_view> group_name = std::nullopt) {
+// q_norm and k_norm [head_dim] (Qwen3's per-head norms): each head's q and k go through an RMSNorm with
+// that weight and norm_eps before the rotary embedding.
+inline at::Tensor attention_block(
+    const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o,
+    const at::Tensor& cos, const at::Tensor& sin, const std::optional<at::Tensor>& b_q = std::nullopt,
+    const std::optional<at::Tensor>& b_k = std::nullopt, const std::optional<at::Tensor>& b_v = std::nullopt,
+    const std::optional<at::Tensor>& b_o = std::nullopt, std::optional<double> scale = std::nullopt,
+    const std::optional<at::Tensor>& segment_ids = std::nullopt,
+    std::optional<std::string_view> group_name = std::nullopt, const std::optional<at::Tensor>& q_norm = std::nullopt,
+    const std::optional<at::Tensor>& k_norm = std::nullopt, double norm_eps = 1e-6) {
   TORCH_CHECK(x.defined(), "attention_block: x is an undefined tensor; expected a defined tensor");
   static const auto handle = detail::op<at::Tensor(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
       const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::optional<double>,
-      const std::optional<at::Tensor>&, std::optional<std::string_view>)>("offload::attention_block");
-  return handle.call(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids, group_name);
+      const std::optional<at::Tensor>&, std::optional<std::string_view>, const std::optional<at::Tensor>&,
+      const std::optional<at::Tensor>&, double)>("offload::attention_block");
+  return handle.call(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids, group_name, q_norm,
+                     k_norm, norm_eps);
 }
 
 // The gradients of attention_block with respect to (x, w_q, w_k, w_v, w_o, b_q, b_k,
-// b_v, b_o), each computed only where output_mask asks for it and the input exists
+// b_v, b_o, q_norm, k_norm), each computed only where output_mask asks for it and the input exists
 // (undefined otherwise). Gradients of bf16/fp16 tensors add up in float32 and are
 // rounded once.
 using AttentionBlockGradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                                           at::Tensor, at::Tensor, at::Tensor>;
+                                           at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 inline AttentionBlockGradients attention_block_backward(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
-    std::array<bool, 9> output_mask, std::optional<std::string_view> group_name = std::nullopt) {
+    std::array<bool, 11> output_mask, std::optional<std::string_view> group_name = std::nullopt,
+    const std::optional<at::Tensor>& q_norm = std::nullopt, const std::optional<at::Tensor>& k_norm = std::nullopt,
+    double norm_eps = 1e-6) {
   TORCH_CHECK(grad_out.defined(),
               "attention_block_backward: grad_out is an undefined tensor; expected a defined tensor");
   TORCH_CHECK(x.defined(), "attention_block_backward: x is an undefined tensor; expected a defined tensor");
@@ -284,10 +289,10 @@ inline AttentionBlockGradients attention_block_backward(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
       const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::optional<double>,
-      const std::optional<at::Tensor>&, std::array<bool, 9>, std::optional<std::string_view>)>(
-      "offload::attention_block_backward");
+      const std::optional<at::Tensor>&, std::array<bool, 11>, std::optional<std::string_view>,
+      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, double)>("offload::attention_block_backward");
   return handle.call(grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids, output_mask,
-                     group_name);
+                     group_name, q_norm, k_norm, norm_eps);
 }
 
 // attention_block's attention alone, for attention modules whose projections it does not

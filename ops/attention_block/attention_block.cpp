@@ -57,11 +57,21 @@ int64_t group_bytes_of(const at::Tensor& x) {
   return head_group_bytes(x.device().type(), 0);
 }
 
+// The per-head RMSNorms of q and k before the rotary embedding (Qwen3's q_norm and k_norm): weights
+// [head_dim], undefined where absent.
+struct HeadNorms {
+  at::Tensor q, k;
+  double eps;
+
+  HeadNorms(const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps)
+      : q(value_or_undefined(q_norm)), k(value_or_undefined(k_norm)), eps(norm_eps) {}
+};
+
 // Every argument against x [B, T, h] and cos [1 or B, T, D]; works on symbolic shapes.
 void check_arguments(const char* op, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
                      const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& b_q, const at::Tensor& b_k, const at::Tensor& b_v, const at::Tensor& b_o,
-                     std::optional<double> scale) {
+                     std::optional<double> scale, const HeadNorms& norms) {
   check_defined(x, op, "x");
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf, op,
@@ -112,6 +122,14 @@ void check_arguments(const char* op, const at::Tensor& x, const at::Tensor& w_q,
   }
   TORCH_CHECK(!scale.has_value() || (std::isfinite(*scale) && *scale > 0), op, ": scale is ", *scale,
               "; expected a finite value > 0 (or None for 1/sqrt(head_dim))");
+  if (norms.q.defined()) {
+    check_tensor(op, "q_norm", norms.q, x, "x", dtype, {head_dim}, "[head_dim]");
+  }
+  if (norms.k.defined()) {
+    check_tensor(op, "k_norm", norms.k, x, "x", dtype, {head_dim}, "[head_dim]");
+  }
+  TORCH_CHECK(std::isfinite(norms.eps) && norms.eps >= 0, op, ": norm_eps is ", norms.eps,
+              "; expected a finite value >= 0");
 }
 
 // segment_ids: integers on ref's device.
@@ -216,6 +234,31 @@ at::Tensor rotary_backward(const at::Tensor& grad, const Layout& l, const at::Te
   return as_rows(grad * cos.unsqueeze(1) + rotate_half_transposed(grad * sin.unsqueeze(1)), l);
 }
 
+// rows [B * T, n * D] through an RMSNorm over each head's D values, as transformers' Qwen3RMSNorm: in
+// the op-math type (float32 for bf16/fp16), rounded to the rows' dtype, then times weight [D].
+at::Tensor head_rms_norm(const at::Tensor& rows, const at::Tensor& weight, double eps) {
+  const at::Tensor heads = rows.view({rows.size(0), -1, weight.size(0)}).to(at::toOpMathType(rows.scalar_type()));
+  const at::Tensor normalized = heads * (heads.square().mean(-1, true) + eps).rsqrt();
+  return (normalized.to(rows.scalar_type()) * weight).view(rows.sizes());
+}
+
+// The gradient of head_rms_norm's input rows, given its output's (rows); weight's added into grad_weight
+// (op-math type) when it is defined.
+at::Tensor head_rms_norm_backward(const at::Tensor& grad, const at::Tensor& rows, const at::Tensor& weight, double eps,
+                                  const at::Tensor& grad_weight) {
+  const at::ScalarType acc_type = at::toOpMathType(rows.scalar_type());
+  const at::Tensor heads = rows.view({rows.size(0), -1, weight.size(0)}).to(acc_type);
+  const at::Tensor rstd = (heads.square().mean(-1, true) + eps).rsqrt();
+  const at::Tensor normalized = heads * rstd;
+  const at::Tensor g = grad.reshape(heads.sizes()).to(acc_type);
+  if (grad_weight.defined()) {
+    grad_weight.add_((g * normalized.to(rows.scalar_type())).sum({0, 1}));
+  }
+  const at::Tensor g_normalized = g * weight.to(acc_type);
+  const at::Tensor grad_heads = rstd * (g_normalized - normalized * (g_normalized * normalized).mean(-1, true));
+  return grad_heads.to(rows.scalar_type()).view(rows.sizes());
+}
+
 // [B, n, T, D] key/value heads repeated for the `repeats` query heads that share each.
 at::Tensor repeat_kv(const at::Tensor& t, const Layout& l) {
   if (l.repeats == 1) {
@@ -273,6 +316,8 @@ int64_t kv_heads_per_group(const char* op, const Layout& l, const Shards& shards
 struct Group {
   int64_t q_start, q_rows, kv_start, kv_rows;
   at::Tensor q, k, v;  // [B, heads, T, D], rotary applied, k and v repeated
+  at::Tensor q_unnormed,
+      k_unnormed;  // the projections' rows before their norms, kept for backward where norms are given
 
   Group(const Layout& l, int64_t first, int64_t count)
       : q_start(first * l.repeats * l.head_dim),
@@ -284,14 +329,23 @@ struct Group {
 // Projects x's rows to the group's q, k and v (for the whole rows and a share of the heads, with shards).
 void project(Group& g, const Layout& l, const at::Tensor& x_rows, const at::Tensor& w_q, const at::Tensor& w_k,
              const at::Tensor& w_v, const at::Tensor& b_q, const at::Tensor& b_k, const at::Tensor& b_v,
-             const at::Tensor& cos, const at::Tensor& sin, const Shards& shards) {
+             const at::Tensor& cos, const at::Tensor& sin, const HeadNorms& norms, bool keep_rows,
+             const Shards& shards) {
   const auto linear = [&](const at::Tensor& w, const at::Tensor& b, int64_t start, int64_t rows) {
     at::Tensor out = at::empty({x_rows.size(0), rows}, x_rows.options());
     linear_into(out, x_rows, w.narrow(0, start, rows), narrow_or_undefined(b, 0, start, rows));
     return out;
   };
-  g.q = rotary(linear(w_q, b_q, g.q_start, g.q_rows), l, cos, sin);
-  g.k = repeat_kv(rotary(linear(w_k, b_k, g.kv_start, g.kv_rows), l, cos, sin), l);
+  const at::Tensor q_rows = linear(w_q, b_q, g.q_start, g.q_rows), k_rows = linear(w_k, b_k, g.kv_start, g.kv_rows);
+  if (keep_rows) {
+    g.q_unnormed = norms.q.defined() ? q_rows : at::Tensor();
+    g.k_unnormed = norms.k.defined() ? k_rows : at::Tensor();
+  }
+  const auto normed = [&](const at::Tensor& rows, const at::Tensor& weight) {
+    return weight.defined() ? head_rms_norm(rows, weight, norms.eps) : rows;
+  };
+  g.q = rotary(normed(q_rows, norms.q), l, cos, sin);
+  g.k = repeat_kv(rotary(normed(k_rows, norms.k), l, cos, sin), l);
   g.v = repeat_kv(linear(w_v, b_v, g.kv_start, g.kv_rows).view({l.batch, l.tokens, -1, l.head_dim}).transpose(1, 2), l);
   g.q = shards.to_tokens(g.q);
   g.k = shards.to_tokens(g.k);
@@ -306,10 +360,12 @@ at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tenso
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                 const std::optional<at::Tensor>& segment_ids,
-                                std::optional<c10::string_view> group_name) {
+                                std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
+                                const std::optional<at::Tensor>& k_norm, double norm_eps) {
   const at::Tensor bq = value_or_undefined(b_q), bk = value_or_undefined(b_k), bv = value_or_undefined(b_v),
                    bo = value_or_undefined(b_o), segments = value_or_undefined(segment_ids);
-  check_arguments("attention_block", x, w_q, w_k, w_v, w_o, cos, sin, bq, bk, bv, bo, scale);
+  const HeadNorms norms(q_norm, k_norm, norm_eps);
+  check_arguments("attention_block", x, w_q, w_k, w_v, w_o, cos, sin, bq, bk, bv, bo, scale, norms);
   const Shards shards(group_name);
   check_segment_ids("attention_block", segments, x, shards.ranks);
   const Layout l(x, w_q, w_k, w_o, cos, scale);
@@ -326,7 +382,7 @@ at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tenso
     const at::Tensor x_rows = x.reshape({rows, l.h}).contiguous();
     for (int64_t first = 0; first < l.kv_heads; first += per_group) {
       Group g(l, first, std::min(per_group, l.kv_heads - first));
-      project(g, l, x_rows, w_q, w_k, w_v, bq, bk, bv, cos, sin, shards);
+      project(g, l, x_rows, w_q, w_k, w_v, bq, bk, bv, cos, sin, norms, /*keep_rows=*/false, shards);
       const AttentionResult attention = attend(kernels, g.q, g.k, g.v, l.scale, runs);
       accumulate_mm(out, as_rows(shards.to_heads(attention.out), l), w_o.narrow(1, g.q_start, g.q_rows).t());
     }
@@ -339,11 +395,13 @@ AttentionBlockGradients attention_block_backward_impl(
     const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
-    std::array<bool, 9> output_mask, std::optional<c10::string_view> group_name) {
+    std::array<bool, 11> output_mask, std::optional<c10::string_view> group_name,
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps) {
   const char* op = "attention_block_backward";
   const at::Tensor bq = value_or_undefined(b_q), bk = value_or_undefined(b_k), bv = value_or_undefined(b_v),
                    bo = value_or_undefined(b_o), segments = value_or_undefined(segment_ids);
-  check_arguments(op, x, w_q, w_k, w_v, w_o, cos, sin, bq, bk, bv, bo, scale);
+  const HeadNorms norms(q_norm, k_norm, norm_eps);
+  check_arguments(op, x, w_q, w_k, w_v, w_o, cos, sin, bq, bk, bv, bo, scale, norms);
   const Shards shards(group_name);
   check_segment_ids(op, segments, x, shards.ranks);
   const Layout l(x, w_q, w_k, w_o, cos, scale);
@@ -357,8 +415,10 @@ AttentionBlockGradients attention_block_backward_impl(
              want_w_o = output_mask[4];
   const bool want_b_q = output_mask[5] && bq.defined(), want_b_k = output_mask[6] && bk.defined(),
              want_b_v = output_mask[7] && bv.defined(), want_b_o = output_mask[8] && bo.defined();
+  const bool want_q_norm = output_mask[9] && norms.q.defined(), want_k_norm = output_mask[10] && norms.k.defined();
   // Every gradient but w_o's and b_o's goes back through the attention.
-  const bool want_inner = want_x || want_w_q || want_w_k || want_w_v || want_b_q || want_b_k || want_b_v;
+  const bool want_inner =
+      want_x || want_w_q || want_w_k || want_w_v || want_b_q || want_b_k || want_b_v || want_q_norm || want_k_norm;
 
   // Gradients of bf16/fp16 tensors add up in float32 and are rounded once.
   const at::ScalarType acc_type = at::toOpMathType(x.scalar_type());
@@ -370,6 +430,7 @@ AttentionBlockGradients attention_block_backward_impl(
              grad_w_v = zeros_like(want_w_v, w_v), grad_w_o = zeros_like(want_w_o, w_o);
   at::Tensor grad_b_q = zeros_like(want_b_q, bq), grad_b_k = zeros_like(want_b_k, bk),
              grad_b_v = zeros_like(want_b_v, bv);
+  const at::Tensor grad_q_norm = zeros_like(want_q_norm, norms.q), grad_k_norm = zeros_like(want_k_norm, norms.k);
   const at::Tensor grad_rows = grad_out.reshape({rows, l.out_features}).contiguous();
   // b_o's gradient needs no recompute: it is grad_out summed over the tokens.
   at::Tensor grad_b_o = want_b_o ? at::sum(grad_rows, {0}, false, acc_type) : at::Tensor();
@@ -383,7 +444,7 @@ AttentionBlockGradients attention_block_backward_impl(
     const at::Tensor x_operand = convert_x ? x_rows.to(acc_type) : x_rows;
     for (int64_t first = 0; first < l.kv_heads; first += per_group) {
       Group g(l, first, std::min(per_group, l.kv_heads - first));
-      project(g, l, x_rows, w_q, w_k, w_v, bq, bk, bv, cos, sin, shards);
+      project(g, l, x_rows, w_q, w_k, w_v, bq, bk, bv, cos, sin, norms, /*keep_rows=*/true, shards);
       AttentionResult attention = attend(kernels, g.q, g.k, g.v, l.scale, runs);
       const at::Tensor w_o_group = w_o.narrow(1, g.q_start, g.q_rows);
       if (want_w_o) {
@@ -402,8 +463,14 @@ AttentionBlockGradients attention_block_backward_impl(
       dq = shards.to_heads(dq);
       dk = shards.to_heads(dk);
       dv = shards.to_heads(dv);
-      const at::Tensor grad_q = rotary_backward(dq, l, cos, sin);
-      const at::Tensor grad_k = rotary_backward(sum_repeats(dk, l), l, cos, sin);
+      at::Tensor grad_q = rotary_backward(dq, l, cos, sin);
+      at::Tensor grad_k = rotary_backward(sum_repeats(dk, l), l, cos, sin);
+      if (norms.q.defined()) {
+        grad_q = head_rms_norm_backward(grad_q, g.q_unnormed, norms.q, norms.eps, grad_q_norm);
+      }
+      if (norms.k.defined()) {
+        grad_k = head_rms_norm_backward(grad_k, g.k_unnormed, norms.k, norms.eps, grad_k_norm);
+      }
       const at::Tensor grad_v = as_rows(sum_repeats(dv, l), l);
       const struct {
         const at::Tensor& grad;  // of the projection's output rows
@@ -436,7 +503,9 @@ AttentionBlockGradients attention_block_backward_impl(
           to_dtype(grad_b_q),
           to_dtype(grad_b_k),
           to_dtype(grad_b_v),
-          to_dtype(grad_b_o)};
+          to_dtype(grad_b_o),
+          to_dtype(grad_q_norm),
+          to_dtype(grad_k_norm)};
 }
 
 namespace {
@@ -616,9 +685,10 @@ at::Tensor attention_block_cpu(const at::Tensor& x, const at::Tensor& w_q, const
                                const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k,
                                const std::optional<at::Tensor>& b_v, const std::optional<at::Tensor>& b_o,
                                std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
-                               std::optional<c10::string_view> group_name) {
+                               std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
+                               const std::optional<at::Tensor>& k_norm, double norm_eps) {
   return attention_block_impl(cpu_attention_kernels, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale,
-                              segment_ids, group_name);
+                              segment_ids, group_name, q_norm, k_norm, norm_eps);
 }
 
 AttentionBlockGradients attention_block_backward_cpu(
@@ -626,9 +696,10 @@ AttentionBlockGradients attention_block_backward_cpu(
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
-    std::array<bool, 9> output_mask, std::optional<c10::string_view> group_name) {
+    std::array<bool, 11> output_mask, std::optional<c10::string_view> group_name,
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps) {
   return attention_block_backward_impl(cpu_attention_kernels, grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v,
-                                       b_o, scale, segment_ids, output_mask, group_name);
+                                       b_o, scale, segment_ids, output_mask, group_name, q_norm, k_norm, norm_eps);
 }
 
 // Meta: the same checks (on symbolic shapes), then results shaped like the real ones.
@@ -638,9 +709,10 @@ at::Tensor attention_block_meta(const at::Tensor& x, const at::Tensor& w_q, cons
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                 const std::optional<at::Tensor>& segment_ids,
-                                std::optional<c10::string_view> group_name) {
+                                std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
+                                const std::optional<at::Tensor>& k_norm, double norm_eps) {
   check_arguments("attention_block", x, w_q, w_k, w_v, w_o, cos, sin, value_or_undefined(b_q), value_or_undefined(b_k),
-                  value_or_undefined(b_v), value_or_undefined(b_o), scale);
+                  value_or_undefined(b_v), value_or_undefined(b_o), scale, HeadNorms(q_norm, k_norm, norm_eps));
   const Shards shards(group_name);
   check_segment_ids("attention_block", value_or_undefined(segment_ids), x, shards.ranks);
   return at::empty_symint({x.sym_size(0), x.sym_size(1), w_o.sym_size(0)}, x.options());
@@ -651,29 +723,34 @@ AttentionBlockGradients attention_block_backward_meta(
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
-    std::array<bool, 9> output_mask, std::optional<c10::string_view> group_name) {
+    std::array<bool, 11> output_mask, std::optional<c10::string_view> group_name,
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps) {
   const char* op = "attention_block_backward";
   const Shards shards(group_name);
   check_segment_ids(op, value_or_undefined(segment_ids), x, shards.ranks);
-  const std::array<at::Tensor, 9> inputs{x,
-                                         w_q,
-                                         w_k,
-                                         w_v,
-                                         w_o,
-                                         value_or_undefined(b_q),
-                                         value_or_undefined(b_k),
-                                         value_or_undefined(b_v),
-                                         value_or_undefined(b_o)};
-  check_arguments(op, x, w_q, w_k, w_v, w_o, cos, sin, inputs[5], inputs[6], inputs[7], inputs[8], scale);
+  const HeadNorms norms(q_norm, k_norm, norm_eps);
+  const std::array<at::Tensor, 11> inputs{x,
+                                          w_q,
+                                          w_k,
+                                          w_v,
+                                          w_o,
+                                          value_or_undefined(b_q),
+                                          value_or_undefined(b_k),
+                                          value_or_undefined(b_v),
+                                          value_or_undefined(b_o),
+                                          norms.q,
+                                          norms.k};
+  check_arguments(op, x, w_q, w_k, w_v, w_o, cos, sin, inputs[5], inputs[6], inputs[7], inputs[8], scale, norms);
   check_tensor(op, "grad_out", grad_out, x, "x", x.scalar_type(), {x.sym_size(0), x.sym_size(1), w_o.sym_size(0)},
                "[batch, tokens, out_features]");
-  std::array<at::Tensor, 9> grads;
+  std::array<at::Tensor, 11> grads;
   for (size_t i = 0; i < grads.size(); ++i) {
     if (output_mask[i] && inputs[i].defined()) {
       grads[i] = at::empty_symint(inputs[i].sym_sizes(), inputs[i].options());
     }
   }
-  return {grads[0], grads[1], grads[2], grads[3], grads[4], grads[5], grads[6], grads[7], grads[8]};
+  return {grads[0], grads[1], grads[2], grads[3], grads[4], grads[5],
+          grads[6], grads[7], grads[8], grads[9], grads[10]};
 }
 
 at::Tensor segment_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -56,13 +56,15 @@ at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tenso
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                 const std::optional<at::Tensor>& segment_ids,
-                                std::optional<c10::string_view> group_name);
+                                std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
+                                const std::optional<at::Tensor>& k_norm, double norm_eps);
 AttentionBlockGradients attention_block_backward_impl(
     const AttentionKernels& kernels, const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q,
     const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
-    std::array<bool, 9> output_mask, std::optional<c10::string_view> group_name);
+    std::array<bool, 11> output_mask, std::optional<c10::string_view> group_name,
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps);
 
 // segment_attention / segment_attention_backward: the attention of attention_block alone, for
 // attention modules it does not replace (their own projections and norms): query, key and value
@@ -95,26 +97,30 @@ at::Tensor attention_block_cpu(const at::Tensor& x, const at::Tensor& w_q, const
                                const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k,
                                const std::optional<at::Tensor>& b_v, const std::optional<at::Tensor>& b_o,
                                std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
-                               std::optional<c10::string_view> group_name);
+                               std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
+                               const std::optional<at::Tensor>& k_norm, double norm_eps);
 at::Tensor attention_block_meta(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
                                 const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
                                 const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                 const std::optional<at::Tensor>& segment_ids,
-                                std::optional<c10::string_view> group_name);
+                                std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
+                                const std::optional<at::Tensor>& k_norm, double norm_eps);
 AttentionBlockGradients attention_block_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
-    std::array<bool, 9> output_mask, std::optional<c10::string_view> group_name);
+    std::array<bool, 11> output_mask, std::optional<c10::string_view> group_name,
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps);
 AttentionBlockGradients attention_block_backward_meta(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
-    std::array<bool, 9> output_mask, std::optional<c10::string_view> group_name);
+    std::array<bool, 11> output_mask, std::optional<c10::string_view> group_name,
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps);
 
 at::Tensor segment_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& segment_ids, std::optional<double> scale);
@@ -141,13 +147,15 @@ at::Tensor attention_block_cuda(const at::Tensor& x, const at::Tensor& w_q, cons
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                 const std::optional<at::Tensor>& segment_ids,
-                                std::optional<c10::string_view> group_name);
+                                std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
+                                const std::optional<at::Tensor>& k_norm, double norm_eps);
 AttentionBlockGradients attention_block_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
-    std::array<bool, 9> output_mask, std::optional<c10::string_view> group_name);
+    std::array<bool, 11> output_mask, std::optional<c10::string_view> group_name,
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps);
 at::Tensor segment_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& segment_ids, std::optional<double> scale);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_cuda(

@@ -133,10 +133,11 @@ at::Tensor attention_block_cuda(const at::Tensor& x, const at::Tensor& w_q, cons
                                 const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                 const std::optional<at::Tensor>& segment_ids,
-                                std::optional<c10::string_view> group_name) {
+                                std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
+                                const std::optional<at::Tensor>& k_norm, double norm_eps) {
   check_block_cuda_support("attention_block", x, cos);
   return attention_block_impl(cuda_attention_kernels, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale,
-                              segment_ids, group_name);
+                              segment_ids, group_name, q_norm, k_norm, norm_eps);
 }
 
 AttentionBlockGradients attention_block_backward_cuda(
@@ -144,10 +145,11 @@ AttentionBlockGradients attention_block_backward_cuda(
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
-    std::array<bool, 9> output_mask, std::optional<c10::string_view> group_name) {
+    std::array<bool, 11> output_mask, std::optional<c10::string_view> group_name,
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps) {
   check_block_cuda_support("attention_block_backward", x, cos);
   return attention_block_backward_impl(cuda_attention_kernels, grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v,
-                                       b_o, scale, segment_ids, output_mask, group_name);
+                                       b_o, scale, segment_ids, output_mask, group_name, q_norm, k_norm, norm_eps);
 }
 
 at::Tensor segment_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -24,15 +24,19 @@ if TYPE_CHECKING:
 
 
 # attention_block: an attention module is handed to the op only when it is made of exactly the
-# four nn.Linear projections, is causal, and its own forward gives the op's result on random
-# weights at apply time (which rules out soft-capped scores, per-head norms, partial rotary
-# embeddings...). At call time the op runs only where the module would compute plain causal
+# four nn.Linear projections (and Qwen3's per-head norms), is causal, and its own forward gives the
+# op's result on random weights at apply time (which rules out soft-capped scores, norms over all
+# heads, partial rotary embeddings...). At call time the op runs only where the module would compute plain causal
 # attention with SDPA: no mask (no padding, no sliding window in reach), no cache, no dropout.
 
 # The projections' layouts the op takes: separate q/k/v, or one fused qkv_proj whose rows
 # are q, then k, then v (Phi-3). Weights are read at each call, so the op sees the current ones.
 _SEPARATE = ("q_proj", "k_proj", "v_proj", "o_proj")
 _FUSED = ("qkv_proj", "o_proj")
+# Per-head norms of q and k before the rotary embedding (Qwen3's), beside separate projections: the op's
+# q_norm and k_norm when each holds one weight [head_dim] and an epsilon the op can read (the probe
+# proves they compute an RMSNorm with it).
+_NORMS = ("q_norm", "k_norm")
 _ATTENTION_ARGUMENTS = ("hidden_states", "position_embeddings", "attention_mask")  # and a cache (_CACHE_ARGUMENTS)
 # Other arguments transformers passes an attention module that do not change what SDPA computes
 # without a mask (packed sequences' position_ids make transformers build one). Any other argument
@@ -74,24 +78,62 @@ def _config_change(config: Any) -> str | None:
     return None if name is None else f"config.{name} is {getattr(config, name)!r}, which the op does not compute"
 
 
+def _has_norms(attention: nn.Module) -> bool:
+    children = dict(attention.named_children())
+    return all(name in children for name in _NORMS) and all(name in children for name in _SEPARATE)
+
+
 def _projection_layout(attention: nn.Module) -> tuple[str, ...] | None:
     children = dict(attention.named_children())
+    projections = set(children) - set(_NORMS) if _has_norms(attention) else set(children)
     return next(
         (
             layout
             for layout in (_SEPARATE, _FUSED)
-            if set(children) == set(layout) and all(type(children[n]) is nn.Linear for n in layout)
+            if projections == set(layout) and all(type(children[n]) is nn.Linear for n in layout)
         ),
         None,
     )
 
 
+def _norm_eps(norm: nn.Module) -> float | None:
+    """A per-head RMSNorm's epsilon: ``variance_epsilon`` (transformers' ``Qwen3RMSNorm``) or ``eps``."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return float(eps) if isinstance(eps, (float, int)) and not isinstance(eps, bool) else None
+
+
+def _norms_problem(attention: nn.Module, head_dim: int) -> str | None:
+    """Why ``attention``'s q_norm and k_norm (when it has them) are not the op's per-head norms."""
+    if not _has_norms(attention):
+        return None
+    for name in _NORMS:
+        norm = getattr(attention, name)
+        parameters = dict(norm.named_parameters())
+        weight = parameters.get("weight")
+        if (
+            list(parameters) != ["weight"]
+            or weight.shape != (head_dim,)
+            or any(True for _ in norm.children())
+            or _norm_eps(norm) is None
+        ):
+            return f"its {name} is not a norm of one weight [head_dim] with an epsilon the op reads"
+    if _norm_eps(attention.q_norm) != _norm_eps(attention.k_norm):
+        return "its q_norm and k_norm have different epsilons"
+    return None
+
+
 def _op_weights(attention: nn.Module, layout: tuple[str, ...], weights: dict[str, torch.Tensor | None]) -> dict:
     """The op's w_q, w_k, w_v, w_o and biases from the projections' ``weights`` (``"q_proj.weight"``...)."""
     if layout == _SEPARATE:
+        norms = (
+            {name: weights[f"{name}.weight"] for name in _NORMS} | {"norm_eps": _norm_eps(attention.q_norm)}
+            if _has_norms(attention)
+            else {}
+        )
         return {
             **{f"w_{n[0]}": weights[f"{n}.weight"] for n in _SEPARATE},
             **{f"b_{n[0]}": weights.get(f"{n}.bias") for n in _SEPARATE},
+            **norms,
         }
     qkv, bias = weights["qkv_proj.weight"], weights.get("qkv_proj.bias")
     q_rows = attention.config.num_attention_heads * attention.head_dim
@@ -119,7 +161,8 @@ def _layout_problem(attention: nn.Module) -> str:
     ]
     if wrapped:
         return f"{', '.join(wrapped)}, not an nn.Linear"
-    return f"it has {', '.join(name for name in children if name not in layout)} besides its nn.Linear projections"
+    others = [name for name in children if name not in layout and not (_has_norms(attention) and name in _NORMS)]
+    return f"it has {', '.join(others)} besides its nn.Linear projections"
 
 
 def _attention_block_problem(attention: nn.Module) -> str | None:
@@ -137,6 +180,8 @@ def _attention_block_problem(attention: nn.Module) -> str | None:
     head_dim, scaling = getattr(attention, "head_dim", None), getattr(attention, "scaling", None)
     if not isinstance(head_dim, int) or not isinstance(scaling, float) or not getattr(attention, "is_causal", False):
         return "it has no int head_dim, float scaling and is_causal=True"
+    if _norms_problem(attention, head_dim) is not None:
+        return _norms_problem(attention, head_dim)
     config = getattr(attention, "config", None)
     if _config_change(config) is not None:
         return _config_change(config)
@@ -173,6 +218,7 @@ def _attention_block_forward(attention: nn.Module, fallback, group: str | None =
     """``attention``'s forward through the op where the call allows, else ``fallback``; with ``group``
     (sequence parallelism, its ``ranks`` each holding a chunk of the rows), the op over that group."""
     layout = _projection_layout(attention)
+    norms = _NORMS if _has_norms(attention) else ()
     signature = inspect.signature(attention.forward)
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
     config = getattr(attention, "config", None)
@@ -244,6 +290,8 @@ def _attention_block_forward(attention: nn.Module, fallback, group: str | None =
         weights = {
             f"{name}.{kind}": getattr(p, kind) for name, p in zip(layout, projections) for kind in ("weight", "bias")
         }
+        for name in norms:  # a loop: dynamo cannot lift a comprehension's free variables inside checkpoint's subgraph
+            weights[f"{name}.weight"] = getattr(attention, name).weight
         out = attention_block_op(
             x,
             cos=rotary[0].to(x.dtype),
