@@ -70,7 +70,7 @@ def build(name):
 CASES = [(name, batch) for name in MODELS for batch in BATCHES]
 CASES += [
     (name, batch)
-    for name in ("qwen3_moe", "mixtral", "olmo2", "granite", "smollm3", "cohere", "glm4", "gemma3_text")
+    for name in ("qwen3_moe", "mixtral", "olmo2", "granite", "smollm3", "cohere", "glm4", "gemma3_text", "llama4")
     for batch in ("packed", "left_padded", "right_padded")
 ]
 
@@ -148,6 +148,25 @@ def test_a_sliding_window_within_reach_falls_back_to_the_dense_mask_and_says_so(
     handle.remove()
 
 
+@pytest.mark.parametrize("batch", ["packed", "left_padded"])
+@pytest.mark.parametrize("chunk, fallback", [(24, False), (8, True)], ids=["as_long_as_the_row", "shorter"])
+def test_attention_chunks_within_reach_fall_back_to_the_dense_mask_and_say_so(chunk, fallback, batch):
+    # Llama 4's chunked layers: a chunk as long as the row is causal attention (counted from a left-padded row's first
+    # real token); a shorter one cuts the documents, which segment ids do not describe.
+    model, inputs = build("llama4"), BATCHES[batch]()
+    assert "chunked_attention" in model.config.layer_types
+    model.config.attention_chunk_size = chunk
+    want = step(model, inputs)
+    handle = torch_offload.apply(model, num_shards=2)
+    assert model.config._attn_implementation == torch_offload.masking.IMPLEMENTATION
+    assert_close_runs(want, step(model, inputs))
+    reasons = handle.mask_fallbacks
+    assert bool(reasons) == fallback
+    if fallback:
+        assert list(reasons) == ["an attention chunk (8 tokens) shorter than the sequence (24)"]
+    handle.remove()
+
+
 def test_padding_with_holes_falls_back_to_the_dense_mask():
     model = make_model("llama")
     inputs = padded("right")
@@ -192,7 +211,7 @@ class LargestTensor(TorchDispatchMode):
 @pytest.mark.parametrize(
     "name, batch",
     [(name, batch) for name in [*SDPA_FAMILIES, "qwen3_moe"] for batch in ("packed", "right_padded", "left_padded")]
-    + [(name, "packed") for name in ("olmo2", "granite", "smollm3", "cohere", "glm4")],
+    + [(name, "packed") for name in ("olmo2", "granite", "smollm3", "cohere", "glm4", "llama4")],
 )
 def test_no_tensor_of_tokens_squared_elements_in_an_applied_step(name, batch):
     # 512 tokens: T * T = 262,144 elements, more than any weight or activation of these models
@@ -262,8 +281,11 @@ def calls_and_largest(graphs):
     return calls, largest
 
 
-@pytest.mark.parametrize("batch", ["packed", "right_padded", "left_padded"])
-@pytest.mark.parametrize("name", SDPA_FAMILIES)
+@pytest.mark.parametrize(
+    "name, batch",
+    [(name, batch) for name in SDPA_FAMILIES for batch in ("packed", "right_padded", "left_padded")]
+    + [("llama4", "packed")],  # its chunked layers' mask read under compile (its padded rows' activations exceed T^2)
+)
 def test_compiled_applied_step_equals_the_unapplied_with_no_tensor_of_tokens_squared(name, batch):
     torch._dynamo.reset()
     tokens = 512
@@ -280,8 +302,9 @@ def test_compiled_applied_step_equals_the_unapplied_with_no_tensor_of_tokens_squ
     calls, largest = calls_and_largest(graphs)
     assert calls == 3  # every layer's attention through the op, with the segments
     assert largest < tokens * tokens, largest
-    if handle.tiled_mlps:  # and every MLP through tiled_mlp (GPT-2's: tiled_apply)
-        assert handle.tiled_mlps == forward_calls(graphs, torch.ops.offload.tiled_mlp.default) == 3
+    if handle.tiled_mlps:  # and every MLP through tiled_mlp (GPT-2's: tiled_apply; Llama 4's mixture layer streamed)
+        tiled = 3 if name in MODELS else 2
+        assert handle.tiled_mlps == forward_calls(graphs, torch.ops.offload.tiled_mlp.default) == tiled
     handle.remove()
 
 
@@ -388,7 +411,9 @@ def test_the_mask_compositions_of_the_installed_transformers_are_read_or_refused
     window, segments = masking._describe(packed(mu.causal_mask_function), factories)
     assert window is None and segments is ids
     window, segments = masking._describe(packed(mu.sliding_window_causal_mask_function(3)), factories)
-    assert window == 3 and segments is ids
+    assert window == ("a sliding window", 3) and segments is ids
+    chunked = mu.and_masks(mu.chunked_overlay(16, torch.zeros(1, dtype=torch.long)), mu.causal_mask_function)
+    assert masking._describe(packed(chunked), factories) == (("an attention chunk", 16), ids)
     overlay = mu.or_masks(mu.causal_mask_function, mu.bidirectional_mask_function)
     for unknown in (
         packed(overlay),

@@ -40,6 +40,11 @@ def config_window(config: Any) -> int | None:
     return getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
 
 
+def config_chunk(config: Any) -> int | None:
+    """The config's attention chunk (Llama 4's chunked layers: a query sees its own chunk of the row only)."""
+    return getattr(config, "attention_chunk_size", None)
+
+
 def is_segment_ids(mask: Any) -> bool:
     """Whether an attention module's ``attention_mask`` is this implementation's segment ids."""
     return (
@@ -81,22 +86,27 @@ def _find_factories() -> dict[str, Any]:
     return {
         "and": mu.and_masks(mu.causal_mask_function).__code__,
         "window": mu.sliding_window_overlay(1).__code__,
+        "chunk": mu.chunked_overlay(1, None).__code__,
         "remap": None if remap is None else remap(mu.causal_mask_function, None).__code__,
         "packed": mu.packed_sequence_mask_function(None).__code__,
         "causal": mu.causal_mask_function,
     }
 
 
-def _describe(mask_function, factories) -> tuple[int | None, torch.Tensor | None]:
-    """(sliding window or None, packed-sequence ids or None) of a mask function transformers composed
-    from causal, sliding-window and packed-sequence factories; _Unknown for anything else."""
+def _describe(mask_function, factories) -> tuple[tuple[str, int] | None, torch.Tensor | None]:
+    """(how far a query reaches: ("a sliding window", size), ("an attention chunk", size) or None; packed-sequence
+    ids or None) of a mask function transformers composed from causal, sliding-window, chunked and
+    packed-sequence factories; _Unknown for anything else. A row no longer than its reach is causal within it: a
+    chunk's boundaries are counted from a row's first real token (left padding), so its real tokens are in one."""
     if mask_function is factories["causal"]:
         return None, None
     if getattr(mask_function, "__code__", None) is not factories["and"]:
         raise _Unknown
     parts = _cells(mask_function)["mask_functions"]
     if len(parts) == 2 and parts[1] is factories["causal"] and parts[0].__code__ is factories["window"]:
-        return _cells(parts[0])["sliding_window"], None
+        return ("a sliding window", _cells(parts[0])["sliding_window"]), None
+    if len(parts) == 2 and parts[1] is factories["causal"] and parts[0].__code__ is factories["chunk"]:
+        return ("an attention chunk", _cells(parts[0])["chunk_size"]), None
     if len(parts) == 2 and parts[1].__code__ is factories["packed"]:
         # Remapped positions (5.24) give a document the causal and window mask it has unremapped (5.16): the
         # differences of positions within a document are the same.
@@ -156,16 +166,16 @@ def mask(
         return sdpa_mask(**dense) if segments is _DENSE else segments
     reason = None
     try:
-        window, packed = _describe(mask_function, _FACTORIES)
+        reach, packed = _describe(mask_function, _FACTORIES)
     except _Unknown:
-        reason = "a mask transformers composed from other parts (overlays, chunks, bidirectional blocks)"
+        reason = "a mask transformers composed from other parts (overlays, bidirectional blocks)"
     else:
         if use_vmap:
             reason = "a custom mask function"
         elif q_length != kv_length or not isinstance(q_offset, int) or q_offset or kv_offset:
             reason = "a key/value cache (queries offset from keys)"
-        elif window is not None and q_length > window:
-            reason = f"a sliding window ({window} tokens) shorter than the sequence ({q_length})"
+        elif reach is not None and q_length > reach[1]:
+            reason = f"{reach[0]} ({reach[1]} tokens) shorter than the sequence ({q_length})"
         elif attention_mask is not None and not _real_tokens_are_contiguous(attention_mask[:, -kv_length:]):
             reason = "an attention_mask whose real tokens are not contiguous in a row"
     if reason is None:
@@ -188,15 +198,17 @@ def _compiled_segments(
     factories' cells are out of reach, their code objects are not. The families apply() switches
     (integrations.implementations._SEGMENT_MASK_MODEL_TYPES) compose only causal, their config's sliding window and,
     with no attention_mask, the packed-sequence mask (under compile transformers always composes it
-    when it has position_ids: it cannot check for a single sequence), which mask() reads. So the mask
+    when it has position_ids: it cannot check for a single sequence), and Llama 4's attention chunks, which
+    mask() reads. So the mask
     function is evaluated instead, one key back from each query (mask_function(b, 0, i, i - 1)): false
     exactly where a document starts. Decided on static facts only (no graph break): a window shorter
-    than the row (its layer or not: the config's window is all that is known), overlays (use_vmap) and
+    than the row (its layer or not: the config's window is all that is known), a chunk shorter than the row,
+    overlays (use_vmap) and
     a bidirectional config get _DENSE. What only the data shows is a runtime error: padding with holes,
     which segment ids cannot describe, and a query that sees the key after it (a composition this does
     not know, e.g. a bidirectional block)."""
     factories = _FACTORIES
-    window = config_window(config)
+    window, chunk = config_window(config), config_chunk(config)
     if (
         use_vmap
         or q_length != kv_length
@@ -205,6 +217,7 @@ def _compiled_segments(
         or kv_offset
         or not getattr(config, "is_causal", True)
         or (window is not None and q_length > window)
+        or (chunk is not None and q_length > chunk)
         or (
             mask_function is not factories["causal"]
             and getattr(mask_function, "__code__", None) is not factories["and"]
