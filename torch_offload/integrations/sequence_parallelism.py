@@ -15,7 +15,9 @@ if TYPE_CHECKING:
 
 # The families tested over ranks (test_sequence_parallel.py); mixtures of experts, whose masks are segment ids
 # too, are not yet.
-_SEQUENCE_PARALLEL_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2"})
+_SEQUENCE_PARALLEL_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "olmo2", "granite", "smollm3", "cohere", "glm4"}
+)
 
 
 def _sequence_parallel_group(sequence_parallel: Any, loss: bool) -> Any:
