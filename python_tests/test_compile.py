@@ -1,6 +1,8 @@
 """torch.compile of a whole model after torch_offload.apply(): one graph, eager's numbers."""
 
+import hashlib
 import warnings
+from pathlib import Path
 
 import accelerate.hooks
 import peft
@@ -245,3 +247,9 @@ def test_inductor_compiled_graph_offloads_the_right_bytes(tmp_path):
     model, handle = applied("gpt2", offload="cpu", min_bytes=0, num_shards=2, offload_cpu_tensors=True)
     assert_inductor_step_matches_eager_and_offloads(model, handle, batch())
     handle.remove()
+
+
+def test_compile_caches_are_keyed_by_the_loaded_library():
+    # A cached backward graph traced from another build's autograd formulas must not be served to this one.
+    digest = hashlib.blake2b(Path(torch_offload.library_path()).read_bytes(), digest_size=8).hexdigest()
+    assert f"torch_offload-{digest}" in torch.compiler.config.cache_key_tag.split()

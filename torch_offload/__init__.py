@@ -6,6 +6,7 @@ Importing the package loads the shared library once and registers the fake
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import os
 from pathlib import Path
@@ -79,7 +80,17 @@ def cmake_prefix_path() -> str:
     return str(Path(library_path()).parent)
 
 
+def _tag_compile_caches(library: str) -> None:
+    """torch.compile's on-disk caches (AOTAutograd's, inductor's) key a graph by the ops it calls, not by what
+    this library's C++ autograd formulas trace those ops' backward to: after an upgrade whose formulas changed, an
+    old backward graph would be served. The loaded library's digest goes into every cache key."""
+    digest = hashlib.blake2b(Path(library).read_bytes(), digest_size=8).hexdigest()
+    tag = torch.compiler.config.cache_key_tag
+    torch.compiler.config.cache_key_tag = f"{tag} torch_offload-{digest}".strip()
+
+
 torch.ops.load_library(library_path())
+_tag_compile_caches(library_path())
 
 from . import _fake  # noqa: E402,F401  (registers fake impls; needs the ops loaded)
 from .activations import checkpoint, offload_activations  # noqa: E402
