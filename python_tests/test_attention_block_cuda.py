@@ -21,6 +21,11 @@ from test_attention_block_norms import reference as norm_reference
 from test_segment_attention import make_qkv
 from test_segment_attention import output_and_grads as qkv_output_and_grads
 from test_segment_attention import reference as qkv_reference
+from test_segment_attention_score_mods import MODS
+from test_segment_attention_score_mods import call as score_mod_call
+from test_segment_attention_score_mods import inputs_for as score_mod_inputs
+from test_segment_attention_score_mods import reference as score_mod_reference
+from test_segment_attention_score_mods import run as score_mod_run
 from torch.testing._internal.optests import opcheck
 
 import torch_offload
@@ -377,3 +382,20 @@ def test_cuda_per_head_norms_match_the_cpu_op_and_bf16_is_as_close_to_float32_as
     for name in want[1]:
         error, eager_error = relative_error(got[1][name], want[1][name]), relative_error(eager[1][name], want[1][name])
         assert error <= max(2 * eager_error, 1e-2), name
+
+
+def test_cuda_score_mods_match_the_cpu_op_and_bf16_is_as_close_to_float32_as_eager():
+    leaves, options = score_mod_inputs(MODS["both"], dtype=torch.float32, batch=3, heads=4, tokens=13, head_dim=8)
+    grad_out = torch.randn_like(leaves[0])
+    cpu = score_mod_run(score_mod_call, leaves, SEGMENTS, grad_out, **options)
+    got = score_mod_run(score_mod_call, to_cuda(leaves), SEGMENTS.cuda(), grad_out.cuda(), **options)
+    torch.testing.assert_close(got[0].cpu(), cpu[0], rtol=1e-4, atol=1e-5)
+    for g, c in zip(got[1], cpu[1]):
+        torch.testing.assert_close(g.cpu(), c, rtol=1e-4, atol=1e-5)
+    gpu, low = to_cuda(leaves), to_cuda(leaves, torch.bfloat16)
+    want = score_mod_run(score_mod_reference, gpu, SEGMENTS.cuda(), grad_out.cuda(), **options)
+    eager = score_mod_run(score_mod_reference, low, SEGMENTS.cuda(), grad_out.cuda().bfloat16(), **options)
+    got = score_mod_run(score_mod_call, low, SEGMENTS.cuda(), grad_out.cuda().bfloat16(), **options)
+    assert relative_error(got[0], want[0]) <= max(2 * relative_error(eager[0], want[0]), 1e-2)
+    for name, g, e, w in zip(("query", "key", "value", "sinks"), got[1], eager[1], want[1]):
+        assert relative_error(g, w) <= max(2 * relative_error(e, w), 1e-2), name

@@ -62,7 +62,10 @@ def build(name):
     if name in MODELS:
         return make_model(name)
     torch.manual_seed(0)
-    return FAMILIES[name][0]().float().train()
+    model = FAMILIES[name][0]().float().train()
+    if name == "gpt_oss":  # its sliding layers' window (8 tokens) would keep their dense mask on these batches
+        model.config.sliding_window = 1024
+    return model
 
 
 # Every batch on every tested family; the mixtures of experts (their attention and masks as Llama's or Qwen3's)
@@ -70,7 +73,18 @@ def build(name):
 CASES = [(name, batch) for name in MODELS for batch in BATCHES]
 CASES += [
     (name, batch)
-    for name in ("qwen3_moe", "mixtral", "olmo2", "granite", "smollm3", "cohere", "glm4", "gemma3_text", "llama4")
+    for name in (
+        "qwen3_moe",
+        "mixtral",
+        "olmo2",
+        "granite",
+        "smollm3",
+        "cohere",
+        "glm4",
+        "gemma3_text",
+        "llama4",
+        "gpt_oss",
+    )
     for batch in ("packed", "left_padded", "right_padded")
 ]
 
@@ -82,10 +96,16 @@ def test_packed_and_padded_batches_give_the_unapplied_loss_and_gradients(name, b
     want = step(model, inputs)
     handle = torch_offload.apply(model, num_shards=2)
     assert_close_runs(want, step(model, inputs))
-    assert handle.mask_fallbacks == {}
-    # A tested family's SDPA gets segment ids; Gemma 2 (eager in transformers 5.24, SDPA in 5.16) keeps its own.
+    # A tested family's SDPA gets segment ids, and so does the eager attention of Gemma 2 (eager in transformers
+    # 5.24, SDPA in 5.16, where it keeps its own) and GPT-OSS, but for left padding: there eager attention gives
+    # a query that sees no key the mean of the row's values.
+    eager = implementation == "eager" and model.config.model_type in implementations._EAGER_SEGMENT_MASK_MODEL_TYPES
+    left_padding = "left padding (eager attention gives a query that sees no key the mean of the row's values)"
+    assert set(handle.mask_fallbacks) == ({left_padding} if eager and batch.startswith("left") else set())
     if implementation == "sdpa" and model.config.model_type in implementations._SEGMENT_MASK_MODEL_TYPES:
         assert model.config._attn_implementation == torch_offload.masking.IMPLEMENTATION
+    elif eager:
+        assert model.config._attn_implementation == torch_offload.eager_attention.IMPLEMENTATION
     else:
         assert model.config._attn_implementation == implementation
     handle.remove()
@@ -207,11 +227,11 @@ class LargestTensor(TorchDispatchMode):
 
 
 # The families whose masks are Llama's code on packed documents (Mixtral's experts hold [rows x top-k, 2I] > T^2;
-# Gemma 3's windows are shorter than T).
+# Gemma 3's windows are shorter than T), and the eager ones: Gemma 2's and GPT-OSS's scores are [T, T] per head.
 @pytest.mark.parametrize(
     "name, batch",
     [(name, batch) for name in [*SDPA_FAMILIES, "qwen3_moe"] for batch in ("packed", "right_padded", "left_padded")]
-    + [(name, "packed") for name in ("olmo2", "granite", "smollm3", "cohere", "glm4", "llama4")],
+    + [(name, "packed") for name in ("olmo2", "granite", "smollm3", "cohere", "glm4", "llama4", "gemma2", "gpt_oss")],
 )
 def test_no_tensor_of_tokens_squared_elements_in_an_applied_step(name, batch):
     # 512 tokens: T * T = 262,144 elements, more than any weight or activation of these models

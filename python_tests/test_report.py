@@ -141,11 +141,14 @@ def observed_recompute(seen, index, mlp):
     return "layer" if mlp_again else "attention" if attention_again else "none"
 
 
-def expected(row, masks_are_segment_ids, masked):
-    """What one layer of `row` is seen to run, on a batch with padding (`masked`) or without."""
+def expected(row, masks_are_segment_ids, masked, eager):
+    """What one layer of `row` is seen to run, on a batch with (left) padding (`masked`) or without, its model's
+    attention implementation eager_attention's (`eager`) or masking's."""
     attention = row["attention"]
-    if attention == "segment_attention" and not masked:
+    if attention == "segment_attention" and not masked and not eager:
         attention = "own"  # without a mask its core attention is SDPA's
+    if attention == "segment_attention" and masked and eager:
+        attention = "own"  # left padding keeps eager attention's dense mask and function
     if attention == "attention_block" and masked and not masks_are_segment_ids:
         attention = "own"  # a dense mask: the module's own forward
     recompute = row["recompute"]
@@ -167,6 +170,7 @@ def test_each_row_says_what_runs_in_its_layers(name, tmp_path):
     text = str(handle)
     assert all(why in text for row in report["layers"] for why in row["why"].values())
     segment_masks = report["masks"].startswith("segment ids")
+    eager = model.config._attn_implementation == torch_offload.eager_attention.IMPLEMENTATION
     ids = batch()
     padded = torch.ones_like(ids)
     padded[0, :5] = 0
@@ -176,7 +180,7 @@ def test_each_row_says_what_runs_in_its_layers(name, tmp_path):
             for index in row["layers"]:
                 mlp, attention = observed_mlp(seen, index), observed_attention(seen, index)
                 got = mlp, attention, observed_recompute(seen, index, mlp)
-                want = expected(row, segment_masks, attention_mask is not None)
+                want = expected(row, segment_masks, attention_mask is not None, eager)
                 assert got == want, f"layer {index} of {name}, mask {attention_mask is not None}: {row}"
                 assert seen.ops["backward", index, "attention_block_backward"] == (attention == "attention_block")
         fused = sum(

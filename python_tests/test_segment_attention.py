@@ -82,7 +82,7 @@ def test_opcheck():
     opcheck(torch.ops.offload.segment_attention.default, (q, k, v, SEGMENTS, None))
     grad_out = torch.randn_like(q)
     detached = [t.detach() for t in (q, k, v)]
-    opcheck(torch.ops.offload.segment_attention_backward.default, (grad_out, *detached, SEGMENTS, 0.5, [True] * 3))
+    opcheck(torch.ops.offload.segment_attention_backward.default, (grad_out, *detached, SEGMENTS, 0.5, [True] * 4))
 
 
 def test_compile_fullgraph_dynamic_over_changing_tokens_and_document_counts():
@@ -125,8 +125,8 @@ def test_gradients_not_needed_are_not_computed(needed):
     out.sum().backward()
     assert [t.grad is not None for t in (q, k, v)] == list(needed)
     detached = [t.detach() for t in (q, k, v)]
-    grads = torch.ops.offload.segment_attention_backward(torch.ones_like(q), *detached, SEGMENTS, None, list(needed))
-    assert [g is not None for g in grads] == list(needed)
+    grads = torch.ops.offload.segment_attention_backward(torch.ones_like(q), *detached, SEGMENTS, None, [*needed, True])
+    assert [g is not None for g in grads] == [*needed, False]  # no sinks: no gradient
 
 
 def test_empty_batch():
@@ -170,7 +170,7 @@ def test_python_wrapper_names_a_missing_tensor_and_backward_checks_grad_out():
         torch_offload.segment_attention(q, q, q, None)
     with pytest.raises(RuntimeError, match=r"segment_attention_backward: grad_out has shape \[2, 3, 5, 3\]"):
         torch.ops.offload.segment_attention_backward(
-            torch.zeros(2, 3, 5, 3), q, q, q, torch.zeros(2, 5, dtype=torch.long), None, [True] * 3
+            torch.zeros(2, 3, 5, 3), q, q, q, torch.zeros(2, 5, dtype=torch.long), None, [True] * 4
         )
 
 

@@ -356,24 +356,32 @@ at::Tensor attention_block_autograd(const at::Tensor& x, const at::Tensor& w_q, 
 class SegmentAttentionFunction : public torch::autograd::Function<SegmentAttentionFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& segment_ids, std::optional<double> scale) {
-    ctx->save_for_backward({q, k, v, segment_ids});
+                            const at::Tensor& segment_ids, std::optional<double> scale, std::optional<double> softcap,
+                            const std::optional<at::Tensor>& sinks) {
+    ctx->save_for_backward({q, k, v, segment_ids, sinks.value_or(at::Tensor())});
     ctx->saved_data["scale"] = scale;
+    ctx->saved_data["softcap"] = softcap;
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return segment_attention(q, k, v, segment_ids, scale);
+    return segment_attention(q, k, v, segment_ids, scale, softcap, sinks);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
-    const std::array<bool, 3> output_mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2)};
-    const auto [q, k, v] = segment_attention_backward(grads[0], saved[0], saved[1], saved[2], saved[3],
-                                                      ctx->saved_data["scale"].toOptional<double>(), output_mask);
-    return {q, k, v, at::Tensor(), at::Tensor()};
+    const bool has_sinks = saved[4].defined();
+    // Edges: query, key, value, segment_ids, then sinks when given.
+    const std::array<bool, 4> output_mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2),
+                                          has_sinks && ctx->needs_input_grad(4)};
+    const auto [q, k, v, sinks] = segment_attention_backward(
+        grads[0], saved[0], saved[1], saved[2], saved[3], ctx->saved_data["scale"].toOptional<double>(), output_mask,
+        ctx->saved_data["softcap"].toOptional<double>(),
+        has_sinks ? std::optional<at::Tensor>(saved[4]) : std::nullopt);
+    return {q, k, v, at::Tensor(), at::Tensor(), at::Tensor(), sinks};
   }
 };
 
 at::Tensor segment_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                      const at::Tensor& segment_ids, std::optional<double> scale) {
-  return SegmentAttentionFunction::apply(q, k, v, segment_ids, scale);
+                                      const at::Tensor& segment_ids, std::optional<double> scale,
+                                      std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
+  return SegmentAttentionFunction::apply(q, k, v, segment_ids, scale, softcap, sinks);
 }
 
 }  // namespace

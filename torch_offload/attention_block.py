@@ -84,6 +84,8 @@ def segment_attention(
     segment_ids: torch.Tensor,
     *,
     scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``attention_block``'s attention alone, for attention modules whose projections it does not replace
     (differentiable; the ``torch.ops.offload.segment_attention`` op).
@@ -93,10 +95,18 @@ def segment_attention(
     within its sequence, padding to the nearest sequence before it. One attention call per segment, no
     ``[tokens, tokens]`` mask; backward saves only the inputs and recomputes. ``scale`` defaults to
     ``head_dim ** -0.5``. Returns ``[batch, heads, tokens, head_dim]``.
+
+    ``softcap`` caps the scores to ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2's
+    ``attn_logit_softcapping``). ``sinks`` ``[heads]`` (GPT-OSS's learned sinks) are one more logit per head in
+    each query's softmax, with no value: they only take weight from the keys; they get a gradient. Either runs
+    the attention in ATen, a chunk of queries at a time (PyTorch's fused kernels compute neither): each chunk's
+    scores ``[chunk, keys]`` are written out within 32 MiB, in float32 for bf16/fp16.
     """
     for t, arg in ((query, "query"), (key, "key"), (value, "value"), (segment_ids, "segment_ids")):
         _require_tensor(t, "segment_attention", arg)
-    return torch.ops.offload.segment_attention(query, key, value, segment_ids, scale)
+    # The score mods' arguments only where given (see attention_block's norms: pytorch/pytorch#193194).
+    mods = (softcap, sinks) if softcap is not None or sinks is not None else ()
+    return torch.ops.offload.segment_attention(query, key, value, segment_ids, scale, *mods)
 
 
 def attention_block_segment_ids(

@@ -138,6 +138,49 @@ def mask(
     """The mask function registered for IMPLEMENTATION: segment ids, None, or SDPA's dense mask."""
     from transformers.masking_utils import sdpa_mask  # a submodule: dynamo 2.11 cannot import from the lazy package
 
+    arguments = dict(q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function)
+    arguments.update(attention_mask=attention_mask, use_vmap=use_vmap, config=config)
+    return _segments_or(sdpa_mask, False, batch_size, q_length, kv_length, **arguments, **kwargs)
+
+
+def eager_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    use_vmap: bool = False,
+    config: Any = None,
+    **kwargs,
+):
+    """The mask function registered for eager_attention.IMPLEMENTATION: segment ids, None, or eager attention's
+    dense (additive) mask. Left padding gets the dense mask: eager attention gives a query that sees no key
+    (padding before a row's first real token) the mean of the row's values where segment_attention gives 0."""
+    from transformers.masking_utils import eager_mask as dense_mask
+
+    arguments = dict(q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function)
+    arguments.update(attention_mask=attention_mask, use_vmap=use_vmap, config=config)
+    return _segments_or(dense_mask, True, batch_size, q_length, kv_length, **arguments, **kwargs)
+
+
+def _segments_or(
+    dense_mask,
+    eager: bool,
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int,
+    kv_offset: int,
+    mask_function,
+    attention_mask: torch.Tensor | None,
+    use_vmap: bool,
+    config: Any,
+    **kwargs,
+):
+    """Segment ids, None (plain causal), or dense_mask's mask where the ids cannot describe the mask
+    transformers composed (counted by reason)."""
     dense = dict(
         batch_size=batch_size,
         q_length=q_length,
@@ -151,6 +194,8 @@ def mask(
         **kwargs,
     )
     if torch.compiler.is_compiling():
+        if eager and attention_mask is not None:  # left padding shows only at run time: eager's dense mask
+            return dense_mask(**dense)
         segments = _compiled_segments(
             batch_size,
             q_length,
@@ -163,7 +208,7 @@ def mask(
             config,
             kwargs.get("device"),
         )
-        return sdpa_mask(**dense) if segments is _DENSE else segments
+        return dense_mask(**dense) if segments is _DENSE else segments
     reason = None
     try:
         reach, packed = _describe(mask_function, _FACTORIES)
@@ -178,6 +223,8 @@ def mask(
             reason = f"{reach[0]} ({reach[1]} tokens) shorter than the sequence ({q_length})"
         elif attention_mask is not None and not _real_tokens_are_contiguous(attention_mask[:, -kv_length:]):
             reason = "an attention_mask whose real tokens are not contiguous in a row"
+        elif eager and attention_mask is not None and not bool(attention_mask[:, -kv_length:][:, 0].all()):
+            reason = "left padding (eager attention gives a query that sees no key the mean of the row's values)"
     if reason is None:
         if packed is not None:
             return packed
@@ -185,7 +232,7 @@ def mask(
             return attention_block_segment_ids(attention_mask=attention_mask[:, -kv_length:])
         return None
     fallbacks(config)[reason] += 1
-    return sdpa_mask(**dense)
+    return dense_mask(**dense)
 
 
 _DENSE = object()

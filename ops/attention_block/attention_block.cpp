@@ -521,25 +521,54 @@ at::Tensor in_layout_of(const at::Tensor& t, const at::Tensor& like) {
   return out.strides() == t.strides() ? t : out.copy_(t);
 }
 
+// segment_attention's softcap (finite, > 0) and sinks (floating point [heads] on query's device), as ScoreMods.
+ScoreMods score_mods(const char* op, const at::Tensor& q, std::optional<double> softcap,
+                     const std::optional<at::Tensor>& sinks_opt) {
+  TORCH_CHECK(!softcap.has_value() || (std::isfinite(*softcap) && *softcap > 0), op, ": softcap is ",
+              softcap.value_or(0), "; expected a finite value > 0 (or None for no cap)");
+  const at::Tensor sinks = value_or_undefined(sinks_opt);
+  if (sinks.defined()) {
+    TORCH_CHECK(at::isFloatingType(sinks.scalar_type()), op, ": sinks has dtype ", sinks.scalar_type(),
+                "; expected a floating point dtype");
+    TORCH_CHECK(sinks.device() == q.device(), op, ": sinks is on ", sinks.device(), " but query is on ", q.device());
+    TORCH_SYM_CHECK(sinks.sym_sizes().size() == 1 ? sinks.sym_size(0).sym_eq(q.sym_size(1)) : c10::SymBool(false), op,
+                    ": sinks has shape ", sinks.sym_sizes(), "; expected [heads] = [", q.sym_size(1), "]");
+  }
+  return {softcap.value_or(0), sinks};
+}
+
 }  // namespace
 
 at::Tensor segment_attention_impl(const AttentionKernels& kernels, const at::Tensor& q, const at::Tensor& k,
-                                  const at::Tensor& v, const at::Tensor& segment_ids, std::optional<double> scale) {
+                                  const at::Tensor& v, const at::Tensor& segment_ids, std::optional<double> scale,
+                                  std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   check_segment_attention("segment_attention", q, k, v, segment_ids, scale);
+  const ScoreMods mods = score_mods("segment_attention", q, softcap, sinks);
   if (q.numel() == 0) {
     return at::zeros_like(q);
   }
   const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
-  return in_layout_of(attend(kernels, q, k, v, s, segment_runs("segment_attention", segment_ids)).out, q);
+  const AttentionKernels used = mods.any() ? score_mod_kernels(mods, at::Tensor()) : kernels;
+  return in_layout_of(attend(used, q, k, v, s, segment_runs("segment_attention", segment_ids)).out, q);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_impl(
-    const AttentionKernels& kernels, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-    const at::Tensor& v, const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask) {
+SegmentAttentionGradients segment_attention_backward_impl(const AttentionKernels& kernels, const at::Tensor& grad_out,
+                                                          const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                          const at::Tensor& segment_ids, std::optional<double> scale,
+                                                          std::array<bool, 4> output_mask,
+                                                          std::optional<double> softcap,
+                                                          const std::optional<at::Tensor>& sinks) {
   const char* op = "segment_attention_backward";
   check_segment_attention(op, q, k, v, segment_ids, scale);
   check_tensor(op, "grad_out", grad_out, q, "query", q.scalar_type(), q.sym_sizes(),
                "query's [batch, heads, tokens, head_dim]");
+  const ScoreMods mods = score_mods(op, q, softcap, sinks);
+  // The sinks' gradient adds up over the runs in float32 (float64 for float64 sinks) and is rounded once.
+  const at::Tensor grad_sinks =
+      output_mask[3] && mods.sinks.defined()
+          ? at::zeros(mods.sinks.sizes(), mods.sinks.options().dtype(at::toOpMathType(mods.sinks.scalar_type())))
+          : at::Tensor();
+  const AttentionKernels used = mods.any() ? score_mod_kernels(mods, grad_sinks) : kernels;
   at::Tensor dq, dk, dv;
   if (q.numel() == 0) {
     dq = at::zeros_like(q);
@@ -549,13 +578,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_impl(
     const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
     const SegmentRuns runs = segment_runs(op, segment_ids);
     // Forward saved nothing but its inputs: the log-sum-exp each run's backward needs is recomputed.
-    const AttentionResult result = attend(kernels, q, k, v, s, runs);
-    std::tie(dq, dk, dv) = attend_backward(kernels, grad_out, q, k, v, result, s, runs);
+    const AttentionResult result = attend(used, q, k, v, s, runs);
+    std::tie(dq, dk, dv) = attend_backward(used, grad_out, q, k, v, result, s, runs);
   }
   const auto asked = [&](const at::Tensor& t, const at::Tensor& like, size_t i) {
     return output_mask[i] ? in_layout_of(t, like) : at::Tensor();
   };
-  return {asked(dq, q, 0), asked(dk, k, 1), asked(dv, v, 2)};
+  return {asked(dq, q, 0), asked(dk, k, 1), asked(dv, v, 2),
+          grad_sinks.defined() ? grad_sinks.to(mods.sinks.scalar_type()) : grad_sinks};
 }
 
 void check_segment_attention_inputs(const char* op, const at::Tensor& q, const at::Tensor& segment_ids,
@@ -676,7 +706,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_attention_backward(const at::
   return {dq, dk, dv};
 }
 
-constexpr AttentionKernels cpu_attention_kernels{cpu_attention_forward, cpu_attention_backward};
+const AttentionKernels cpu_attention_kernels{cpu_attention_forward, cpu_attention_backward};
 
 }  // namespace
 
@@ -754,31 +784,43 @@ AttentionBlockGradients attention_block_backward_meta(
 }
 
 at::Tensor segment_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const at::Tensor& segment_ids, std::optional<double> scale) {
-  return segment_attention_impl(cpu_attention_kernels, q, k, v, segment_ids, scale);
+                                 const at::Tensor& segment_ids, std::optional<double> scale,
+                                 std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
+  return segment_attention_impl(cpu_attention_kernels, q, k, v, segment_ids, scale, softcap, sinks);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_cpu(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask) {
-  return segment_attention_backward_impl(cpu_attention_kernels, grad_out, q, k, v, segment_ids, scale, output_mask);
+SegmentAttentionGradients segment_attention_backward_cpu(const at::Tensor& grad_out, const at::Tensor& q,
+                                                         const at::Tensor& k, const at::Tensor& v,
+                                                         const at::Tensor& segment_ids, std::optional<double> scale,
+                                                         std::array<bool, 4> output_mask, std::optional<double> softcap,
+                                                         const std::optional<at::Tensor>& sinks) {
+  return segment_attention_backward_impl(cpu_attention_kernels, grad_out, q, k, v, segment_ids, scale, output_mask,
+                                         softcap, sinks);
 }
 
 at::Tensor segment_attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const at::Tensor& segment_ids, std::optional<double> scale) {
+                                  const at::Tensor& segment_ids, std::optional<double> scale,
+                                  std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   check_segment_attention("segment_attention", q, k, v, segment_ids, scale);
+  score_mods("segment_attention", q, softcap, sinks);
   return at::empty_like(q);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_meta(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask) {
+SegmentAttentionGradients segment_attention_backward_meta(const at::Tensor& grad_out, const at::Tensor& q,
+                                                          const at::Tensor& k, const at::Tensor& v,
+                                                          const at::Tensor& segment_ids, std::optional<double> scale,
+                                                          std::array<bool, 4> output_mask,
+                                                          std::optional<double> softcap,
+                                                          const std::optional<at::Tensor>& sinks) {
   const char* op = "segment_attention_backward";
   check_segment_attention(op, q, k, v, segment_ids, scale);
   check_tensor(op, "grad_out", grad_out, q, "query", q.scalar_type(), q.sym_sizes(),
                "query's [batch, heads, tokens, head_dim]");
-  const auto asked = [&](const at::Tensor& t, size_t i) { return output_mask[i] ? at::empty_like(t) : at::Tensor(); };
-  return {asked(q, 0), asked(k, 1), asked(v, 2)};
+  const ScoreMods mods = score_mods(op, q, softcap, sinks);
+  const auto asked = [&](const at::Tensor& t, size_t i) {
+    return output_mask[i] && t.defined() ? at::empty_like(t) : at::Tensor();
+  };
+  return {asked(q, 0), asked(k, 1), asked(v, 2), asked(mods.sinks, 3)};
 }
 
 }  // namespace torch_offload

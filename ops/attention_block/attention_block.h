@@ -5,6 +5,7 @@
 // that only one group's q, k, v and attention output exist at once. Backward saves
 // only the inputs and recomputes each group. The loop (attention_block.cpp) is the
 // same on every device; each device brings its attention kernels.
+#include <functional>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -33,22 +34,41 @@ struct VarlenSequences {
   at::Tensor cut_q, cut_k;
   int64_t max_q = 0, max_k = 0;  // the longest sequence's queries and keys
 };
+// Functions, not pointers: score_mod_kernels' carry their arguments.
 struct AttentionKernels {
-  AttentionResult (*forward)(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal);
+  std::function<AttentionResult(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                                bool causal)>
+      forward;
   // (dq, dk, dv)
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> (*backward)(const at::Tensor& grad_out, const at::Tensor& q,
-                                                             const at::Tensor& k, const at::Tensor& v,
-                                                             const AttentionResult& result, double scale, bool causal);
-  // Variable-length kernels, for inputs like q where has_varlen says so (null: never).
-  bool (*has_varlen)(const at::Tensor& q) = nullptr;
-  AttentionResult (*varlen_forward)(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    const VarlenSequences& sequences, double scale, bool causal) = nullptr;
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> (*varlen_backward)(const at::Tensor& grad_out, const at::Tensor& q,
-                                                                    const at::Tensor& k, const at::Tensor& v,
-                                                                    const AttentionResult& result,
-                                                                    const VarlenSequences& sequences, double scale,
-                                                                    bool causal) = nullptr;
+  std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+      const AttentionResult& result, double scale, bool causal)>
+      backward;
+  // Variable-length kernels, for inputs like q where has_varlen says so (empty: never).
+  std::function<bool(const at::Tensor& q)> has_varlen;
+  std::function<AttentionResult(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const VarlenSequences& sequences, double scale, bool causal)>
+      varlen_forward;
+  std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+      const AttentionResult& result, const VarlenSequences& sequences, double scale, bool causal)>
+      varlen_backward;
 };
+
+// What changes attention's scores beyond the scale (segment_attention): logits soft-capped to
+// softcap * tanh(s / softcap) (Gemma 2's; 0: none), and a learned sink per head [heads] (GPT-OSS's):
+// one more logit in each query's softmax, with no value, so it only takes weight from the keys.
+struct ScoreMods {
+  double softcap = 0;
+  at::Tensor sinks;
+
+  bool any() const { return softcap > 0 || sinks.defined(); }
+};
+
+// Attention with score mods on any device, in ATen: each query chunk's scores written out within a byte
+// budget, so no [tokens, tokens] tensor exists. Backward adds the sinks' gradient into grad_sinks (float32
+// or float64 [heads]) when it is defined.
+AttentionKernels score_mod_kernels(const ScoreMods& mods, const at::Tensor& grad_sinks);
 
 at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tensor& x, const at::Tensor& w_q,
                                 const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o,
@@ -72,10 +92,14 @@ AttentionBlockGradients attention_block_backward_impl(
 // of segment_ids as attention_block's, scale defaulting to 1/sqrt(head_dim). Backward saves the
 // inputs only and recomputes the forward's log-sum-exp.
 at::Tensor segment_attention_impl(const AttentionKernels& kernels, const at::Tensor& q, const at::Tensor& k,
-                                  const at::Tensor& v, const at::Tensor& segment_ids, std::optional<double> scale);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_impl(
-    const AttentionKernels& kernels, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-    const at::Tensor& v, const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask);
+                                  const at::Tensor& v, const at::Tensor& segment_ids, std::optional<double> scale,
+                                  std::optional<double> softcap, const std::optional<at::Tensor>& sinks);
+SegmentAttentionGradients segment_attention_backward_impl(const AttentionKernels& kernels, const at::Tensor& grad_out,
+                                                          const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                          const at::Tensor& segment_ids, std::optional<double> scale,
+                                                          std::array<bool, 4> output_mask,
+                                                          std::optional<double> softcap,
+                                                          const std::optional<at::Tensor>& sinks);
 
 // segment_attention's checks of query, segment_ids and scale but their shapes, and what the kernels of
 // query's device take (CUDA: dtype, head dimension): ulysses_attention runs them before its first
@@ -123,15 +147,22 @@ AttentionBlockGradients attention_block_backward_meta(
     const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps);
 
 at::Tensor segment_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const at::Tensor& segment_ids, std::optional<double> scale);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_cpu(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask);
+                                 const at::Tensor& segment_ids, std::optional<double> scale,
+                                 std::optional<double> softcap, const std::optional<at::Tensor>& sinks);
+SegmentAttentionGradients segment_attention_backward_cpu(const at::Tensor& grad_out, const at::Tensor& q,
+                                                         const at::Tensor& k, const at::Tensor& v,
+                                                         const at::Tensor& segment_ids, std::optional<double> scale,
+                                                         std::array<bool, 4> output_mask, std::optional<double> softcap,
+                                                         const std::optional<at::Tensor>& sinks);
 at::Tensor segment_attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const at::Tensor& segment_ids, std::optional<double> scale);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_meta(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask);
+                                  const at::Tensor& segment_ids, std::optional<double> scale,
+                                  std::optional<double> softcap, const std::optional<at::Tensor>& sinks);
+SegmentAttentionGradients segment_attention_backward_meta(const at::Tensor& grad_out, const at::Tensor& q,
+                                                          const at::Tensor& k, const at::Tensor& v,
+                                                          const at::Tensor& segment_ids, std::optional<double> scale,
+                                                          std::array<bool, 4> output_mask,
+                                                          std::optional<double> softcap,
+                                                          const std::optional<at::Tensor>& sinks);
 
 #ifdef TORCH_OFFLOAD_WITH_CUDA
 // What CUDA's attention kernels take: x (called `name`) not float64, head_dim (read from `where`) aligned.
@@ -157,10 +188,14 @@ AttentionBlockGradients attention_block_backward_cuda(
     std::array<bool, 11> output_mask, std::optional<c10::string_view> group_name,
     const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps);
 at::Tensor segment_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const at::Tensor& segment_ids, std::optional<double> scale);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_cuda(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask);
+                                  const at::Tensor& segment_ids, std::optional<double> scale,
+                                  std::optional<double> softcap, const std::optional<at::Tensor>& sinks);
+SegmentAttentionGradients segment_attention_backward_cuda(const at::Tensor& grad_out, const at::Tensor& q,
+                                                          const at::Tensor& k, const at::Tensor& v,
+                                                          const at::Tensor& segment_ids, std::optional<double> scale,
+                                                          std::array<bool, 4> output_mask,
+                                                          std::optional<double> softcap,
+                                                          const std::optional<at::Tensor>& sinks);
 #endif
 
 }  // namespace torch_offload

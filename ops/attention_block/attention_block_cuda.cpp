@@ -122,8 +122,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_varlen_backward(const at::Te
                                        std::optional<double>(scale));
 }
 
-constexpr AttentionKernels cuda_attention_kernels{cuda_attention_forward, cuda_attention_backward, uses_flash,
-                                                  cuda_varlen_forward, cuda_varlen_backward};
+const AttentionKernels cuda_attention_kernels{cuda_attention_forward, cuda_attention_backward, uses_flash,
+                                              cuda_varlen_forward, cuda_varlen_backward};
 
 }  // namespace
 
@@ -153,20 +153,25 @@ AttentionBlockGradients attention_block_backward_cuda(
 }
 
 at::Tensor segment_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const at::Tensor& segment_ids, std::optional<double> scale) {
+                                  const at::Tensor& segment_ids, std::optional<double> scale,
+                                  std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   if (q.dim() == 4) {  // else the shared checks name the problem
     check_cuda_support("segment_attention", q, "query", q.size(3), "query's last dimension");
   }
-  return segment_attention_impl(cuda_attention_kernels, q, k, v, segment_ids, scale);
+  return segment_attention_impl(cuda_attention_kernels, q, k, v, segment_ids, scale, softcap, sinks);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> segment_attention_backward_cuda(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 3> output_mask) {
+SegmentAttentionGradients segment_attention_backward_cuda(const at::Tensor& grad_out, const at::Tensor& q,
+                                                          const at::Tensor& k, const at::Tensor& v,
+                                                          const at::Tensor& segment_ids, std::optional<double> scale,
+                                                          std::array<bool, 4> output_mask,
+                                                          std::optional<double> softcap,
+                                                          const std::optional<at::Tensor>& sinks) {
   if (q.dim() == 4) {
     check_cuda_support("segment_attention_backward", q, "query", q.size(3), "query's last dimension");
   }
-  return segment_attention_backward_impl(cuda_attention_kernels, grad_out, q, k, v, segment_ids, scale, output_mask);
+  return segment_attention_backward_impl(cuda_attention_kernels, grad_out, q, k, v, segment_ids, scale, output_mask,
+                                         softcap, sinks);
 }
 
 }  // namespace torch_offload

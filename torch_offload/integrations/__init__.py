@@ -18,6 +18,7 @@ from typing import Any
 
 from torch import nn
 
+from .. import masking
 from ..causal_lm_loss import fuse_causal_lm_loss
 from .compiled import _offload_in_compiled_graphs
 from .handle import OffloadHandle, _refuse_patched
@@ -234,6 +235,8 @@ def _install_above_layers(
         handle._masks = "the model's own (attention_block=False)"
     if loss:
         handle.loss = fuse_causal_lm_loss(handle, model, handle.sequence_parallel)
+        for config, _, _ in handle._attention_implementations:  # the loss probe's masks are apply's, not the user's
+            masking.forget(config)
     if group is not None:
         _attend_over_ranks(handle, model, names, layers, group)
     if handle.context is not None:

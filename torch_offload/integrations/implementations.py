@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .. import masking, sequence_parallel
+from .. import eager_attention, masking, sequence_parallel
 
 if TYPE_CHECKING:
     from .handle import OffloadHandle
@@ -35,7 +35,8 @@ def _reduce_config(config: Any) -> Any:
     state = reduced[2] if isinstance(reduced, tuple) and len(reduced) > 2 else None
     if entry is None or entry[0]() is not config or not isinstance(state, dict):
         return reduced
-    if state.get(_IMPLEMENTATION_KEY) not in (masking.IMPLEMENTATION, sequence_parallel.IMPLEMENTATION):
+    ours = (masking.IMPLEMENTATION, eager_attention.IMPLEMENTATION, sequence_parallel.IMPLEMENTATION)
+    if state.get(_IMPLEMENTATION_KEY) not in ours:
         return reduced  # removed, or set by the user since
     return (*reduced[:2], dict(state, **{_IMPLEMENTATION_KEY: entry[1]}), *reduced[3:])
 
@@ -71,6 +72,24 @@ _SEGMENT_MASK_MODEL_TYPES = frozenset(
 )
 
 
+# Eager families whose attention function segment_attention computes (soft-capped scores, sinks), once
+# eager_attention.probe_problem shows it on one of their attention modules; their modelling code, like the
+# families above, hands the mask to the attention untouched (test_real_batches.py).
+_EAGER_SEGMENT_MASK_MODEL_TYPES = frozenset({"gemma2", "gpt_oss"})
+
+
+def _eager_attention_module(model: nn.Module, config: Any) -> nn.Module | None:
+    """One attention module of ``config``'s (one whose forward takes its eager attention function's arguments)."""
+    return next(
+        (
+            m
+            for m in model.modules()
+            if getattr(m, "config", None) is config and hasattr(m, "num_key_value_groups") and hasattr(m, "scaling")
+        ),
+        None,
+    )
+
+
 def _use_segment_masks(handle: OffloadHandle, model: nn.Module) -> str:
     """Every config of the model whose attention is SDPA gets masking.IMPLEMENTATION: packed and padded
     batches then reach attention modules as segment ids, not as a dense [batch, 1, T, T] mask. Returns
@@ -84,18 +103,34 @@ def _use_segment_masks(handle: OffloadHandle, model: nn.Module) -> str:
         for c in configs
         if vars(c).get(_IMPLEMENTATION_KEY) == "sdpa" and getattr(c, "model_type", None) in _SEGMENT_MASK_MODEL_TYPES
     ]
+    eager, eager_problems = [], {}
+    for c in configs:
+        if (
+            vars(c).get(_IMPLEMENTATION_KEY) == "eager"
+            and getattr(c, "model_type", None) in _EAGER_SEGMENT_MASK_MODEL_TYPES
+        ):
+            module = _eager_attention_module(model, c)
+            problem = "no attention module found" if module is None else eager_attention.probe_problem(module)
+            if problem is None:
+                eager.append(c)
+            else:
+                eager_problems[id(c)] = problem
     if ours:
         masking.register()
+    if eager:
+        eager_attention.register()
     for config in ours:
         _set_implementation(handle, config, masking.IMPLEMENTATION)
-    if ours:
+    for config in eager:
+        _set_implementation(handle, config, eager_attention.IMPLEMENTATION)
+    if ours or eager:
         return "segment ids (packed and padded rows reach attention without a [T, T] mask)"
-    named = [(getattr(c, "model_type", type(c).__name__), vars(c).get(_IMPLEMENTATION_KEY)) for c in configs]
+    named = [(getattr(c, "model_type", type(c).__name__), vars(c).get(_IMPLEMENTATION_KEY), id(c)) for c in configs]
     other = [
-        f"{kind} has {implementation!r} attention"
-        for kind, implementation in named
+        f"{kind} has {implementation!r} attention" + (f": {eager_problems[key]}" if key in eager_problems else "")
+        for kind, implementation, key in named
         if implementation not in (None, "sdpa")
     ]
-    untested = [kind for kind, implementation in named if implementation == "sdpa"]
+    untested = [kind for kind, implementation, _ in named if implementation == "sdpa"]
     problems = other + ([f"{', '.join(untested)}: not among the families tested with segment ids"] if untested else [])
     return f"the model's own ({'; '.join(problems) or 'no attention implementation in its configs'})"

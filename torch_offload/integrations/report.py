@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING, Any
 
-from .. import masking
+from .. import eager_attention, masking
 from .layers import _attention_of, _mlp_name
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def _attention(handle: OffloadHandle, name: str, layer: Any) -> tuple[str, str |
     else:
         why = "the layer is neither checkpointed nor offloaded"
     config = getattr(getattr(layer, child, None), "config", None) if child is not None else None
-    if getattr(config, "_attn_implementation", None) == masking.IMPLEMENTATION:
+    if getattr(config, "_attn_implementation", None) in (masking.IMPLEMENTATION, eager_attention.IMPLEMENTATION):
         # The module's own forward, whose core attention takes segment ids: the segment_attention op.
         return "segment_attention", f"own forward ({why})"
     return "own", why
