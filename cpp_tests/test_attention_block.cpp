@@ -156,8 +156,10 @@ TEST(AttentionBlock, BadInputsRaiseErrorsNamingTheArgument) {
 }
 
 // segment_attention alone: q, k, v [2, 3, 9, 4], against the scores and softmax written out
-// with the segments' mask, values and gradients, from C++.
-void check_segment_attention(at::Device device, at::ScalarType dtype, double rtol, double atol) {
+// with the segments' mask, values and gradients, from C++; with score mods, soft-capped scores
+// (softcap > 0) and a sink per head (the sinks' gradient too).
+void check_segment_attention(at::Device device, at::ScalarType dtype, double rtol, double atol, double softcap = 0,
+                             bool with_sinks = false) {
   at::manual_seed(1);
   const auto options = at::TensorOptions().dtype(dtype).device(device);
   std::vector<at::Tensor> qkv;
@@ -167,15 +169,27 @@ void check_segment_attention(at::Device device, at::ScalarType dtype, double rto
   // Row 0: two packed documents; row 1: real tokens, then two of padding (they see the real tokens).
   const at::Tensor segment_ids =
       at::tensor({0, 0, 0, 0, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, -1, -1}).view({2, 9}).to(device);
-  const at::Tensor out = torch_offload::segment_attention(qkv[0], qkv[1], qkv[2], segment_ids, 0.5);
+  const at::Tensor sinks = with_sinks ? at::randn({3}, options).requires_grad_(true) : at::Tensor();
+  const at::Tensor out = torch_offload::segment_attention(qkv[0], qkv[1], qkv[2], segment_ids, 0.5,
+                                                          softcap > 0 ? std::optional<double>(softcap) : std::nullopt,
+                                                          with_sinks ? std::optional<at::Tensor>(sinks) : std::nullopt);
   const at::Tensor causal = at::ones({9, 9}, options.dtype(at::kBool)).tril();
   at::Tensor seen = segment_ids.unsqueeze(2).eq(segment_ids.unsqueeze(1)).logical_and(causal);
   seen.select(0, 1).narrow(0, 7, 2).fill_(false).narrow(1, 0, 7).fill_(true);
-  const at::Tensor scores =
-      at::matmul(qkv[0], qkv[1].transpose(-2, -1)).mul(0.5).masked_fill(seen.logical_not().unsqueeze(1), -INFINITY);
-  const at::Tensor want = at::matmul(at::softmax(scores, -1), qkv[2]);
+  at::Tensor scores = at::matmul(qkv[0], qkv[1].transpose(-2, -1)).mul(0.5);
+  if (softcap > 0) {
+    scores = at::tanh(scores / softcap) * softcap;
+  }
+  scores = scores.masked_fill(seen.logical_not().unsqueeze(1), -INFINITY);
+  if (with_sinks) {
+    scores = at::cat({scores, sinks.view({1, 3, 1, 1}).expand({2, 3, 9, 1})}, -1);
+  }
+  const at::Tensor want = at::matmul(at::softmax(scores, -1).narrow(-1, 0, 9), qkv[2]);
   EXPECT_TRUE(at::allclose(out, want, rtol, atol)) << (out - want).abs().max().item<double>();
   const at::Tensor grad_out = at::randn_like(want);
+  if (with_sinks) {
+    qkv.push_back(sinks);
+  }
   const auto got_grads = torch::autograd::grad({out}, qkv, {grad_out});
   const auto want_grads = torch::autograd::grad({want}, qkv, {grad_out});
   for (size_t i = 0; i < got_grads.size(); ++i) {
@@ -200,6 +214,10 @@ TEST(SegmentAttention, ValuesAndGradientsMatchAtenWithTheMaskWrittenOut) {
   check_segment_attention(at::kCPU, at::kDouble, 1e-10, 1e-12);
 }
 
+TEST(SegmentAttention, SoftcapAndSinksMatchAtenWithTheirGradients) {
+  check_segment_attention(at::kCPU, at::kDouble, 1e-10, 1e-12, /*softcap=*/1.5, /*with_sinks=*/true);
+}
+
 TEST(SegmentAttention, BadInputsRaiseErrorsNamingTheArgument) {
   const at::Tensor q = at::zeros({2, 3, 9, 4});
   expect_error([&] { torch_offload::segment_attention(q, q.narrow(1, 0, 2), q, at::zeros({2, 9}, at::kLong)); },
@@ -215,6 +233,7 @@ TEST(SegmentAttentionCuda, MatchesAtenWithGradientsInFloat32) {
     GTEST_SKIP() << "no CUDA device";
   }
   check_segment_attention(at::kCUDA, at::kFloat, 1e-4, 1e-5);
+  check_segment_attention(at::kCUDA, at::kFloat, 1e-4, 1e-5, /*softcap=*/1.5, /*with_sinks=*/true);
 }
 
 // GPU path: runs wherever a GPU is present; skipped (and reported as such) here.
