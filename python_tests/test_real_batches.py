@@ -63,8 +63,11 @@ def build(name):
         return make_model(name)
     torch.manual_seed(0)
     model = FAMILIES[name][0]().float().train()
-    if name == "gpt_oss":  # its sliding layers' window (8 tokens) would keep their dense mask on these batches
+    if name == "gpt_oss":  # its sliding layers' window (8 tokens) keeps their dense mask on padded batches
         model.config.sliding_window = 1024
+        for module in model.modules():
+            if getattr(module, "sliding_window", None) is not None:
+                module.sliding_window = 1024  # what its attention passes the attention function
     return model
 
 
@@ -155,17 +158,51 @@ def test_flash_attention_kwargs_of_packed_documents_keep_the_op():
     handle.remove()
 
 
-@pytest.mark.parametrize("window, fallback", [(64, False), (8, True)], ids=["longer_than_the_row", "shorter"])
-def test_a_sliding_window_within_reach_falls_back_to_the_dense_mask_and_says_so(window, fallback):
-    model, inputs = make_model("mistral", sliding_window=window), packed()
+def windowed(name):
+    """A family's model whose sliding layers' window (8 tokens) is shorter than the batches' rows (24)."""
+    if name in MODELS:
+        return make_model(name, sliding_window=8)
+    torch.manual_seed(0)
+    model = FAMILIES[name][0]().float().train()
+    assert model.config.sliding_window == 8
+    return model
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("batch", ["packed", "packed_num_items", "right_padded"])
+def test_a_sliding_window_shorter_than_the_row_is_a_band_in_each_document_and_padding_keeps_the_dense_mask(name, batch):
+    # SDPA (Mistral: through the module's own forward, attention_block taking no window) and eager attention
+    # (Gemma 2's soft-capped, GPT-OSS's with sinks): segment_attention with the window on packed documents. Padding
+    # that would see its sequence past the window is not the op's: the dense mask, counted.
+    model, inputs = windowed(name), BATCHES[batch]()
     want = step(model, inputs)
     handle = torch_offload.apply(model, num_shards=2)
-    assert_close_runs(want, step(model, inputs))
-    reasons = handle.mask_fallbacks
-    assert bool(reasons) == fallback
-    if fallback:
-        assert list(reasons) == ["a sliding window (8 tokens) shorter than the sequence (24)"]
+    calls = CountCalls(torch.ops.offload.segment_attention.default)
+    with calls:
+        got = step(model, inputs)
+    assert_close_runs(want, got)
+    padded = batch == "right_padded"
+    window = "a sliding window (8 tokens) shorter than the sequence (24)"
+    assert set(handle.mask_fallbacks) == ({window} if padded else set())
+    assert (calls.counts[torch.ops.offload.segment_attention.default] > 0) == (not padded or name != "mistral")
     handle.remove()
+
+
+def test_a_window_shorter_than_the_row_gets_ids_only_for_families_that_pass_it_to_their_attention():
+    from types import SimpleNamespace
+
+    from transformers import masking_utils as mu
+
+    masking.register()
+    for model_type, ids in (("mistral", True), ("llama", False)):  # Llama's attention passes no sliding_window
+        config = SimpleNamespace(model_type=model_type)
+        window = mu.sliding_window_causal_mask_function(8)
+        got = masking.mask(1, 24, 24, mask_function=window, config=config, local_size=8)  # as transformers calls it
+        assert (got.shape == (1, 24) and not got.any()) if ids else got.shape == (1, 1, 24, 24)
+        assert masking.fallbacks(config) == (
+            {} if ids else {"a sliding window (8 tokens) shorter than the sequence (24)": 1}
+        )
+        masking.forget(config)
 
 
 @pytest.mark.parametrize("batch", ["packed", "left_padded"])
@@ -250,6 +287,22 @@ def test_no_tensor_of_tokens_squared_elements_in_an_applied_step(name, batch):
     with LargestTensor() as applied:
         step(model, inputs)
     assert applied.largest < tokens * tokens, applied.largest
+    handle.remove()
+
+
+@pytest.mark.parametrize("name", ["mistral", "gpt_oss"])
+def test_no_tensor_of_tokens_squared_elements_with_windows_shorter_than_the_row(name):
+    tokens = 512
+    model = make_model(name, sliding_window=64, max_position_embeddings=1024) if name in MODELS else windowed(name)
+    inputs = packed(tokens, documents=(200, 112, 140, 60))
+    with LargestTensor() as plain:
+        step(model, inputs)
+    assert plain.largest >= tokens * tokens
+    handle = torch_offload.apply(model, num_shards=2)
+    with LargestTensor() as applied:
+        step(model, inputs)
+    assert applied.largest < tokens * tokens, applied.largest
+    assert handle.mask_fallbacks == {}
     handle.remove()
 
 

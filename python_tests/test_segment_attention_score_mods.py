@@ -1,7 +1,7 @@
-"""segment_attention's score mods: soft-capped scores (Gemma 2's attn_logit_softcapping) and learned sinks
-(GPT-OSS's), against their attention written out with the dense mask the segments stand for: values and
-gradients (the sinks' too), gradcheck, opcheck, reduced precision, chunks of queries, no [T, T] tensor,
-gradients not needed, torch.compile, errors."""
+"""segment_attention's score mods: soft-capped scores (Gemma 2's attn_logit_softcapping), learned sinks
+(GPT-OSS's) and sliding windows, against their attention written out with the dense mask the segments stand
+for: values and gradients (the sinks' too), gradcheck, opcheck, reduced precision, chunks of queries, no
+[T, T] tensor, gradients not needed, torch.compile, errors."""
 
 import pytest
 import torch
@@ -19,13 +19,17 @@ def make_sinks(heads=2, dtype=torch.float64, seed=1):
     return torch.randn(heads, generator=torch.Generator().manual_seed(seed), dtype=dtype).requires_grad_()
 
 
-def reference(q, k, v, segment_ids, scale=None, softcap=None, sinks=None):
+def reference(q, k, v, segment_ids, scale=None, softcap=None, sinks=None, window=None):
     """Eager attention as transformers writes Gemma 2's (capped scores) and GPT-OSS's (a sink column in the
-    softmax, dropped after it), with segment_mask's dense mask; a query with no key gets 0, as from the op."""
+    softmax, dropped after it), with segment_mask's dense mask and a window's band (transformers'
+    sliding_window_overlay); a query with no key gets 0, as from the op."""
     scores = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     mask = segment_mask(segment_ids.cpu()).to(q.device)
+    if window is not None:
+        positions = torch.arange(q.shape[2], device=q.device)
+        mask = mask & (positions[:, None] - positions[None, :] < window)
     has_keys = mask.any(-1, keepdim=True)
     scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is not None:
@@ -88,10 +92,48 @@ def test_chunks_of_queries_match_one_chunk():
     )
 
 
+# Rows of packed documents (no padding: the op refuses padding whose sequence reaches past the window).
+PACKED = torch.tensor([[0] * 5 + [1] * 4 + [0] * 4, [3] * 13, [1] * 6 + [2] * 7])
+
+
+@pytest.mark.parametrize("window", [1, 3, 7, 13])
+@pytest.mark.parametrize("mods", ["none", "both"])
+def test_a_window_is_a_band_within_each_document(mods, window):
+    leaves, options = inputs_for(MODS[mods] if mods != "none" else {})
+    grad_out = torch.randn_like(leaves[0])
+    got = run(call, leaves, PACKED, grad_out, window=window, **options)
+    assert_matches(got, run(reference, leaves, PACKED, grad_out, window=window, **options))
+
+
+def test_long_windowed_documents_run_in_chunks_and_match():
+    # 2048 tokens, a window of 100: chunks of at most the window's length, each against fewer than 200 keys.
+    leaves, options = inputs_for(MODS["both"], batch=1, heads=2, tokens=2048, head_dim=8)
+    segments = torch.arange(2048).div(1500, rounding_mode="floor")[None]
+    grad_out = torch.randn_like(leaves[0])
+    assert_matches(
+        run(call, leaves, segments, grad_out, window=100, **options),
+        run(reference, leaves, segments, grad_out, window=100, **options),
+    )
+
+
+def test_padding_within_the_window_matches_and_past_it_is_refused():
+    leaves, options = inputs_for(MODS["both"])
+    grad_out = torch.randn_like(leaves[0])
+    # SEGMENTS' last padding token is 12 tokens after its sequence's first: a window of 13 reaches it.
+    assert_matches(
+        run(call, leaves, SEGMENTS, grad_out, window=13, **options),
+        run(reference, leaves, SEGMENTS, grad_out, window=13, **options),
+    )
+    with pytest.raises(RuntimeError, match="segment_attention: the padding at tokens 10 to 12 of row 1 would see"):
+        call(*leaves[:3], SEGMENTS, leaves[3], window=12, **options)
+
+
 def test_gradcheck_float64():
     leaves, options = inputs_for(MODS["both"], batch=2, heads=2, tokens=6, head_dim=3)
     segments = torch.tensor([[0, 0, 1, 1, 1, 2], [5, 5, 5, 5, -1, -1]])
     assert torch.autograd.gradcheck(lambda *a: call(*a[:3], segments, *a[3:], scale=0.4, **options), leaves)
+    packed = torch.tensor([[0, 0, 0, 0, 1, 1], [5, 5, 5, 5, 5, 5]])
+    assert torch.autograd.gradcheck(lambda *a: call(*a[:3], packed, *a[3:], window=2, **options), leaves)
 
 
 @pytest.mark.parametrize("mods", MODS)
@@ -108,6 +150,11 @@ def test_opcheck(mods):
             torch.ops.offload.segment_attention_backward.default,
             (grad_out, *detached[:3], SEGMENTS, 0.5, mask, options.get("softcap"), sinks),
         )
+    opcheck(torch.ops.offload.segment_attention.default, (*leaves[:3], PACKED, None, None, sinks, 3))
+    opcheck(
+        torch.ops.offload.segment_attention_backward.default,
+        (grad_out, *detached[:3], PACKED, None, [True] * 4, options.get("softcap"), sinks, 3),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -175,6 +222,8 @@ def bad_score_mod_cases():
         ("sinks_dim", dict(sinks=torch.zeros(1, 3)), r"sinks has shape \[1, 3\]; expected \[heads\] = \[3\]"),
         ("sinks_dtype", dict(sinks=torch.zeros(3, dtype=torch.long)), "sinks has dtype Long; expected a floating"),
         ("sinks_device", dict(sinks=torch.zeros(3, device="meta")), "sinks is on meta but query is on cpu"),
+        ("window_zero", dict(window=0), "window is 0; expected a number of tokens > 0"),
+        ("window_negative", dict(window=-4), "window is -4; expected a number of tokens > 0"),
     ]
 
 
@@ -183,6 +232,6 @@ def test_bad_score_mods_raise_errors_naming_the_argument(name, mods, message):
     q, ids = torch.zeros(2, 3, 5, 4), torch.zeros(2, 5, dtype=torch.long)
     with pytest.raises(RuntimeError, match=f"segment_attention: {message}"):
         torch_offload.segment_attention(q, q, q, ids, **mods)
-    args = (q, q, q, q, ids, None, [True] * 4, mods.get("softcap"), mods.get("sinks"))
+    args = (q, q, q, q, ids, None, [True] * 4, mods.get("softcap"), mods.get("sinks"), mods.get("window"))
     with pytest.raises(RuntimeError, match=f"segment_attention_backward: {message}"):
         torch.ops.offload.segment_attention_backward(*args)

@@ -94,13 +94,14 @@ at::Tensor attention_block_autocast(const at::Tensor& x, const at::Tensor& w_q, 
 template <c10::DeviceType kDevice>
 at::Tensor segment_attention_autocast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const at::Tensor& segment_ids, std::optional<double> scale,
-                                      std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
+                                      std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
+                                      std::optional<int64_t> window) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(
       at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
   const auto cast = [&](const at::Tensor& t) { return at::autocast::cached_cast(dtype, t, kDevice); };
   // The sinks keep their dtype: one logit per head, added in the scores' float32.
-  return segment_attention(cast(q), cast(k), cast(v), segment_ids, scale, softcap, sinks);
+  return segment_attention(cast(q), cast(k), cast(v), segment_ids, scale, softcap, sinks, window);
 }
 
 }  // namespace

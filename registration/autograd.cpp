@@ -357,12 +357,13 @@ class SegmentAttentionFunction : public torch::autograd::Function<SegmentAttenti
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& segment_ids, std::optional<double> scale, std::optional<double> softcap,
-                            const std::optional<at::Tensor>& sinks) {
+                            const std::optional<at::Tensor>& sinks, std::optional<int64_t> window) {
     ctx->save_for_backward({q, k, v, segment_ids, sinks.value_or(at::Tensor())});
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["softcap"] = softcap;
+    ctx->saved_data["window"] = window;
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return segment_attention(q, k, v, segment_ids, scale, softcap, sinks);
+    return segment_attention(q, k, v, segment_ids, scale, softcap, sinks, window);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
@@ -372,16 +373,17 @@ class SegmentAttentionFunction : public torch::autograd::Function<SegmentAttenti
                                           has_sinks && ctx->needs_input_grad(4)};
     const auto [q, k, v, sinks] = segment_attention_backward(
         grads[0], saved[0], saved[1], saved[2], saved[3], ctx->saved_data["scale"].toOptional<double>(), output_mask,
-        ctx->saved_data["softcap"].toOptional<double>(),
-        has_sinks ? std::optional<at::Tensor>(saved[4]) : std::nullopt);
-    return {q, k, v, at::Tensor(), at::Tensor(), at::Tensor(), sinks};
+        ctx->saved_data["softcap"].toOptional<double>(), has_sinks ? std::optional<at::Tensor>(saved[4]) : std::nullopt,
+        ctx->saved_data["window"].toOptional<int64_t>());
+    return {q, k, v, at::Tensor(), at::Tensor(), at::Tensor(), sinks, at::Tensor()};
   }
 };
 
 at::Tensor segment_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const at::Tensor& segment_ids, std::optional<double> scale,
-                                      std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
-  return SegmentAttentionFunction::apply(q, k, v, segment_ids, scale, softcap, sinks);
+                                      std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
+                                      std::optional<int64_t> window) {
+  return SegmentAttentionFunction::apply(q, k, v, segment_ids, scale, softcap, sinks, window);
 }
 
 }  // namespace

@@ -117,14 +117,15 @@ TORCH_LIBRARY(offload, m) {
   // tokens]. Backward saves only the inputs; it returns (query, key, value)'s gradients, undefined
   // where output_mask does not ask.
   // softcap caps the scores (softcap * tanh(s / softcap)); sinks [heads] add one logit per head to each
-  // query's softmax, with no value. The backward also returns sinks' gradient.
+  // query's softmax, with no value; window is a sliding window within each sequence. The backward also
+  // returns sinks' gradient.
   m.def(
       "segment_attention(Tensor query, Tensor key, Tensor value, Tensor segment_ids, float? scale=None, "
-      "float? softcap=None, Tensor? sinks=None) -> Tensor");
+      "float? softcap=None, Tensor? sinks=None, int? window=None) -> Tensor");
   m.def(
       "segment_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor segment_ids, "
-      "float? scale, bool[4] output_mask, float? softcap=None, Tensor? sinks=None) -> (Tensor, Tensor, Tensor, "
-      "Tensor)");
+      "float? scale, bool[4] output_mask, float? softcap=None, Tensor? sinks=None, int? window=None) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
 
   // segment_attention over a sequence split across the ranks of the process group named group_name
   // (Ulysses): query [batch, heads, tokens / ranks, head_dim] and key, value [batch, kv_heads, tokens

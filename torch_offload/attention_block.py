@@ -86,6 +86,7 @@ def segment_attention(
     scale: float | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """``attention_block``'s attention alone, for attention modules whose projections it does not replace
     (differentiable; the ``torch.ops.offload.segment_attention`` op).
@@ -98,14 +99,16 @@ def segment_attention(
 
     ``softcap`` caps the scores to ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2's
     ``attn_logit_softcapping``). ``sinks`` ``[heads]`` (GPT-OSS's learned sinks) are one more logit per head in
-    each query's softmax, with no value: they only take weight from the keys; they get a gradient. Either runs
+    each query's softmax, with no value: they only take weight from the keys; they get a gradient. ``window`` (a
+    sliding window, as transformers' ``sliding_window``) lets a sequence's token see only the ``window - 1`` tokens
+    before it; padding that would see its sequence past the window is refused. Any of them runs
     the attention in ATen, a chunk of queries at a time (PyTorch's fused kernels compute neither): each chunk's
     scores ``[chunk, keys]`` are written out within 32 MiB, in float32 for bf16/fp16.
     """
     for t, arg in ((query, "query"), (key, "key"), (value, "value"), (segment_ids, "segment_ids")):
         _require_tensor(t, "segment_attention", arg)
     # The score mods' arguments only where given (see attention_block's norms: pytorch/pytorch#193194).
-    mods = (softcap, sinks) if softcap is not None or sinks is not None else ()
+    mods = (softcap, sinks, window) if any(m is not None for m in (softcap, sinks, window)) else ()
     return torch.ops.offload.segment_attention(query, key, value, segment_ids, scale, *mods)
 
 

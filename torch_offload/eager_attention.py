@@ -30,10 +30,10 @@ def _modules_eager_attention(module: torch.nn.Module):
     return sys.modules[type(module).__module__].eager_attention_forward
 
 
-def _additive_mask(segment_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The [batch, 1, T, T] additive mask the ids stand for, as transformers' eager masks are (0 or the dtype's
-    minimum)."""
-    allowed, _ = masking._dense_mask(segment_ids)
+def _additive_mask(segment_ids: torch.Tensor, dtype: torch.dtype, window: int | None) -> torch.Tensor:
+    """The [batch, 1, T, T] additive mask the ids (and a window) stand for, as transformers' eager masks are (0 or
+    the dtype's minimum)."""
+    allowed, _ = masking._dense_mask(segment_ids, window)
     return torch.zeros((), dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
@@ -53,8 +53,9 @@ def attention(
         segment_ids = torch.zeros(query.shape[0], query.shape[2], dtype=torch.long, device=query.device)
     if not masking.is_segment_ids(segment_ids):
         return _modules_eager_attention(module)(module, query, key, value, attention_mask, **kwargs)
+    window = kwargs.get("sliding_window")  # the layer's, as its mask has it (masking._WINDOW_PASSING_MODEL_TYPES)
     if kwargs.get("dropout", 0.0):  # transformers passes the module's dropout in training only
-        mask = _additive_mask(segment_ids, query.dtype)
+        mask = _additive_mask(segment_ids, query.dtype, window)
         return _modules_eager_attention(module)(module, query, key, value, mask, **kwargs)
     groups = query.shape[1] // key.shape[1]
     out = segment_attention(
@@ -65,6 +66,7 @@ def attention(
         scale=kwargs.get("scaling"),
         softcap=kwargs.get("softcap"),
         sinks=kwargs.get("s_aux"),
+        window=window,
     )
     return out.transpose(1, 2).contiguous(), None  # [B, T, heads, D], as the eager functions return it
 

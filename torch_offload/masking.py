@@ -9,14 +9,16 @@ into a dense ``[batch, 1, T, T]`` mask for SDPA. ``apply()`` switches a model of
 - its mask function reads the mask transformers asks for (the mask function it composed from its
   own factories: causal, packed, sliding window) and, where that mask is causal attention within
   runs of tokens (packed documents, the real tokens of a row and its padding), returns the
-  ``[batch, T]`` segment ids of ``attention_block`` instead, or ``None`` for plain causal attention.
-  Anything else (a sliding window within reach, overlays such as bidirectional image tokens, a
-  cache's offsets, real tokens with holes) gets transformers' own dense SDPA mask, and is counted.
+  ``[batch, T]`` segment ids of ``attention_block`` instead, or ``None`` for plain causal attention;
+  a sliding window shorter than the rows of an unpadded batch gets the ids too, where the family's
+  attention passes the window on (_WINDOW_PASSING_MODEL_TYPES). Anything else (such a window with
+  padding, overlays such as bidirectional image tokens, a cache's offsets, real tokens with holes)
+  gets transformers' own dense SDPA mask, and is counted.
   Under torch.compile, where the factories' closures cannot be read, it evaluates the mask function
   instead (_compiled_segments): the same segment ids, with traceable ops.
 - its attention function takes either: segment ids go to the ``segment_attention`` op (for attention
-  modules ``attention_block`` does not replace, and their own forwards), anything else to
-  transformers' SDPA function unchanged.
+  modules ``attention_block`` does not replace, and their own forwards) with the call's
+  ``sliding_window``, anything else to transformers' SDPA function unchanged.
 """
 
 from __future__ import annotations
@@ -43,6 +45,14 @@ def config_window(config: Any) -> int | None:
 def config_chunk(config: Any) -> int | None:
     """The config's attention chunk (Llama 4's chunked layers: a query sees its own chunk of the row only)."""
     return getattr(config, "attention_chunk_size", None)
+
+
+# The families whose attention modules pass their layer's sliding window to the attention function
+# (sliding_window=, None for full-attention layers), as their masks have it: a window shorter than the rows
+# then reaches segment_attention with the ids (no padding). Any other family's gets the dense mask.
+_WINDOW_PASSING_MODEL_TYPES = frozenset(
+    {"mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "smollm3", "gemma3_text", "gemma2", "gpt_oss"}
+)
 
 
 def is_segment_ids(mask: Any) -> bool:
@@ -210,6 +220,8 @@ def _segments_or(
         )
         return dense_mask(**dense) if segments is _DENSE else segments
     reason = None
+    padded = attention_mask is not None and not bool(attention_mask[:, -kv_length:].all())
+    windows_pass = not padded and getattr(config, "model_type", None) in _WINDOW_PASSING_MODEL_TYPES
     try:
         reach, packed = _describe(mask_function, _FACTORIES)
     except _Unknown:
@@ -219,16 +231,19 @@ def _segments_or(
             reason = "a custom mask function"
         elif q_length != kv_length or not isinstance(q_offset, int) or q_offset or kv_offset:
             reason = "a key/value cache (queries offset from keys)"
-        elif reach is not None and q_length > reach[1]:
+        elif reach is not None and q_length > reach[1] and not (reach[0] == "a sliding window" and windows_pass):
             reason = f"{reach[0]} ({reach[1]} tokens) shorter than the sequence ({q_length})"
         elif attention_mask is not None and not _real_tokens_are_contiguous(attention_mask[:, -kv_length:]):
             reason = "an attention_mask whose real tokens are not contiguous in a row"
         elif eager and attention_mask is not None and not bool(attention_mask[:, -kv_length:][:, 0].all()):
             reason = "left padding (eager attention gives a query that sees no key the mean of the row's values)"
     if reason is None:
+        if reach is not None and q_length > reach[1]:  # a window the attention function applies: ids, never None
+            ids = packed if packed is not None else torch.zeros(batch_size, q_length, dtype=torch.long)
+            return ids.to(kwargs.get("device", ids.device))
         if packed is not None:
             return packed
-        if attention_mask is not None and not bool(attention_mask[:, -kv_length:].all()):
+        if padded:
             return attention_block_segment_ids(attention_mask=attention_mask[:, -kv_length:])
         return None
     fallbacks(config)[reason] += 1
@@ -345,9 +360,9 @@ def _attention_with_dropout_per_run(module, query, key, value, segment_ids, **kw
     return torch.cat(rows, dim=0), None
 
 
-def _dense_mask(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The [batch, 1, T, T] boolean mask segment ids stand for, and which queries have any key (padding
-    before every sequence has none: it attends to itself here, and its output is zeroed after)."""
+def _dense_mask(segment_ids: torch.Tensor, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The [batch, 1, T, T] boolean mask segment ids (and a sliding window) stand for, and which queries have any
+    key (padding before every sequence has none: it attends to itself here, and its output is zeroed after)."""
     starts = torch.nn.functional.pad(segment_ids[:, 1:] != segment_ids[:, :-1], (1, 0), value=True)
     run = starts.long().cumsum(dim=1)  # 1, 2, ... per row
     sequence = segment_ids >= 0
@@ -358,6 +373,8 @@ def _dense_mask(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         & sequence[:, None, :]
         & (positions[None, None, :] <= positions[None, :, None])
     )
+    if window is not None:
+        allowed &= positions[None, :, None] - positions[None, None, :] < window
     has_keys = keys_run > 0
     allowed |= ~has_keys[:, :, None] & (positions[None, None, :] == positions[None, :, None])
     return allowed[:, None], has_keys
@@ -381,15 +398,21 @@ def attention(
     if not is_segment_ids(attention_mask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kwargs.pop("is_causal", None)
+    window = kwargs.get("sliding_window")  # the layer's, as its mask has it (_WINDOW_PASSING_MODEL_TYPES)
     if kwargs.get("dropout", 0.0):  # transformers passes the module's dropout in training only
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and window is None:
             return _attention_with_dropout_per_run(module, query, key, value, attention_mask, **kwargs)
-        allowed, has_keys = _dense_mask(attention_mask)
+        allowed, has_keys = _dense_mask(attention_mask, window)
         out, _ = sdpa_attention_forward(module, query, key, value, allowed, is_causal=False, **kwargs)
         return out * has_keys[:, :, None, None], None
     groups = query.shape[1] // key.shape[1]
     out = segment_attention(
-        query, repeat_kv(key, groups), repeat_kv(value, groups), attention_mask, scale=kwargs.get("scaling")
+        query,
+        repeat_kv(key, groups),
+        repeat_kv(value, groups),
+        attention_mask,
+        scale=kwargs.get("scaling"),
+        window=window,
     )
     return out.transpose(1, 2).contiguous(), None  # [B, T, heads, D], as SDPA's function returns it
 

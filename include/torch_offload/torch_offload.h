@@ -300,18 +300,19 @@ inline AttentionBlockGradients attention_block_backward(
 // the query's), causal within the segments of segment_ids [batch, tokens] as attention_block's,
 // one attention call per segment, no [tokens, tokens] mask. scale defaults to 1/sqrt(head_dim).
 // softcap caps the scores to softcap * tanh(s / softcap) (Gemma 2's); sinks [heads] are one more
-// logit per head in each query's softmax, with no value (GPT-OSS's). Backward saves only the
-// inputs and recomputes.
+// logit per head in each query's softmax, with no value (GPT-OSS's); window (sliding window) limits
+// a sequence's token to the window - 1 tokens before it (padding whose sequence reaches past it is
+// refused). Backward saves only the inputs and recomputes.
 inline at::Tensor segment_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                     const at::Tensor& segment_ids, std::optional<double> scale = std::nullopt,
                                     std::optional<double> softcap = std::nullopt,
-                                    const std::optional<at::Tensor>& sinks = std::nullopt) {
+                                    const std::optional<at::Tensor>& sinks = std::nullopt,
+                                    std::optional<int64_t> window = std::nullopt) {
   TORCH_CHECK(query.defined(), "segment_attention: query is an undefined tensor; expected a defined tensor");
-  static const auto handle =
-      detail::op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            std::optional<double>, std::optional<double>, const std::optional<at::Tensor>&)>(
-          "offload::segment_attention");
-  return handle.call(query, key, value, segment_ids, scale, softcap, sinks);
+  static const auto handle = detail::op<at::Tensor(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, std::optional<double>,
+      std::optional<double>, const std::optional<at::Tensor>&, std::optional<int64_t>)>("offload::segment_attention");
+  return handle.call(query, key, value, segment_ids, scale, softcap, sinks, window);
 }
 
 // segment_attention's gradients (query, key, value, sinks), each only where output_mask asks for it
@@ -322,15 +323,16 @@ inline SegmentAttentionGradients segment_attention_backward(const at::Tensor& gr
                                                             const at::Tensor& segment_ids, std::optional<double> scale,
                                                             std::array<bool, 4> output_mask,
                                                             std::optional<double> softcap = std::nullopt,
-                                                            const std::optional<at::Tensor>& sinks = std::nullopt) {
+                                                            const std::optional<at::Tensor>& sinks = std::nullopt,
+                                                            std::optional<int64_t> window = std::nullopt) {
   TORCH_CHECK(grad_out.defined(),
               "segment_attention_backward: grad_out is an undefined tensor; expected a defined tensor");
   TORCH_CHECK(query.defined(), "segment_attention_backward: query is an undefined tensor; expected a defined tensor");
   static const auto handle = detail::op<SegmentAttentionGradients(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-      std::optional<double>, std::array<bool, 4>, std::optional<double>, const std::optional<at::Tensor>&)>(
-      "offload::segment_attention_backward");
-  return handle.call(grad_out, query, key, value, segment_ids, scale, output_mask, softcap, sinks);
+      std::optional<double>, std::array<bool, 4>, std::optional<double>, const std::optional<at::Tensor>&,
+      std::optional<int64_t>)>("offload::segment_attention_backward");
+  return handle.call(grad_out, query, key, value, segment_ids, scale, output_mask, softcap, sinks, window);
 }
 
 // segment_attention over a sequence split across the ranks of a process group (Ulysses), named as

@@ -521,11 +521,14 @@ at::Tensor in_layout_of(const at::Tensor& t, const at::Tensor& like) {
   return out.strides() == t.strides() ? t : out.copy_(t);
 }
 
-// segment_attention's softcap (finite, > 0) and sinks (floating point [heads] on query's device), as ScoreMods.
+// segment_attention's softcap (finite, > 0), sinks (floating point [heads] on query's device) and window (> 0),
+// as ScoreMods.
 ScoreMods score_mods(const char* op, const at::Tensor& q, std::optional<double> softcap,
-                     const std::optional<at::Tensor>& sinks_opt) {
+                     const std::optional<at::Tensor>& sinks_opt, std::optional<int64_t> window) {
   TORCH_CHECK(!softcap.has_value() || (std::isfinite(*softcap) && *softcap > 0), op, ": softcap is ",
               softcap.value_or(0), "; expected a finite value > 0 (or None for no cap)");
+  TORCH_CHECK(!window.has_value() || *window > 0, op, ": window is ", window.value_or(0),
+              "; expected a number of tokens > 0 (or None for no window)");
   const at::Tensor sinks = value_or_undefined(sinks_opt);
   if (sinks.defined()) {
     TORCH_CHECK(at::isFloatingType(sinks.scalar_type()), op, ": sinks has dtype ", sinks.scalar_type(),
@@ -534,35 +537,48 @@ ScoreMods score_mods(const char* op, const at::Tensor& q, std::optional<double> 
     TORCH_SYM_CHECK(sinks.sym_sizes().size() == 1 ? sinks.sym_size(0).sym_eq(q.sym_size(1)) : c10::SymBool(false), op,
                     ": sinks has shape ", sinks.sym_sizes(), "; expected [heads] = [", q.sym_size(1), "]");
   }
-  return {softcap.value_or(0), sinks};
+  return {softcap.value_or(0), sinks, window.value_or(0)};
+}
+
+// Errors where a padding run's queries would see past the window: the op gives padding all of the
+// sequence before it, which a window would cut per query.
+void check_window_over_padding(const char* op, const SegmentRuns& runs, int64_t window) {
+  for (const SegmentRun& run : runs) {
+    if (window > 0 && run.padding && run.keys >= 0 && run.start + run.length - 1 - runs[run.keys].start >= window) {
+      TORCH_CHECK(false, op, ": the padding at tokens ", run.start, " to ", run.start + run.length - 1, " of row ",
+                  run.row, " would see its sequence (from token ", runs[run.keys].start, ") past the window of ",
+                  window, " tokens, which segment_attention does not compute");
+    }
+  }
 }
 
 }  // namespace
 
 at::Tensor segment_attention_impl(const AttentionKernels& kernels, const at::Tensor& q, const at::Tensor& k,
                                   const at::Tensor& v, const at::Tensor& segment_ids, std::optional<double> scale,
-                                  std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
+                                  std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
+                                  std::optional<int64_t> window) {
   check_segment_attention("segment_attention", q, k, v, segment_ids, scale);
-  const ScoreMods mods = score_mods("segment_attention", q, softcap, sinks);
+  const ScoreMods mods = score_mods("segment_attention", q, softcap, sinks, window);
   if (q.numel() == 0) {
     return at::zeros_like(q);
   }
   const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
   const AttentionKernels used = mods.any() ? score_mod_kernels(mods, at::Tensor()) : kernels;
-  return in_layout_of(attend(used, q, k, v, s, segment_runs("segment_attention", segment_ids)).out, q);
+  const SegmentRuns runs = segment_runs("segment_attention", segment_ids);
+  check_window_over_padding("segment_attention", runs, mods.window);
+  return in_layout_of(attend(used, q, k, v, s, runs).out, q);
 }
 
-SegmentAttentionGradients segment_attention_backward_impl(const AttentionKernels& kernels, const at::Tensor& grad_out,
-                                                          const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                          const at::Tensor& segment_ids, std::optional<double> scale,
-                                                          std::array<bool, 4> output_mask,
-                                                          std::optional<double> softcap,
-                                                          const std::optional<at::Tensor>& sinks) {
+SegmentAttentionGradients segment_attention_backward_impl(
+    const AttentionKernels& kernels, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 4> output_mask,
+    std::optional<double> softcap, const std::optional<at::Tensor>& sinks, std::optional<int64_t> window) {
   const char* op = "segment_attention_backward";
   check_segment_attention(op, q, k, v, segment_ids, scale);
   check_tensor(op, "grad_out", grad_out, q, "query", q.scalar_type(), q.sym_sizes(),
                "query's [batch, heads, tokens, head_dim]");
-  const ScoreMods mods = score_mods(op, q, softcap, sinks);
+  const ScoreMods mods = score_mods(op, q, softcap, sinks, window);
   // The sinks' gradient adds up over the runs in float32 (float64 for float64 sinks) and is rounded once.
   const at::Tensor grad_sinks =
       output_mask[3] && mods.sinks.defined()
@@ -577,6 +593,7 @@ SegmentAttentionGradients segment_attention_backward_impl(const AttentionKernels
   } else {
     const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
     const SegmentRuns runs = segment_runs(op, segment_ids);
+    check_window_over_padding(op, runs, mods.window);
     // Forward saved nothing but its inputs: the log-sum-exp each run's backward needs is recomputed.
     const AttentionResult result = attend(used, q, k, v, s, runs);
     std::tie(dq, dk, dv) = attend_backward(used, grad_out, q, k, v, result, s, runs);
@@ -785,38 +802,39 @@ AttentionBlockGradients attention_block_backward_meta(
 
 at::Tensor segment_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& segment_ids, std::optional<double> scale,
-                                 std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
-  return segment_attention_impl(cpu_attention_kernels, q, k, v, segment_ids, scale, softcap, sinks);
+                                 std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
+                                 std::optional<int64_t> window) {
+  return segment_attention_impl(cpu_attention_kernels, q, k, v, segment_ids, scale, softcap, sinks, window);
 }
 
 SegmentAttentionGradients segment_attention_backward_cpu(const at::Tensor& grad_out, const at::Tensor& q,
                                                          const at::Tensor& k, const at::Tensor& v,
                                                          const at::Tensor& segment_ids, std::optional<double> scale,
                                                          std::array<bool, 4> output_mask, std::optional<double> softcap,
-                                                         const std::optional<at::Tensor>& sinks) {
+                                                         const std::optional<at::Tensor>& sinks,
+                                                         std::optional<int64_t> window) {
   return segment_attention_backward_impl(cpu_attention_kernels, grad_out, q, k, v, segment_ids, scale, output_mask,
-                                         softcap, sinks);
+                                         softcap, sinks, window);
 }
 
 at::Tensor segment_attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& segment_ids, std::optional<double> scale,
-                                  std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
+                                  std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
+                                  std::optional<int64_t> window) {
   check_segment_attention("segment_attention", q, k, v, segment_ids, scale);
-  score_mods("segment_attention", q, softcap, sinks);
+  score_mods("segment_attention", q, softcap, sinks, window);
   return at::empty_like(q);
 }
 
-SegmentAttentionGradients segment_attention_backward_meta(const at::Tensor& grad_out, const at::Tensor& q,
-                                                          const at::Tensor& k, const at::Tensor& v,
-                                                          const at::Tensor& segment_ids, std::optional<double> scale,
-                                                          std::array<bool, 4> output_mask,
-                                                          std::optional<double> softcap,
-                                                          const std::optional<at::Tensor>& sinks) {
+SegmentAttentionGradients segment_attention_backward_meta(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 4> output_mask,
+    std::optional<double> softcap, const std::optional<at::Tensor>& sinks, std::optional<int64_t> window) {
   const char* op = "segment_attention_backward";
   check_segment_attention(op, q, k, v, segment_ids, scale);
   check_tensor(op, "grad_out", grad_out, q, "query", q.scalar_type(), q.sym_sizes(),
                "query's [batch, heads, tokens, head_dim]");
-  const ScoreMods mods = score_mods(op, q, softcap, sinks);
+  const ScoreMods mods = score_mods(op, q, softcap, sinks, window);
   const auto asked = [&](const at::Tensor& t, size_t i) {
     return output_mask[i] && t.defined() ? at::empty_like(t) : at::Tensor();
   };

@@ -56,13 +56,15 @@ struct AttentionKernels {
 };
 
 // What changes attention's scores beyond the scale (segment_attention): logits soft-capped to
-// softcap * tanh(s / softcap) (Gemma 2's; 0: none), and a learned sink per head [heads] (GPT-OSS's):
-// one more logit in each query's softmax, with no value, so it only takes weight from the keys.
+// softcap * tanh(s / softcap) (Gemma 2's; 0: none), a learned sink per head [heads] (GPT-OSS's):
+// one more logit in each query's softmax, with no value, so it only takes weight from the keys, and a
+// sliding window (0: none): in a causal run, query i sees keys i - window < j <= i.
 struct ScoreMods {
   double softcap = 0;
   at::Tensor sinks;
+  int64_t window = 0;
 
-  bool any() const { return softcap > 0 || sinks.defined(); }
+  bool any() const { return softcap > 0 || sinks.defined() || window > 0; }
 };
 
 // Attention with score mods on any device, in ATen: each query chunk's scores written out within a byte
@@ -93,13 +95,12 @@ AttentionBlockGradients attention_block_backward_impl(
 // inputs only and recomputes the forward's log-sum-exp.
 at::Tensor segment_attention_impl(const AttentionKernels& kernels, const at::Tensor& q, const at::Tensor& k,
                                   const at::Tensor& v, const at::Tensor& segment_ids, std::optional<double> scale,
-                                  std::optional<double> softcap, const std::optional<at::Tensor>& sinks);
-SegmentAttentionGradients segment_attention_backward_impl(const AttentionKernels& kernels, const at::Tensor& grad_out,
-                                                          const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                          const at::Tensor& segment_ids, std::optional<double> scale,
-                                                          std::array<bool, 4> output_mask,
-                                                          std::optional<double> softcap,
-                                                          const std::optional<at::Tensor>& sinks);
+                                  std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
+                                  std::optional<int64_t> window);
+SegmentAttentionGradients segment_attention_backward_impl(
+    const AttentionKernels& kernels, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 4> output_mask,
+    std::optional<double> softcap, const std::optional<at::Tensor>& sinks, std::optional<int64_t> window);
 
 // segment_attention's checks of query, segment_ids and scale but their shapes, and what the kernels of
 // query's device take (CUDA: dtype, head dimension): ulysses_attention runs them before its first
@@ -148,21 +149,22 @@ AttentionBlockGradients attention_block_backward_meta(
 
 at::Tensor segment_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& segment_ids, std::optional<double> scale,
-                                 std::optional<double> softcap, const std::optional<at::Tensor>& sinks);
+                                 std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
+                                 std::optional<int64_t> window);
 SegmentAttentionGradients segment_attention_backward_cpu(const at::Tensor& grad_out, const at::Tensor& q,
                                                          const at::Tensor& k, const at::Tensor& v,
                                                          const at::Tensor& segment_ids, std::optional<double> scale,
                                                          std::array<bool, 4> output_mask, std::optional<double> softcap,
-                                                         const std::optional<at::Tensor>& sinks);
+                                                         const std::optional<at::Tensor>& sinks,
+                                                         std::optional<int64_t> window);
 at::Tensor segment_attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& segment_ids, std::optional<double> scale,
-                                  std::optional<double> softcap, const std::optional<at::Tensor>& sinks);
-SegmentAttentionGradients segment_attention_backward_meta(const at::Tensor& grad_out, const at::Tensor& q,
-                                                          const at::Tensor& k, const at::Tensor& v,
-                                                          const at::Tensor& segment_ids, std::optional<double> scale,
-                                                          std::array<bool, 4> output_mask,
-                                                          std::optional<double> softcap,
-                                                          const std::optional<at::Tensor>& sinks);
+                                  std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
+                                  std::optional<int64_t> window);
+SegmentAttentionGradients segment_attention_backward_meta(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 4> output_mask,
+    std::optional<double> softcap, const std::optional<at::Tensor>& sinks, std::optional<int64_t> window);
 
 #ifdef TORCH_OFFLOAD_WITH_CUDA
 // What CUDA's attention kernels take: x (called `name`) not float64, head_dim (read from `where`) aligned.
@@ -189,13 +191,12 @@ AttentionBlockGradients attention_block_backward_cuda(
     const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps);
 at::Tensor segment_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& segment_ids, std::optional<double> scale,
-                                  std::optional<double> softcap, const std::optional<at::Tensor>& sinks);
-SegmentAttentionGradients segment_attention_backward_cuda(const at::Tensor& grad_out, const at::Tensor& q,
-                                                          const at::Tensor& k, const at::Tensor& v,
-                                                          const at::Tensor& segment_ids, std::optional<double> scale,
-                                                          std::array<bool, 4> output_mask,
-                                                          std::optional<double> softcap,
-                                                          const std::optional<at::Tensor>& sinks);
+                                  std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
+                                  std::optional<int64_t> window);
+SegmentAttentionGradients segment_attention_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 4> output_mask,
+    std::optional<double> softcap, const std::optional<at::Tensor>& sinks, std::optional<int64_t> window);
 #endif
 
 }  // namespace torch_offload

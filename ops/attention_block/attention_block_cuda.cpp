@@ -154,24 +154,23 @@ AttentionBlockGradients attention_block_backward_cuda(
 
 at::Tensor segment_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& segment_ids, std::optional<double> scale,
-                                  std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
+                                  std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
+                                  std::optional<int64_t> window) {
   if (q.dim() == 4) {  // else the shared checks name the problem
     check_cuda_support("segment_attention", q, "query", q.size(3), "query's last dimension");
   }
-  return segment_attention_impl(cuda_attention_kernels, q, k, v, segment_ids, scale, softcap, sinks);
+  return segment_attention_impl(cuda_attention_kernels, q, k, v, segment_ids, scale, softcap, sinks, window);
 }
 
-SegmentAttentionGradients segment_attention_backward_cuda(const at::Tensor& grad_out, const at::Tensor& q,
-                                                          const at::Tensor& k, const at::Tensor& v,
-                                                          const at::Tensor& segment_ids, std::optional<double> scale,
-                                                          std::array<bool, 4> output_mask,
-                                                          std::optional<double> softcap,
-                                                          const std::optional<at::Tensor>& sinks) {
+SegmentAttentionGradients segment_attention_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 4> output_mask,
+    std::optional<double> softcap, const std::optional<at::Tensor>& sinks, std::optional<int64_t> window) {
   if (q.dim() == 4) {
     check_cuda_support("segment_attention_backward", q, "query", q.size(3), "query's last dimension");
   }
   return segment_attention_backward_impl(cuda_attention_kernels, grad_out, q, k, v, segment_ids, scale, output_mask,
-                                         softcap, sinks);
+                                         softcap, sinks, window);
 }
 
 }  // namespace torch_offload
