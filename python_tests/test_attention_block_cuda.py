@@ -21,7 +21,7 @@ from test_attention_block_norms import reference as norm_reference
 from test_segment_attention import make_qkv
 from test_segment_attention import output_and_grads as qkv_output_and_grads
 from test_segment_attention import reference as qkv_reference
-from test_segment_attention_score_mods import MODS
+from test_segment_attention_score_mods import MODS, PACKED
 from test_segment_attention_score_mods import call as score_mod_call
 from test_segment_attention_score_mods import inputs_for as score_mod_inputs
 from test_segment_attention_score_mods import reference as score_mod_reference
@@ -391,6 +391,10 @@ def test_cuda_score_mods_match_the_cpu_op_and_bf16_is_as_close_to_float32_as_eag
     got = score_mod_run(score_mod_call, to_cuda(leaves), SEGMENTS.cuda(), grad_out.cuda(), **options)
     torch.testing.assert_close(got[0].cpu(), cpu[0], rtol=1e-4, atol=1e-5)
     for g, c in zip(got[1], cpu[1]):
+        torch.testing.assert_close(g.cpu(), c, rtol=1e-4, atol=1e-5)
+    windowed = score_mod_run(score_mod_call, to_cuda(leaves), PACKED.cuda(), grad_out.cuda(), window=3, **options)
+    want = score_mod_run(score_mod_call, leaves, PACKED, grad_out, window=3, **options)
+    for g, c in zip((windowed[0], *windowed[1]), (want[0], *want[1])):
         torch.testing.assert_close(g.cpu(), c, rtol=1e-4, atol=1e-5)
     gpu, low = to_cuda(leaves), to_cuda(leaves, torch.bfloat16)
     want = score_mod_run(score_mod_reference, gpu, SEGMENTS.cuda(), grad_out.cuda(), **options)
