@@ -252,7 +252,7 @@ at::Tensor head_rms_norm_backward(const at::Tensor& grad, const at::Tensor& rows
   const at::Tensor normalized = heads * rstd;
   const at::Tensor g = grad.reshape(heads.sizes()).to(acc_type);
   if (grad_weight.defined()) {
-    grad_weight.add_((g * normalized.to(rows.scalar_type())).sum({0, 1}));
+    grad_weight.add_((g * normalized.to(rows.scalar_type())).sum(at::IntArrayRef{0, 1}));
   }
   const at::Tensor g_normalized = g * weight.to(acc_type);
   const at::Tensor grad_heads = rstd * (g_normalized - normalized * (g_normalized * normalized).mean(-1, true));

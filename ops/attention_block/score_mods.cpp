@@ -136,7 +136,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> score_mod_backward(const ScoreMod
     if (grad_sinks.defined()) {
       // d out_i / d sink = -p_sink_i * out_i: the sink's gradient is -sum_i p_sink_i (dO_i . O_i).
       const at::Tensor sink_probs = (sink_logits(mods, lse) - lse).exp();
-      grad_sinks.sub_((sink_probs * delta_chunk).sum({0, 2, 3}).to(grad_sinks.scalar_type()));
+      grad_sinks.sub_((sink_probs * delta_chunk).sum(at::IntArrayRef{0, 2, 3}).to(grad_sinks.scalar_type()));
     }
   }
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
