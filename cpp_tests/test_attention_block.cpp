@@ -155,16 +155,16 @@ TEST(AttentionBlock, BadInputsRaiseErrorsNamingTheArgument) {
                "attention_block: x is an undefined tensor");
 }
 
-// segment_attention alone: q, k, v [2, 3, 9, 4], against the scores and softmax written out
-// with the segments' mask, values and gradients, from C++; with score mods, soft-capped scores
-// (softcap > 0) and a sink per head (the sinks' gradient too).
+// segment_attention alone: q, k [2, 3, 9, 4], v [2, 3, 9, value_head_dim], against the scores and
+// softmax written out with the segments' mask, values and gradients, from C++; with score mods,
+// soft-capped scores (softcap > 0) and a sink per head (the sinks' gradient too).
 void check_segment_attention(at::Device device, at::ScalarType dtype, double rtol, double atol, double softcap = 0,
-                             bool with_sinks = false) {
+                             bool with_sinks = false, int64_t value_head_dim = 4) {
   at::manual_seed(1);
   const auto options = at::TensorOptions().dtype(dtype).device(device);
   std::vector<at::Tensor> qkv;
-  for (int i = 0; i < 3; ++i) {
-    qkv.push_back(at::randn({2, 3, 9, 4}, options).requires_grad_(true));
+  for (int64_t head_dim : {int64_t{4}, int64_t{4}, value_head_dim}) {
+    qkv.push_back(at::randn({2, 3, 9, head_dim}, options).requires_grad_(true));
   }
   // Row 0: two packed documents; row 1: real tokens, then two of padding (they see the real tokens).
   const at::Tensor segment_ids =
@@ -218,6 +218,13 @@ TEST(SegmentAttention, SoftcapAndSinksMatchAtenWithTheirGradients) {
   check_segment_attention(at::kCPU, at::kDouble, 1e-10, 1e-12, /*softcap=*/1.5, /*with_sinks=*/true);
 }
 
+// Multi-head latent attention's value heads differ from its query's: narrower and wider.
+TEST(SegmentAttention, ValueHeadDimensionsOtherThanTheQuerysMatchAten) {
+  check_segment_attention(at::kCPU, at::kDouble, 1e-10, 1e-12, 0, false, /*value_head_dim=*/3);
+  check_segment_attention(at::kCPU, at::kDouble, 1e-10, 1e-12, /*softcap=*/1.5, /*with_sinks=*/true,
+                          /*value_head_dim=*/7);
+}
+
 TEST(SegmentAttention, BadInputsRaiseErrorsNamingTheArgument) {
   const at::Tensor q = at::zeros({2, 3, 9, 4});
   expect_error([&] { torch_offload::segment_attention(q, q.narrow(1, 0, 2), q, at::zeros({2, 9}, at::kLong)); },
@@ -226,6 +233,9 @@ TEST(SegmentAttention, BadInputsRaiseErrorsNamingTheArgument) {
                "segment_attention: segment_ids has shape [2, 8]; expected [batch, tokens] = [2, 9]");
   expect_error([&] { torch_offload::segment_attention(at::Tensor(), q, q, at::zeros({2, 9}, at::kLong)); },
                "segment_attention: query is an undefined tensor");
+  expect_error([&] { torch_offload::segment_attention(q, q, q.narrow(2, 0, 8), at::zeros({2, 9}, at::kLong)); },
+               "segment_attention: value has shape [2, 3, 8, 4]; expected query's [batch, heads, tokens] and a head "
+               "dimension");
 }
 
 TEST(SegmentAttentionCuda, MatchesAtenWithGradientsInFloat32) {
@@ -234,6 +244,7 @@ TEST(SegmentAttentionCuda, MatchesAtenWithGradientsInFloat32) {
   }
   check_segment_attention(at::kCUDA, at::kFloat, 1e-4, 1e-5);
   check_segment_attention(at::kCUDA, at::kFloat, 1e-4, 1e-5, /*softcap=*/1.5, /*with_sinks=*/true);
+  check_segment_attention(at::kCUDA, at::kFloat, 1e-4, 1e-5, 0, false, /*value_head_dim=*/8);
 }
 
 // GPU path: runs wherever a GPU is present; skipped (and reported as such) here.

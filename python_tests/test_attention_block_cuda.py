@@ -403,3 +403,22 @@ def test_cuda_score_mods_match_the_cpu_op_and_bf16_is_as_close_to_float32_as_eag
     assert relative_error(got[0], want[0]) <= max(2 * relative_error(eager[0], want[0]), 1e-2)
     for name, g, e, w in zip(("query", "key", "value", "sinks"), got[1], eager[1], want[1]):
         assert relative_error(g, w) <= max(2 * relative_error(e, w), 1e-2), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_segment_attention_with_a_narrower_value_head_as_deepseeks_is_as_close_to_float64_as_eager(dtype):
+    # Multi-head latent attention's shapes (DeepSeek-V3: query and key heads 192 wide, value heads 128, here 24 and
+    # 16): value a slice of one projection's output, transposed; the kernels get it padded to the query's width.
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 13, 4, 24, generator=generator, dtype=torch.float64).transpose(1, 2)
+    k, v = torch.randn(3, 13, 4, 24 + 16, generator=generator, dtype=torch.float64).transpose(1, 2).split([24, 16], -1)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    grad_out = torch.randn(3, 4, 13, 16, generator=generator, dtype=torch.float64)
+    want, want_grads = qkv_output_and_grads(lambda *a: score_mod_reference(*a, SEGMENTS), leaves, grad_out)
+    low = [t.detach().to("cuda", dtype).requires_grad_() for t in leaves]
+    segments, low_grad_out = SEGMENTS.cuda(), grad_out.to("cuda", dtype)
+    eager, eager_grads = qkv_output_and_grads(lambda *a: score_mod_reference(*a, segments), low, low_grad_out)
+    got, got_grads = qkv_output_and_grads(lambda *a: torch_offload.segment_attention(*a, segments), low, low_grad_out)
+    assert got.shape == (3, 4, 13, 16) and got.dtype == dtype
+    for name, g, e, w in zip(("out", "dq", "dk", "dv"), (got, *got_grads), (eager, *eager_grads), (want, *want_grads)):
+        assert_as_close_as_eager(g, e, w, dtype, name)

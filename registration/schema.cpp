@@ -112,13 +112,12 @@ TORCH_LIBRARY(offload, m) {
       "float norm_eps=1e-06) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
       "Tensor)");
 
-  // attention_block's attention alone, for attention modules it does not replace: query, key and
-  // value [batch, heads, tokens, head_dim], causal within the segments of segment_ids [batch,
-  // tokens]. Backward saves only the inputs; it returns (query, key, value)'s gradients, undefined
-  // where output_mask does not ask.
-  // softcap caps the scores (softcap * tanh(s / softcap)); sinks [heads] add one logit per head to each
-  // query's softmax, with no value; window is a sliding window within each sequence. The backward also
-  // returns sinks' gradient.
+  // attention_block's attention alone, for attention modules it does not replace: query and key
+  // [batch, heads, tokens, head_dim], value [batch, heads, tokens, value_head_dim] (the output's),
+  // causal within the segments of segment_ids [batch, tokens]. Backward saves only the inputs; it returns (query, key,
+  // value)'s gradients, undefined where output_mask does not ask. softcap caps the scores (softcap * tanh(s /
+  // softcap)); sinks [heads] add one logit per head to each query's softmax, with no value; window is a sliding window
+  // within each sequence. The backward also returns sinks' gradient.
   m.def(
       "segment_attention(Tensor query, Tensor key, Tensor value, Tensor segment_ids, float? scale=None, "
       "float? softcap=None, Tensor? sinks=None, int? window=None) -> Tensor");

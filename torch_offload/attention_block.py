@@ -91,11 +91,13 @@ def segment_attention(
     """``attention_block``'s attention alone, for attention modules whose projections it does not replace
     (differentiable; the ``torch.ops.offload.segment_attention`` op).
 
-    ``query``, ``key`` and ``value`` ``[batch, heads, tokens, head_dim]`` (key/value heads repeated to the
-    query's), ``segment_ids`` ``[batch, tokens]`` as ``attention_block``'s: each query attends causally
-    within its sequence, padding to the nearest sequence before it. One attention call per segment, no
-    ``[tokens, tokens]`` mask; backward saves only the inputs and recomputes. ``scale`` defaults to
-    ``head_dim ** -0.5``. Returns ``[batch, heads, tokens, head_dim]``.
+    ``query`` and ``key`` ``[batch, heads, tokens, head_dim]`` (key/value heads repeated to the query's),
+    ``value`` ``[batch, heads, tokens, value_head_dim]`` (multi-head latent attention's is narrower than its
+    query's; the kernels then get the narrower side padded with zeros), ``segment_ids`` ``[batch, tokens]`` as
+    ``attention_block``'s: each query attends causally within its sequence, padding to the nearest sequence
+    before it. One attention call per segment, no ``[tokens, tokens]`` mask; backward saves only the inputs
+    and recomputes. ``scale`` defaults to ``head_dim ** -0.5``. Returns ``[batch, heads, tokens,
+    value_head_dim]``.
 
     ``softcap`` caps the scores to ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2's
     ``attn_logit_softcapping``). ``sinks`` ``[heads]`` (GPT-OSS's learned sinks) are one more logit per head in

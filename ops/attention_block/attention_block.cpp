@@ -15,6 +15,7 @@
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mm.h>
@@ -171,14 +172,18 @@ void check_segment_attention_values(const char* op, const at::Tensor& q, const a
               "; expected a finite value > 0 (or None for 1/sqrt(head_dim))");
 }
 
-// segment_attention's arguments: query, key and value [batch, heads, tokens, head_dim] alike
-// (floating point, one device), segment_ids [batch, tokens] (required), scale. Symbolic shapes work.
+// segment_attention's arguments: query and key [batch, heads, tokens, head_dim] alike, value [batch, heads,
+// tokens, value_head_dim] (multi-head latent attention's differs from the query's), floating point on one
+// device, segment_ids [batch, tokens] (required), scale. Symbolic shapes work.
 void check_segment_attention(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& segment_ids, std::optional<double> scale) {
   TORCH_CHECK(q.dim() == 4, op, ": query has shape ", q.sym_sizes(), "; expected [batch, heads, tokens, head_dim]");
   check_segment_attention_values(op, q, segment_ids, scale);
   check_tensor(op, "key", k, q, "query", q.scalar_type(), q.sym_sizes(), "query's [batch, heads, tokens, head_dim]");
-  check_tensor(op, "value", v, q, "query", q.scalar_type(), q.sym_sizes(), "query's [batch, heads, tokens, head_dim]");
+  const c10::SymInt value_head_dim = v.dim() == 4 ? v.sym_size(3) : q.sym_size(3);
+  check_tensor(op, "value", v, q, "query", q.scalar_type(),
+               {q.sym_size(0), q.sym_size(1), q.sym_size(2), value_head_dim},
+               "query's [batch, heads, tokens] and a head dimension");
   check_segment_ids(op, segment_ids, q, "query", q.sym_size(0), q.sym_size(2));
 }
 
@@ -554,20 +559,54 @@ void check_window_over_padding(const char* op, const SegmentRuns& runs, int64_t 
 
 }  // namespace
 
+// The tensor whose shape and layout the attention output takes: query, or value where their head dimensions differ.
+const at::Tensor& output_like(const at::Tensor& q, const at::Tensor& v) {
+  return v.sym_size(3) == q.sym_size(3) ? q : v;
+}
+
+// A query without head dimension has no scale, and would have nothing to compute but for the value's.
+void check_query_head_dim(const char* op, const at::Tensor& q, const at::Tensor& v) {
+  TORCH_CHECK(q.size(3) > 0 || v.size(3) == 0, op, ": query and key have head dimension 0 and value ", v.size(3),
+              "; expected a query head dimension > 0");
+}
+
+// Query, key and value with one head dimension, as the kernels take them: where value's differs (multi-head
+// latent attention), the narrower side gets zero columns, which add exact zeros to every score and output
+// element; the caller cuts them off again.
+struct EqualHeadDims {
+  at::Tensor q, k, v;
+  int64_t qk_dim, v_dim;
+
+  EqualHeadDims(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value)
+      : qk_dim(query.size(3)), v_dim(value.size(3)) {
+    const int64_t dim = std::max(qk_dim, v_dim);
+    const auto widen = [dim](const at::Tensor& t) {
+      return t.size(3) == dim ? t : at::constant_pad_nd(t, {0, dim - t.size(3)});
+    };
+    q = widen(query), k = widen(key), v = widen(value);
+  }
+  at::Tensor widen_like_v(const at::Tensor& t) const {
+    return t.size(3) == v.size(3) ? t : at::constant_pad_nd(t, {0, v.size(3) - t.size(3)});
+  }
+  static at::Tensor cut(const at::Tensor& t, int64_t dim) { return t.size(3) == dim ? t : t.narrow(3, 0, dim); }
+};
+
 at::Tensor segment_attention_impl(const AttentionKernels& kernels, const at::Tensor& q, const at::Tensor& k,
                                   const at::Tensor& v, const at::Tensor& segment_ids, std::optional<double> scale,
                                   std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
                                   std::optional<int64_t> window) {
   check_segment_attention("segment_attention", q, k, v, segment_ids, scale);
   const ScoreMods mods = score_mods("segment_attention", q, softcap, sinks, window);
+  check_query_head_dim("segment_attention", q, v);
   if (q.numel() == 0) {
-    return at::zeros_like(q);
+    return at::empty_like(output_like(q, v));  // no element
   }
   const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
   const AttentionKernels used = mods.any() ? score_mod_kernels(mods, at::Tensor()) : kernels;
   const SegmentRuns runs = segment_runs("segment_attention", segment_ids);
   check_window_over_padding("segment_attention", runs, mods.window);
-  return in_layout_of(attend(used, q, k, v, s, runs).out, q);
+  const EqualHeadDims e(q, k, v);
+  return in_layout_of(EqualHeadDims::cut(attend(used, e.q, e.k, e.v, s, runs).out, e.v_dim), output_like(q, v));
 }
 
 SegmentAttentionGradients segment_attention_backward_impl(
@@ -576,8 +615,8 @@ SegmentAttentionGradients segment_attention_backward_impl(
     std::optional<double> softcap, const std::optional<at::Tensor>& sinks, std::optional<int64_t> window) {
   const char* op = "segment_attention_backward";
   check_segment_attention(op, q, k, v, segment_ids, scale);
-  check_tensor(op, "grad_out", grad_out, q, "query", q.scalar_type(), q.sym_sizes(),
-               "query's [batch, heads, tokens, head_dim]");
+  check_tensor(op, "grad_out", grad_out, q, "query", q.scalar_type(), v.sym_sizes(),
+               "value's [batch, heads, tokens, head_dim]");
   const ScoreMods mods = score_mods(op, q, softcap, sinks, window);
   // The sinks' gradient adds up over the runs in float32 (float64 for float64 sinks) and is rounded once.
   const at::Tensor grad_sinks =
@@ -585,6 +624,7 @@ SegmentAttentionGradients segment_attention_backward_impl(
           ? at::zeros(mods.sinks.sizes(), mods.sinks.options().dtype(at::toOpMathType(mods.sinks.scalar_type())))
           : at::Tensor();
   const AttentionKernels used = mods.any() ? score_mod_kernels(mods, grad_sinks) : kernels;
+  check_query_head_dim(op, q, v);
   at::Tensor dq, dk, dv;
   if (q.numel() == 0) {
     dq = at::zeros_like(q);
@@ -595,8 +635,10 @@ SegmentAttentionGradients segment_attention_backward_impl(
     const SegmentRuns runs = segment_runs(op, segment_ids);
     check_window_over_padding(op, runs, mods.window);
     // Forward saved nothing but its inputs: the log-sum-exp each run's backward needs is recomputed.
-    const AttentionResult result = attend(used, q, k, v, s, runs);
-    std::tie(dq, dk, dv) = attend_backward(used, grad_out, q, k, v, result, s, runs);
+    const EqualHeadDims e(q, k, v);
+    const AttentionResult result = attend(used, e.q, e.k, e.v, s, runs);
+    std::tie(dq, dk, dv) = attend_backward(used, e.widen_like_v(grad_out), e.q, e.k, e.v, result, s, runs);
+    dq = EqualHeadDims::cut(dq, e.qk_dim), dk = EqualHeadDims::cut(dk, e.qk_dim), dv = EqualHeadDims::cut(dv, e.v_dim);
   }
   const auto asked = [&](const at::Tensor& t, const at::Tensor& like, size_t i) {
     return output_mask[i] ? in_layout_of(t, like) : at::Tensor();
@@ -823,7 +865,7 @@ at::Tensor segment_attention_meta(const at::Tensor& q, const at::Tensor& k, cons
                                   std::optional<int64_t> window) {
   check_segment_attention("segment_attention", q, k, v, segment_ids, scale);
   score_mods("segment_attention", q, softcap, sinks, window);
-  return at::empty_like(q);
+  return at::empty_like(output_like(q, v));
 }
 
 SegmentAttentionGradients segment_attention_backward_meta(
@@ -832,8 +874,8 @@ SegmentAttentionGradients segment_attention_backward_meta(
     std::optional<double> softcap, const std::optional<at::Tensor>& sinks, std::optional<int64_t> window) {
   const char* op = "segment_attention_backward";
   check_segment_attention(op, q, k, v, segment_ids, scale);
-  check_tensor(op, "grad_out", grad_out, q, "query", q.scalar_type(), q.sym_sizes(),
-               "query's [batch, heads, tokens, head_dim]");
+  check_tensor(op, "grad_out", grad_out, q, "query", q.scalar_type(), v.sym_sizes(),
+               "value's [batch, heads, tokens, head_dim]");
   const ScoreMods mods = score_mods(op, q, softcap, sinks, window);
   const auto asked = [&](const at::Tensor& t, size_t i) {
     return output_mask[i] && t.defined() ? at::empty_like(t) : at::Tensor();

@@ -2,6 +2,7 @@
 // attention kernels for bfloat16 and float16 on sm80 and sm90, and its memory-efficient
 // ones otherwise (float32, other GPUs; no float64; head dimensions a multiple of 4 in
 // float32, of 8 in bf16/fp16).
+#include <algorithm>
 #include <array>
 #include <mutex>
 
@@ -156,8 +157,10 @@ at::Tensor segment_attention_cuda(const at::Tensor& q, const at::Tensor& k, cons
                                   const at::Tensor& segment_ids, std::optional<double> scale,
                                   std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
                                   std::optional<int64_t> window) {
-  if (q.dim() == 4) {  // else the shared checks name the problem
-    check_cuda_support("segment_attention", q, "query", q.size(3), "query's last dimension");
+  if (q.dim() == 4 && v.dim() == 4) {  // else the shared checks name the problem
+    // The kernels run the wider of the two head dimensions (value's is padded to query's, or the reverse).
+    check_cuda_support("segment_attention", q, "query", std::max(q.size(3), v.size(3)),
+                       "query's or value's last dimension");
   }
   return segment_attention_impl(cuda_attention_kernels, q, k, v, segment_ids, scale, softcap, sinks, window);
 }
@@ -166,8 +169,10 @@ SegmentAttentionGradients segment_attention_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 4> output_mask,
     std::optional<double> softcap, const std::optional<at::Tensor>& sinks, std::optional<int64_t> window) {
-  if (q.dim() == 4) {
-    check_cuda_support("segment_attention_backward", q, "query", q.size(3), "query's last dimension");
+  if (q.dim() == 4 && v.dim() == 4) {
+    // The kernels run the wider of the two head dimensions (value's is padded to query's, or the reverse).
+    check_cuda_support("segment_attention_backward", q, "query", std::max(q.size(3), v.size(3)),
+                       "query's or value's last dimension");
   }
   return segment_attention_backward_impl(cuda_attention_kernels, grad_out, q, k, v, segment_ids, scale, output_mask,
                                          softcap, sinks, window);
