@@ -310,8 +310,8 @@ FAMILIES = {
                 q_lora_rank=16,
                 kv_lora_rank=8,
                 qk_rope_head_dim=4,
-                qk_nope_head_dim=4,
-                v_head_dim=8,
+                qk_nope_head_dim=8,
+                v_head_dim=6,  # not the query's 12: segment_attention pads it for its kernels
             )
         ),
         "model.layers",

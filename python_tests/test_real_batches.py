@@ -87,6 +87,7 @@ CASES += [
         "gemma3_text",
         "llama4",
         "gpt_oss",
+        "deepseek_v3",
     )
     for batch in ("packed", "left_padded", "right_padded")
 ]
@@ -280,7 +281,10 @@ class LargestTensor(TorchDispatchMode):
 @pytest.mark.parametrize(
     "name, batch",
     [(name, batch) for name in [*SDPA_FAMILIES, "qwen3_moe"] for batch in ("packed", "right_padded", "left_padded")]
-    + [(name, "packed") for name in ("olmo2", "granite", "smollm3", "cohere", "glm4", "llama4", "gemma2", "gpt_oss")],
+    + [
+        (name, "packed")
+        for name in ("olmo2", "granite", "smollm3", "cohere", "glm4", "llama4", "gemma2", "gpt_oss", "deepseek_v3")
+    ],
 )
 def test_no_tensor_of_tokens_squared_elements_in_an_applied_step(name, batch):
     # 512 tokens: T * T = 262,144 elements, more than any weight or activation of these models
@@ -300,6 +304,24 @@ def test_no_tensor_of_tokens_squared_elements_in_an_applied_step(name, batch):
     with LargestTensor() as applied:
         step(model, inputs)
     assert applied.largest < tokens * tokens, applied.largest
+    handle.remove()
+
+
+def test_latent_attention_on_one_unmasked_sequence_is_exact_with_no_tensor_of_tokens_squared_elements():
+    # DeepSeek-V3's value heads are narrower than its query and key heads. A row with no padding gets no mask, and
+    # SDPA's fused CPU kernel takes one head dimension: its math kernel writes out every head's [T, T] scores.
+    tokens = 512
+    model = build("deepseek_v3")
+    ids = torch.randint(3, 128, (2, tokens), generator=torch.Generator().manual_seed(7))
+    inputs = dict(input_ids=ids, labels=ids)
+    with LargestTensor() as plain:
+        want = step(model, inputs)
+    assert plain.largest >= tokens * tokens
+    handle = torch_offload.apply(model, num_shards=2)
+    with LargestTensor() as applied:
+        got = step(model, inputs)
+    assert applied.largest < tokens * tokens, applied.largest
+    assert_close_runs(want, got)
     handle.remove()
 
 

@@ -334,6 +334,22 @@ def _runs(segment_ids: torch.Tensor) -> list[list[tuple[int, int, tuple[int, int
     return rows
 
 
+def _causal_with_two_head_dims(module, query, key, value, kwargs) -> bool:
+    """Whether a call without a mask is causal attention (as sdpa_attention_forward decides it) whose value head
+    dimension is not the query's (DeepSeek-V3's latent attention). SDPA's fused CPU kernel takes one head dimension,
+    so there SDPA runs its math kernel, which writes out every head's [T, T] scores; segment_attention with one
+    segment per row computes the same without them. Dropout stays SDPA's."""
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    return (
+        value.shape[-1] != query.shape[-1]
+        and bool(causal)
+        and not kwargs.get("dropout", 0.0)
+        and query.shape[2] == key.shape[2]
+        and query.shape[2] > 1
+    )
+
+
 def _attention_with_dropout_per_run(module, query, key, value, segment_ids, **kwargs):
     """SDPA with dropout, one call per run (eager only: the runs are read on the host)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -395,6 +411,8 @@ def attention(
     which cannot read the runs, SDPA gets the dense mask the ids stand for."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+    if attention_mask is None and _causal_with_two_head_dims(module, query, key, value, kwargs):
+        attention_mask = query.new_zeros(query.shape[0], query.shape[2], dtype=torch.long)  # one sequence per row
     if not is_segment_ids(attention_mask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kwargs.pop("is_causal", None)

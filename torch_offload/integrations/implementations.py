@@ -67,7 +67,7 @@ def _configs(model: nn.Module) -> list[Any]:
 _SEGMENT_MASK_MODEL_TYPES = frozenset(
     {
         *("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "qwen3_moe", "mixtral"),
-        *("olmo2", "granite", "smollm3", "cohere", "glm4", "gemma3_text", "llama4_text"),
+        *("olmo2", "granite", "smollm3", "cohere", "glm4", "gemma3_text", "llama4_text", "deepseek_v3"),
     }
 )
 
