@@ -218,22 +218,29 @@ def test_a_window_shorter_than_the_row_gets_ids_only_for_families_that_pass_it_t
         masking.forget(config)
 
 
-@pytest.mark.parametrize("batch", ["packed", "left_padded"])
-@pytest.mark.parametrize("chunk, fallback", [(24, False), (8, True)], ids=["as_long_as_the_row", "shorter"])
-def test_attention_chunks_within_reach_fall_back_to_the_dense_mask_and_say_so(chunk, fallback, batch):
+@pytest.mark.parametrize("batch", ["packed", "left_padded", "right_padded"])
+@pytest.mark.parametrize("chunk", [24, 8], ids=["as_long_as_the_row", "shorter"])
+def test_attention_chunks_are_segments_in_unpadded_rows_and_padded_rows_with_shorter_ones_say_so(chunk, batch):
     # Llama 4's chunked layers: a chunk as long as the row is causal attention (counted from a left-padded row's first
-    # real token); a shorter one cuts the documents, which segment ids do not describe.
+    # real token); a shorter one cuts the documents at its boundaries, which segment ids describe in a row without
+    # padding. Padding past a chunk sees no real key in transformers' mask, its run's sequence in segment ids.
     model, inputs = build("llama4"), BATCHES[batch]()
     assert "chunked_attention" in model.config.layer_types
     model.config.attention_chunk_size = chunk
     want = step(model, inputs)
     handle = torch_offload.apply(model, num_shards=2)
     assert model.config._attn_implementation == torch_offload.masking.IMPLEMENTATION
-    assert_close_runs(want, step(model, inputs))
+    got = step(model, inputs)
+    assert_close_runs(want, got)
+    if chunk == 8 and batch == "packed":  # the chunks change the result: segment ids without them would not give it
+        model.config.attention_chunk_size = 24
+        with pytest.raises(AssertionError):
+            assert_close_runs(got, step(model, inputs))
     reasons = handle.mask_fallbacks
-    assert bool(reasons) == fallback
-    if fallback:
+    if chunk == 8 and batch != "packed":
         assert list(reasons) == ["an attention chunk (8 tokens) shorter than the sequence (24)"]
+    else:
+        assert not reasons
     handle.remove()
 
 
@@ -449,6 +456,29 @@ def test_compiled_dynamic_over_changing_tokens_and_document_counts_without_recom
     handle.remove()
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_attention_chunks_shorter_than_packed_rows_are_exact_with_no_tensor_of_tokens_squared(compiled):
+    # Llama 4's chunked layers at 8192 tokens a chunk: longer rows cut each document where a chunk starts, as ids.
+    torch._dynamo.reset()
+    tokens = 512
+    model, inputs = build("llama4"), packed(tokens, documents=(200, 112, 140, 60))
+    model.config.attention_chunk_size = 128
+    want = step(model, inputs)
+    handle = torch_offload.apply(model, num_shards=2)
+    if compiled:
+        got, graphs = compiled_step(model, inputs)
+        calls, largest = calls_and_largest(graphs)
+        assert calls == 3
+    else:
+        with LargestTensor() as applied:
+            got = step(model, inputs)
+        largest = applied.largest
+    assert_close_runs(want, got)
+    assert largest < tokens * tokens, largest
+    assert handle.mask_fallbacks == {}
+    handle.remove()
+
+
 @pytest.mark.parametrize("window, dense", [(1024, False), (256, True)], ids=["longer_than_the_row", "shorter"])
 def test_compiled_sliding_window_within_reach_keeps_transformers_dense_mask(window, dense):
     torch._dynamo.reset()
@@ -521,7 +551,10 @@ def test_the_mask_compositions_of_the_installed_transformers_are_read_or_refused
     window, segments = masking._describe(packed(mu.sliding_window_causal_mask_function(3)), factories)
     assert window == ("a sliding window", 3) and segments is ids
     chunked = mu.and_masks(mu.chunked_overlay(16, torch.zeros(1, dtype=torch.long)), mu.causal_mask_function)
-    assert masking._describe(packed(chunked), factories) == (("an attention chunk", 16), ids)
+    reach, segments = masking._describe(packed(chunked), factories)
+    assert reach[:2] == ("an attention chunk", 16) and segments is ids
+    # Remapped, a chunk's boundaries count each document's own positions.
+    assert reach[2:] == (() if remap is None else (positions,))
     overlay = mu.or_masks(mu.causal_mask_function, mu.bidirectional_mask_function)
     for unknown in (
         packed(overlay),

@@ -104,7 +104,8 @@ def _find_factories() -> dict[str, Any]:
 
 
 def _describe(mask_function, factories) -> tuple[tuple[str, int] | None, torch.Tensor | None]:
-    """(how far a query reaches: ("a sliding window", size), ("an attention chunk", size) or None; packed-sequence
+    """(how far a query reaches: ("a sliding window", size), ("an attention chunk", size[, the positions its
+    boundaries count: the documents' position_ids where transformers remaps them]) or None; packed-sequence
     ids or None) of a mask function transformers composed from causal, sliding-window, chunked and
     packed-sequence factories; _Unknown for anything else. A row no longer than its reach is causal within it: a
     chunk's boundaries are counted from a row's first real token (left padding), so its real tokens are in one."""
@@ -121,10 +122,13 @@ def _describe(mask_function, factories) -> tuple[tuple[str, int] | None, torch.T
         # Remapped positions (5.24) give a document the causal and window mask it has unremapped (5.16): the
         # differences of positions within a document are the same.
         remapped = factories["remap"] is not None and parts[0].__code__ is factories["remap"]
-        window, inner_packed = _describe(_cells(parts[0])["mask_function"] if remapped else parts[0], factories)
+        reach, inner_packed = _describe(_cells(parts[0])["mask_function"] if remapped else parts[0], factories)
         if inner_packed is not None:
             raise _Unknown
-        return window, _cells(parts[1])["packed_sequence_mask"]
+        if remapped and reach is not None and reach[0] == "an attention chunk":
+            # Chunks count positions, and remapped ones are each document's own (position_ids).
+            reach = (*reach, _cells(parts[0])["position_ids"])
+        return reach, _cells(parts[1])["packed_sequence_mask"]
     raise _Unknown
 
 
@@ -231,15 +235,17 @@ def _segments_or(
             reason = "a custom mask function"
         elif q_length != kv_length or not isinstance(q_offset, int) or q_offset or kv_offset:
             reason = "a key/value cache (queries offset from keys)"
-        elif reach is not None and q_length > reach[1] and not (reach[0] == "a sliding window" and windows_pass):
+        elif reach is not None and q_length > reach[1] and not _reach_as_ids(reach, padded, windows_pass):
             reason = f"{reach[0]} ({reach[1]} tokens) shorter than the sequence ({q_length})"
         elif attention_mask is not None and not _real_tokens_are_contiguous(attention_mask[:, -kv_length:]):
             reason = "an attention_mask whose real tokens are not contiguous in a row"
         elif eager and attention_mask is not None and not bool(attention_mask[:, -kv_length:][:, 0].all()):
             reason = "left padding (eager attention gives a query that sees no key the mean of the row's values)"
     if reason is None:
-        if reach is not None and q_length > reach[1]:  # a window the attention function applies: ids, never None
+        if reach is not None and q_length > reach[1]:  # ids, never None (a window: the attention function's)
             ids = packed if packed is not None else torch.zeros(batch_size, q_length, dtype=torch.long)
+            if reach[0] == "an attention chunk":
+                ids = _split_at_chunks(ids, *reach[1:])
             return ids.to(kwargs.get("device", ids.device))
         if packed is not None:
             return packed
@@ -253,6 +259,23 @@ def _segments_or(
 _DENSE = object()
 
 
+def _reach_as_ids(reach: tuple[str, int], padded: bool, windows_pass: bool) -> bool:
+    """Whether segment ids describe a reach shorter than the row: a window the layer's attention passes to the
+    attention function (which applies it as a band), or, in a row without padding, attention chunks (transformers
+    counts a chunk's boundaries from the first real token: in an unpadded row, from the row's start)."""
+    return (reach[0] == "a sliding window" and windows_pass) or (reach[0] == "an attention chunk" and not padded)
+
+
+def _split_at_chunks(ids: torch.Tensor, chunk: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Segment ids (no padding) with a new segment where a chunk starts (its boundaries counted in ``positions``,
+    [batch, T], else in the row): a query then sees the earlier tokens of its document within its chunk, as
+    transformers' chunked mask has it."""
+    positions = torch.arange(ids.shape[1], device=ids.device) if positions is None else positions.to(ids.device)
+    chunk_starts = torch.nn.functional.pad(positions[..., 1:] // chunk != positions[..., :-1] // chunk, (1, 0))
+    starts = torch.nn.functional.pad(ids[:, 1:] != ids[:, :-1], (1, 0), value=True) | chunk_starts
+    return starts.long().cumsum(dim=1)
+
+
 def _compiled_segments(
     batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, use_vmap, config, device
 ):
@@ -264,8 +287,8 @@ def _compiled_segments(
     mask() reads. So the mask
     function is evaluated instead, one key back from each query (mask_function(b, 0, i, i - 1)): false
     exactly where a document starts. Decided on static facts only (no graph break): a window shorter
-    than the row (its layer or not: the config's window is all that is known), a chunk shorter than the row,
-    overlays (use_vmap) and
+    than the row (its layer or not: the config's window is all that is known), a chunk shorter than a row of an
+    attention_mask, overlays (use_vmap) and
     a bidirectional config get _DENSE. What only the data shows is a runtime error: padding with holes,
     which segment ids cannot describe, and a query that sees the key after it (a composition this does
     not know, e.g. a bidirectional block)."""
@@ -279,7 +302,8 @@ def _compiled_segments(
         or kv_offset
         or not getattr(config, "is_causal", True)
         or (window is not None and q_length > window)
-        or (chunk is not None and q_length > chunk)
+        # Without an attention_mask, the mask function read below ends a segment where a chunk starts too.
+        or (chunk is not None and q_length > chunk and attention_mask is not None)
         or (
             mask_function is not factories["causal"]
             and getattr(mask_function, "__code__", None) is not factories["and"]
