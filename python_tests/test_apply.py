@@ -433,6 +433,36 @@ def test_apply_on_moe_vlm_and_custom_mlps_matches_unpatched(name, tmp_path):
     assert_close_runs(want, loss_and_grads(model, ids))
 
 
+@pytest.mark.parametrize("offload", ["disk", None])
+def test_a_kept_layer_whose_mlp_stays_untiled_is_offloaded_too(offload, tmp_path):
+    # Llama 4 with a mixture of experts in every layer (as Scout): its blocks record their router logits and its
+    # experts take expert-major rows, so no block runs in shards. The last layer, kept and recomputed whole, would
+    # rebuild all of its block's activations at once in backward: with a tier, it is streamed as the others.
+    config = transformers.Llama4TextConfig(
+        **dict(TINY, intermediate_size=32, head_dim=8),
+        intermediate_size_mlp=64,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=1,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model, ids = transformers.Llama4ForCausalLM(config).train(), batch()
+    want = loss_and_grads(model, ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the untiled MLPs' warning, tested elsewhere
+        handle = torch_offload.apply(model, **tier_options(offload, tmp_path, min_bytes=0), offload=offload)
+    assert_close_runs(want, loss_and_grads(model, ids))
+    rows = handle.report()["layers"]
+    if offload is None:  # no tier: every layer checkpointed whole, its saved tensors in place
+        assert [row["saved"] for row in rows] == ["in place"]
+    else:
+        assert handle.mlp_tiling["model.layers.2.feed_forward"].startswith("streamed")
+        assert [(row["layers"], row["recompute"], row["saved"]) for row in rows] == [([0, 1, 2], "attention", "disk")]
+    handle.remove()
+    assert_close_runs(want, loss_and_grads(model, ids))
+
+
 def test_probe_is_not_fooled_by_zero_weights():
     # With a zero down_proj the sparse Gemma3n MLP and the op both give zeros; the probe uses random weights.
     model = FAMILIES["gemma3n"][0]()

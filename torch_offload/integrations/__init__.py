@@ -90,7 +90,9 @@ def apply(
       None keeps them in place; "auto" is "cpu" for a model on an accelerator and "disk"
       for a model in host memory (where "cpu" would move nothing), None there if the spill
       directory is on a RAM file system and ``allow_tmpfs`` is not set. The last ``keep_last``
-      layers keep theirs on the device: backward needs them first.
+      layers keep theirs on the device, recomputed whole: backward needs them first; but a layer
+      whose MLP stays untiled is offloaded too, as a recomputed layer would hold all of its MLP's
+      activations at once.
     - ``loss``: a call with ``labels`` and gradients computes the loss with the
       ``linear_cross_entropy`` op from the final hidden states, never materializing the
       ``[tokens, vocab]`` logits (the output's ``logits`` is None then; calls without
@@ -211,6 +213,17 @@ def _install_layers(
         if tiled_mlp and mlp is not None:
             streamed = offload_layer and recompute != "layer"  # what it saves comes back from the tier one by one
             _tile_mlp(handle, f"{name}.{mlp}", layer, mlp, num_shards, recorded, streamed)
+            if (
+                not offload_layer
+                and handle.context is not None
+                and recompute != "layer"
+                and handle.mlp_tiling[f"{name}.{mlp}"].startswith("untiled")
+            ):
+                # A kept layer is recomputed whole in backward, so an MLP in no shards (Llama 4's mixtures)
+                # would rebuild all its activations at once: streamed from the tier, they come back one by one.
+                offloaded.add(index)
+                offload_layer = True
+                _tile_mlp(handle, f"{name}.{mlp}", layer, mlp, num_shards, recorded, streamed=True)
         if recompute or offload_layer:
             _wrap_layer(handle, index, name, layer, recompute, offload_layer, attention_block)
 
