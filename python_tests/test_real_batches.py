@@ -520,7 +520,7 @@ def test_assert_all_returns_a_copy_of_its_value_or_raises_its_message():
 def test_compiled_attention_dropout_takes_the_dense_mask_the_segments_stand_for():
     from test_attention_block import SEGMENTS, segment_mask
 
-    allowed, has_keys = torch_offload.masking._dense_mask(SEGMENTS)
+    allowed, has_keys = torch_offload.segment_sdpa.dense_mask(SEGMENTS)
     assert torch.equal(has_keys, segment_mask(SEGMENTS).any(-1)[:, 0])
     assert torch.equal(allowed & has_keys[:, None, :, None], segment_mask(SEGMENTS))
     torch._dynamo.reset()

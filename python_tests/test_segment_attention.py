@@ -177,7 +177,7 @@ def test_python_wrapper_names_a_missing_tensor_and_backward_checks_grad_out():
 def test_the_eager_dropout_path_attends_per_run_as_the_op_does():
     # masking's SDPA-per-run path (attention dropout in eager training), run here with dropout 0 so that
     # it must give the op's values: the same runs, causal for sequences, padding over the sequence before it.
-    from torch_offload.masking import _attention_with_dropout_per_run
+    from torch_offload.segment_sdpa import _attention_with_dropout_per_run
 
     q, k, v = make_qkv(dtype=torch.float32)
     module = torch.nn.Module()

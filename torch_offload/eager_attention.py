@@ -20,7 +20,7 @@ import sys
 import torch
 
 from . import masking
-from .attention_block import segment_attention
+from .segment_sdpa import attend_segments, dense_mask
 
 IMPLEMENTATION = "torch_offload_eager"
 
@@ -33,7 +33,7 @@ def _modules_eager_attention(module: torch.nn.Module):
 def _additive_mask(segment_ids: torch.Tensor, dtype: torch.dtype, window: int | None) -> torch.Tensor:
     """The [batch, 1, T, T] additive mask the ids (and a window) stand for, as transformers' eager masks are (0 or
     the dtype's minimum)."""
-    allowed, _ = masking._dense_mask(segment_ids, window)
+    allowed, _ = dense_mask(segment_ids, window)
     return torch.zeros((), dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
@@ -46,8 +46,6 @@ def attention(
     **kwargs,
 ):
     """The attention function registered for IMPLEMENTATION (query, key, value [B, heads, T, D])."""
-    from transformers.integrations.sdpa_attention import repeat_kv
-
     segment_ids = attention_mask
     if segment_ids is None:  # plain causal: one segment per row
         segment_ids = torch.zeros(query.shape[0], query.shape[2], dtype=torch.long, device=query.device)
@@ -57,18 +55,8 @@ def attention(
     if kwargs.get("dropout", 0.0):  # transformers passes the module's dropout in training only
         mask = _additive_mask(segment_ids, query.dtype, window)
         return _modules_eager_attention(module)(module, query, key, value, mask, **kwargs)
-    groups = query.shape[1] // key.shape[1]
-    out = segment_attention(
-        query,
-        repeat_kv(key, groups),
-        repeat_kv(value, groups),
-        segment_ids,
-        scale=kwargs.get("scaling"),
-        softcap=kwargs.get("softcap"),
-        sinks=kwargs.get("s_aux"),
-        window=window,
-    )
-    return out.transpose(1, 2).contiguous(), None  # [B, T, heads, D], as the eager functions return it
+    mods = dict(softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"), window=window)
+    return attend_segments(query, key, value, segment_ids, scale=kwargs.get("scaling"), **mods), None
 
 
 def probe_problem(module: torch.nn.Module) -> str | None:
