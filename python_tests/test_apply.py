@@ -317,7 +317,8 @@ FAMILIES = {
         "model.layers",
         ["tiled_mlp", "streamed", "tiled_experts"],
     ),
-    # Llama 4's layers call their MLP feed_forward (its mixtures' experts take expert-major rows: never in shards).
+    # Llama 4's layers call their MLP feed_forward; its mixtures' experts take expert-major rows, so the whole block
+    # runs in shards of tokens.
     "llama4": (
         lambda: transformers.Llama4ForCausalLM(
             transformers.Llama4TextConfig(
@@ -330,7 +331,7 @@ FAMILIES = {
             )
         ),
         "model.layers",
-        ["tiled_mlp", "streamed", "tiled_mlp"],
+        ["tiled_mlp", "tiled_block", "tiled_mlp"],
     ),
     # Dense families whose layers differ from Llama's elsewhere: q/k norms on whole projections (OLMo 2), scaled
     # embeddings, residuals, attention and logits (Granite), layers without rotary (SmolLM3), a parallel block with
@@ -433,11 +434,9 @@ def test_apply_on_moe_vlm_and_custom_mlps_matches_unpatched(name, tmp_path):
     assert_close_runs(want, loss_and_grads(model, ids))
 
 
-@pytest.mark.parametrize("offload", ["disk", None])
-def test_a_kept_layer_whose_mlp_stays_untiled_is_offloaded_too(offload, tmp_path):
-    # Llama 4 with a mixture of experts in every layer (as Scout): its blocks record their router logits and its
-    # experts take expert-major rows, so no block runs in shards. The last layer, kept and recomputed whole, would
-    # rebuild all of its block's activations at once in backward: with a tier, it is streamed as the others.
+def llama4_with_a_mixture_in_every_layer(**options):
+    """Llama 4 as Scout: a mixture of experts in every layer, whose experts take every expert's rows one after the
+    other ([experts x tokens, h]), so they take no shards of tokens."""
     config = transformers.Llama4TextConfig(
         **dict(TINY, intermediate_size=32, head_dim=8),
         intermediate_size_mlp=64,
@@ -445,20 +444,67 @@ def test_a_kept_layer_whose_mlp_stays_untiled_is_offloaded_too(offload, tmp_path
         num_experts_per_tok=1,
         interleave_moe_layer_step=1,
         attn_implementation="sdpa",
+        **options,
     )
     torch.manual_seed(0)
-    model, ids = transformers.Llama4ForCausalLM(config).train(), batch()
+    return transformers.Llama4ForCausalLM(config).train()
+
+
+@pytest.mark.parametrize("offload", ["disk", None])
+def test_mixtures_whose_experts_take_no_shards_run_whole_blocks_in_shards_with_their_router_logits_whole(
+    offload, tmp_path
+):
+    model, ids = llama4_with_a_mixture_in_every_layer(output_router_logits=True), batch()
+    want = loss_and_grads(model, ids)
+    want_logits = model(input_ids=ids, use_cache=False, output_router_logits=True).router_logits
+    handle = torch_offload.apply(model, **tier_options(offload, tmp_path, min_bytes=0), offload=offload, num_shards=3)
+    assert set(handle.mlp_tiling.values()) == {"tiled_block"}
+    assert_close_runs(want, loss_and_grads(model, ids))
+    got_logits = model(input_ids=ids, use_cache=False, output_router_logits=True).router_logits
+    assert len(got_logits) == len(want_logits) == 3
+    for got, expected in zip(got_logits, want_logits):  # whole, [tokens, experts], with their gradient
+        assert got.requires_grad and got.shape == expected.shape == (ids.numel(), 4)
+        torch.testing.assert_close(got, expected)
+    # The router logits' gradient reaches the router: a loss of them alone, as an auxiliary loss is.
+    model.zero_grad(set_to_none=True)
+    sum(logits.square().mean() for logits in got_logits).backward()
+    got_router = model.model.layers[0].feed_forward.router.weight.grad.clone()
+    handle.remove()
+    model.zero_grad(set_to_none=True)
+    sum(logits.square().mean() for logits in want_logits).backward()
+    torch.testing.assert_close(got_router, model.model.layers[0].feed_forward.router.weight.grad)
+    assert_close_runs(want, loss_and_grads(model, ids))
+
+
+class CumulativeMLP(nn.Module):
+    """An MLP whose output for a token depends on the tokens before it: in no shards."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.inner = mlp
+
+    def forward(self, x):
+        return self.inner(x) + 0.1 * x.cumsum(dim=1)
+
+
+@pytest.mark.parametrize("offload", ["disk", None])
+def test_a_kept_layer_whose_mlp_stays_untiled_is_offloaded_too(offload, tmp_path):
+    # The last layer, kept and recomputed whole, would rebuild all of an untiled MLP's activations at once in
+    # backward: with a tier, it is streamed as the others.
+    model, ids = make_model("llama"), batch()
+    for layer in model.model.layers:
+        layer.mlp = CumulativeMLP(layer.mlp)
     want = loss_and_grads(model, ids)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the untiled MLPs' warning, tested elsewhere
         handle = torch_offload.apply(model, **tier_options(offload, tmp_path, min_bytes=0), offload=offload)
     assert_close_runs(want, loss_and_grads(model, ids))
-    rows = handle.report()["layers"]
+    assert all(how.startswith("untiled") for how in handle.mlp_tiling.values())
+    rows = [(row["layers"], row["recompute"], row["saved"]) for row in handle.report()["layers"]]
     if offload is None:  # no tier: every layer checkpointed whole, its saved tensors in place
-        assert [row["saved"] for row in rows] == ["in place"]
+        assert [saved for _, _, saved in rows] == ["in place"]
     else:
-        assert handle.mlp_tiling["model.layers.2.feed_forward"].startswith("streamed")
-        assert [(row["layers"], row["recompute"], row["saved"]) for row in rows] == [([0, 1, 2], "attention", "disk")]
+        assert rows == [([0, 1, 2], "attention", "disk")]
     handle.remove()
     assert_close_runs(want, loss_and_grads(model, ids))
 

@@ -417,7 +417,8 @@ def test_compiled_applied_step_equals_the_unapplied_with_no_tensor_of_tokens_squ
     calls, largest = calls_and_largest(graphs)
     assert calls == 3  # every layer's attention through the op, with the segments
     assert largest < tokens * tokens, largest
-    if handle.tiled_mlps:  # and every MLP through tiled_mlp (GPT-2's: tiled_apply; Llama 4's mixture layer streamed)
+    # And every MLP through tiled_mlp (GPT-2's: tiled_apply; Llama 4's mixture: its own forward under compile).
+    if handle.tiled_mlps:
         tiled = 3 if name in MODELS else 2
         assert handle.tiled_mlps == forward_calls(graphs, torch.ops.offload.tiled_mlp.default) == tiled
     handle.remove()

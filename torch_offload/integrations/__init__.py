@@ -76,7 +76,8 @@ def apply(
       around the module's own forward for other token-wise MLPs (LoRA/PEFT-wrapped, quantized,
       GPT-2's Conv1D, Gemma3n's activation sparsity). A mixture of
       experts, whose router logits the model records, stays whole with its experts module in
-      shards (``"tiled_experts"``) where a probe allows. MLPs that are not token-wise stay as
+      shards (``"tiled_experts"``) where a probe allows, or else, where the block is token by
+      token, the whole block in shards with its outputs whole (``"tiled_block"``). MLPs that are not token-wise stay as
       they are, with a warning. ``num_shards=0`` chooses per call.
     - ``checkpoint``: what backward recomputes (non-reentrant checkpointing, DDP-safe):
       ``"layer"``: each decoder layer, whose inputs alone are saved; ``"attention"``: each

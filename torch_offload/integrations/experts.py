@@ -105,11 +105,8 @@ def _experts_problem(mlp: nn.Module) -> str | None:
     return None
 
 
-def _tile_experts(handle: OffloadHandle, name: str, mlp: nn.Module, num_shards: int) -> str | None:
-    """``mlp.experts`` in shards of tokens (None), or why not."""
-    problem = _experts_problem(mlp)
-    if problem is not None:
-        return problem
+def _tile_experts(handle: OffloadHandle, name: str, mlp: nn.Module, num_shards: int) -> None:
+    """``mlp.experts`` in shards of tokens, once _experts_problem has found none."""
     experts = mlp.experts
     original = experts.forward
     signature = inspect.signature(original)
@@ -126,4 +123,3 @@ def _tile_experts(handle: OffloadHandle, name: str, mlp: nn.Module, num_shards: 
         return _TiledApply.apply(original, num_shards or _shard_count(rows, experts), len(rows), *rows, *params)
 
     handle._patch(f"{name}.experts.forward", experts, "forward", forward)
-    return None

@@ -97,6 +97,8 @@ class OffloadHandle:
       for a model that has no LM head, ``"off"`` with ``loss=False``.
     - ``mlp_tiling``: for each layer's MLP, by name: ``"tiled_mlp"`` (the op), ``"tiled_apply"``
       (its own forward in shards), ``"tiled_experts"`` (a mixture of experts: its experts in shards),
+      ``"tiled_block"`` (a mixture of experts whose experts take no shards: the whole block in shards of
+      tokens, its router logits returned whole),
       ``"streamed: <why>"`` (a mixture of experts in a layer whose saved tensors go to the tier and are not
       recomputed: backward takes them back one at a time, which holds less) or ``"untiled: <why>"``.
     - ``checkpointing``: for each layer, by name, what backward recomputes: ``"layer"``,

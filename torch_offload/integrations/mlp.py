@@ -11,8 +11,9 @@ from torch import nn
 from torch.func import functional_call
 
 from ..tiled_mlp import TiledMLP, _first_argument, _module_in_shards
-from .experts import _tile_experts
+from .experts import _experts_problem, _tile_experts
 from .probes import _PROBE_ERRORS, _close, _finite, _probing, _unprobeable
+from .recorded_blocks import tile_recorded_block
 
 if TYPE_CHECKING:
     from .handle import OffloadHandle
@@ -95,22 +96,26 @@ def _tile_mlp(
     """The layer's MLP (its child ``attribute``, named ``name``) in shards of tokens, or why not in mlp_tiling;
     ``streamed``: what the layer saves goes to the offload tier, and backward does not recompute its MLP."""
     mlp = getattr(layer, attribute)
-    recorded_key = next(
-        (key for module in mlp.modules() for cls, key in recorded.items() if isinstance(module, cls)), None
-    )
+    recorded_keys = {key for module in mlp.modules() for cls, key in recorded.items() if isinstance(module, cls)}
+    recorded_key = min(recorded_keys, default=None)
     problem = _unprobeable(mlp)
-    if problem is None and recorded_key is not None and streamed:
-        # Measured (BENCHMARKS.md, "Mixture of experts"): backward then takes the block's saved tensors back one at a
-        # time, which holds less than a shard of its experts rebuilt whole.
-        handle.mlp_tiling[name] = _STREAMED
-        return
     if problem is None and recorded_key is not None:
-        # A mixture of experts whose router logits the model records for the aux loss: shards of the whole
-        # block would split them and detach them; its experts (and dense MLPs beside them) go in shards instead.
-        problem = _tile_experts(handle, name, mlp, num_shards)
+        # A mixture of experts whose router logits the model records for the aux loss: its experts (and dense MLPs
+        # beside them) go in shards, or, where they take no shards of tokens, the whole block with its logits whole.
+        problem = _experts_problem(mlp)
+        if problem is None and streamed:
+            # Measured (BENCHMARKS.md, "Mixture of experts"): backward then takes the block's saved tensors back one
+            # at a time, which holds less than a shard of its experts rebuilt whole.
+            handle.mlp_tiling[name] = _STREAMED
+            return
         if problem is None:
+            _tile_experts(handle, name, mlp, num_shards)
             _tile_dense_children(handle, name, mlp, num_shards)
             handle.mlp_tiling[name] = "tiled_experts"
+            return
+        block_problem = tile_recorded_block(handle, name, mlp, recorded_keys, num_shards)
+        if block_problem is None:
+            handle.mlp_tiling[name] = "tiled_block"
             return
         problem = f"the model records its {recorded_key}, and {problem}"
     if problem is not None:
