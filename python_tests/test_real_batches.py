@@ -88,6 +88,7 @@ CASES += [
         "llama4",
         "gpt_oss",
         "deepseek_v3",
+        "qwen2_moe",
     )
     for batch in ("packed", "left_padded", "right_padded")
 ]
@@ -286,7 +287,11 @@ class LargestTensor(TorchDispatchMode):
 # Gemma 3's windows are shorter than T), and the eager ones: Gemma 2's and GPT-OSS's scores are [T, T] per head.
 @pytest.mark.parametrize(
     "name, batch",
-    [(name, batch) for name in [*SDPA_FAMILIES, "qwen3_moe"] for batch in ("packed", "right_padded", "left_padded")]
+    [
+        (name, batch)
+        for name in [*SDPA_FAMILIES, "qwen3_moe", "qwen2_moe"]
+        for batch in ("packed", "right_padded", "left_padded")
+    ]
     + [
         (name, "packed")
         for name in ("olmo2", "granite", "smollm3", "cohere", "glm4", "llama4", "gemma2", "gpt_oss", "deepseek_v3")

@@ -227,6 +227,8 @@ def _segments_or(
     windows_pass = not padded and getattr(config, "model_type", None) in _WINDOW_PASSING_MODEL_TYPES
     try:
         reach, packed = _describe(mask_function, _FACTORIES)
+        if reach is not None and reach[0] == "a sliding window" and _read_by_no_layer(config):
+            reach = None  # Qwen2-MoE's, built beside the causal mask with windows off: what it is does not matter
     except _Unknown:
         reason = "a mask transformers composed from other parts (overlays, bidirectional blocks)"
     else:
@@ -256,6 +258,13 @@ def _segments_or(
 
 
 _DENSE = object()
+
+
+def _read_by_no_layer(config: Any) -> bool:
+    """Whether a sliding-window mask is read by no layer: the config says windows are off, and its layer_types
+    have no sliding layer (the modelling code picks each layer's mask by its type)."""
+    layer_types = getattr(config, "layer_types", None)
+    return config_window(config) is None and layer_types is not None and "sliding_attention" not in layer_types
 
 
 def _reach_as_ids(reach: tuple[str, int], padded: bool, windows_pass: bool) -> bool:

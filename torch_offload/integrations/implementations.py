@@ -61,13 +61,13 @@ def _configs(model: nn.Module) -> list[Any]:
 
 # The families whose modelling code is tested to hand the mask to the attention untouched
 # (test_real_batches.py): segment ids reach no other, since code that computes with a mask
-# (adds it, indexes it as [batch, 1, T, T]) would misread them without a word. Not Qwen2-MoE: it
-# builds a sliding-window mask beside the causal one at every call, used by no layer when
-# use_sliding_window is off, which segment ids cannot describe (dense, [T, T]).
+# (adds it, indexes it as [batch, 1, T, T]) would misread them without a word. (Qwen2-MoE builds a
+# sliding-window mask beside the causal one at every call, read by no layer when use_sliding_window is
+# off: masking._read_by_no_layer.)
 _SEGMENT_MASK_MODEL_TYPES = frozenset(
     {
         *("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "qwen3_moe", "mixtral"),
-        *("olmo2", "granite", "smollm3", "cohere", "glm4", "gemma3_text", "llama4_text", "deepseek_v3"),
+        *("olmo2", "granite", "smollm3", "cohere", "glm4", "gemma3_text", "llama4_text", "deepseek_v3", "qwen2_moe"),
     }
 )
 
