@@ -113,9 +113,11 @@ def _tile_mlp(
             _tile_dense_children(handle, name, mlp, num_shards)
             handle.mlp_tiling[name] = "tiled_experts"
             return
-        block_problem = tile_recorded_block(handle, name, mlp, recorded_keys, num_shards)
-        if block_problem is None:
+        if tile_recorded_block(handle, name, mlp, recorded_keys, num_shards) is None:
             handle.mlp_tiling[name] = "tiled_block"
+            return
+        if streamed:
+            handle.mlp_tiling[name] = _STREAMED
             return
         problem = f"the model records its {recorded_key}, and {problem}"
     if problem is not None:
