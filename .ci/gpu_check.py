@@ -83,28 +83,6 @@ def pytest_counts(report):
     return counts
 
 
-def diagnose_error_crash(python, env, results):
-    """2026-11-27's H200 run: errors a CUDA kernel's argument checks raised with a number in their message ended in
-    a segfault; one without a number did not. Reruns such a test with every symbol bound at load (LD_BIND_NOW), and
-    prints where the library's calls into libstdc++'s number formatting and locales were bound (LD_DEBUG): a copy of
-    libstdc++ inside another library would show there."""
-    test = "python_tests/test_linear_cross_entropy_cuda.py::test_cuda_bad_target_is_an_error_not_a_crash"
-    pytest = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", test]
-    run("error with a number, LD_BIND_NOW=1", pytest, dict(env, LD_BIND_NOW="1"), results)
-    log = os.path.join(BUILD, "ld_debug")
-    for old in glob.glob(log + ".*"):
-        os.remove(old)
-    run("error with a number, LD_DEBUG=bindings", pytest, dict(env, LD_DEBUG="bindings", LD_DEBUG_OUTPUT=log), results)
-    print("\n=== libtorch_offload.so's bindings into libstdc++'s streams and locales")
-    for path in glob.glob(log + ".*"):
-        with open(path, errors="replace") as lines:
-            for line in lines:
-                if "libtorch_offload" in line.split(" to ")[0] and any(
-                    name in line for name in ("_ZNSo9_M_insert", "locale", "num_put", "ios_base")
-                ):
-                    print(line.rstrip())
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--allow-no-gpu", action="store_true", help="run the steps where no GPU is (they skip)")
@@ -165,24 +143,33 @@ def main():
             ctest = os.path.join(os.path.dirname(cmake), "ctest") if os.path.isabs(cmake) else "ctest"
             # The whole suite: the CPU tests tell the build's own faults (error paths) from the GPU's.
             run("C++ tests", [ctest, "--test-dir", BUILD, "-j", str(args.jobs), "--output-on-failure"], env, results)
-        # Errors raised on the CPU, whose messages format numbers: 2026-11-27's lease saw such errors of the CUDA
-        # kernels end in a segfault, and this step says whether the CPU's do too.
-        cpu_errors = "test_bad_inputs_raise_errors_naming_the_argument"
-        for test in ("python_tests/test_linear_cross_entropy.py", "python_tests/test_attention_block.py"):
-            run(
-                f"CPU errors {os.path.basename(test)}",
-                [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", cpu_errors, test],
-                env,
-                results,
-            )
+        # Errors raised on the CPU, whose messages format numbers, and the library's own C++ runtime: the H200 of
+        # 2026-11-27 built with a g++ that linked libstdc++ statically, and such errors segfaulted.
+        cpu_errors = "test_bad_inputs_raise_errors_naming_the_argument or test_the_library_carries_no_cxx_runtime"
+        tests = ["python_tests/test_linear_cross_entropy.py", "python_tests/test_attention_block.py"]
+        run(
+            "CPU errors and the C++ runtime",
+            [
+                python,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-k",
+                cpu_errors,
+                *tests,
+                "python_tests/test_offload_ops.py",
+            ],
+            env,
+            results,
+        )
         # One process per file: a crash (a segfault in a kernel) costs only its own file's results.
         reports = []
         for test in sorted(glob.glob(os.path.join("python_tests", "test_*_cuda.py"))):
             reports.append(os.path.join(BUILD, os.path.basename(test) + ".xml"))
             pytest = [python, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider"]
             run(f"pytest {os.path.basename(test)}", [*pytest, f"--junitxml={reports[-1]}", test], env, results)
-        if gpu is not None:
-            diagnose_error_crash(python, env, results)
         benches = {
             "bench/gpu_llama.py": ["--tokens", "8192,32768", "--longest-seconds", "45"],
             "bench/compile.py (GPU)": [

@@ -420,7 +420,7 @@ def segment_mask(segment_ids):
     # The run whose tokens each token sees: its own, or for padding the last sequence run before it.
     seen = torch.where(sequence, run, -1).cummax(1).values
     mask = (seen[:, :, None] == run[:, None, :]) & sequence[:, None, :]
-    return (mask & torch.ones(tokens, tokens, dtype=torch.bool).tril())[:, None]
+    return (mask & torch.ones(tokens, tokens, dtype=torch.bool, device=segment_ids.device).tril())[:, None]
 
 
 def segment_reference(

@@ -2,6 +2,7 @@
 meta tensors through every device-moving op."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -37,6 +38,21 @@ def test_import_loads_the_ops_and_names_the_library():
     assert os.path.isfile(torch_offload.library_path())
     assert hasattr(torch.ops.offload, "offload_pack")
     assert hasattr(torch.ops.offload, "offload_unpack")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("nm") is None, reason="reads the ELF with nm")
+def test_the_library_carries_no_cxx_runtime_of_its_own():
+    # A copy of libstdc++ linked into the library (a g++ whose own directory holds only libstdc++.a, as the GPU
+    # machines' /opt/gcc) has its locales unset: the numbers of every error message came out empty, or the process
+    # segfaulted. The library must use the shared one torch loads.
+    symbols = subprocess.run(
+        ["nm", "-D", "--defined-only", torch_offload.library_path()], capture_output=True, text=True, check=True
+    ).stdout
+    assert "_ZNSt6locale" not in symbols, "libtorch_offload.so defines std::locale: a static libstdc++ is linked in"
+    with pytest.raises(
+        RuntimeError, match=r"target has shape \[3\]; expected .* = \[4\]"
+    ):  # the numbers of a message are there
+        torch_offload.linear_cross_entropy(torch.randn(4, 8), torch.randn(5, 8), torch.zeros(3, dtype=torch.long))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

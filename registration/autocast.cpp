@@ -1,7 +1,7 @@
 // Under torch.autocast, tiled_mlp runs in the autocast dtype, as the linear layers it
 // replaces would: every floating tensor is cast to it (the weights through autocast's
-// cast cache), then the op runs below autocast. Its backward needs nothing here: the
-// tensors it saved are already cast.
+// cast cache), then the op runs below autocast. The backward ops run without autocast
+// (the end of this file): the tensors forward saved are already cast.
 #include <ATen/autocast_mode.h>
 #include <torch/library.h>
 
@@ -115,4 +115,34 @@ TORCH_LIBRARY_IMPL(offload, AutocastCPU, m) {
 TORCH_LIBRARY_IMPL(offload, AutocastCUDA, m) {
   m.impl("attention_block", &torch_offload::attention_block_autocast<c10::DeviceType::CUDA>);
   m.impl("segment_attention", &torch_offload::segment_attention_autocast<c10::DeviceType::CUDA>);
+}
+
+namespace torch_offload {
+namespace {
+
+// The backward ops run in the dtypes their forward chose. Gradients asked for inside an
+// autocast region (`loss.backward()` under `with torch.autocast(...)`) run them with autocast
+// on, which recast the formulas' own operations: CUDA's autocast sums in float32 and CPU's
+// multiplies matrices in bf16, and attention_block's backward then met mixed dtypes.
+void without_autocast(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  op.callBoxed(stack);
+}
+
+void register_backward_ops_without_autocast(torch::Library& m) {
+  for (const char* op : {"tiled_mlp_backward", "linear_cross_entropy_backward", "attention_block_backward",
+                         "segment_attention_backward"}) {
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&without_autocast>());
+  }
+}
+
+}  // namespace
+}  // namespace torch_offload
+
+TORCH_LIBRARY_IMPL(offload, AutocastCPU, m) {
+  torch_offload::register_backward_ops_without_autocast(m);
+}
+
+TORCH_LIBRARY_IMPL(offload, AutocastCUDA, m) {
+  torch_offload::register_backward_ops_without_autocast(m);
 }
