@@ -14,7 +14,7 @@ shift 2
 declare -A EXTRA_WHEELS=([2.15.0]="nvidia-nvshmem-cu13==3.7.2")  # torch 2.15's libtorch_nvshmem needs 3.7
 OP_TESTS=(test_offload_ops.py test_tiled_mlp.py test_linear_cross_entropy.py test_attention_block.py
   test_attention_block_norms.py test_segment_attention.py test_segment_attention_score_mods.py
-  test_segment_attention_value_head_dim.py test_autocast_backward.py test_disk_spill.py
+  test_segment_attention_value_head_dim.py test_attention_block_row_norms.py test_autocast_backward.py test_disk_spill.py
   test_activations.py test_compile.py test_sequence_parallel.py)
 cuda_site=$("$cuda_venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')
 for version in "$@"; do

@@ -17,7 +17,9 @@ from test_attention_block import (
 from test_attention_block_norms import call as norm_call
 from test_attention_block_norms import make_norm_inputs
 from test_attention_block_norms import output_and_grads as norm_output_and_grads
-from test_attention_block_norms import reference as norm_reference
+from test_attention_block_norms import reference as head_norm_reference
+from test_attention_block_row_norms import make_row_norm_inputs
+from test_attention_block_row_norms import reference as row_norm_reference
 from test_segment_attention import make_qkv
 from test_segment_attention import output_and_grads as qkv_output_and_grads
 from test_segment_attention import reference as qkv_reference
@@ -31,6 +33,11 @@ from torch.testing._internal.optests import opcheck
 import torch_offload
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+NORMS = {
+    "per_head": (make_norm_inputs, head_norm_reference),
+    "whole_rows": (make_row_norm_inputs, row_norm_reference),
+}
 
 
 def to_cuda(inputs, dtype=None):
@@ -367,8 +374,11 @@ def test_cuda_graph_capture_with_segment_ids_is_refused_by_name():
         assert torch.isfinite(run()).all()  # outside a capture, as before
 
 
-def test_cuda_per_head_norms_match_the_cpu_op_and_bf16_is_as_close_to_float32_as_eager():
-    inputs = make_norm_inputs(batch=3, tokens=13, h=32, heads=4, kv_heads=2, head_dim=8, bias=True)
+@pytest.mark.parametrize("norms", ["per_head", "whole_rows"])
+def test_cuda_norms_match_the_cpu_op_and_bf16_is_as_close_to_float32_as_eager(norms):
+    # Qwen3's per-head norms, or OLMo 2's over each token's whole q and k projections.
+    make, norm_reference = NORMS[norms]
+    inputs = make(batch=3, tokens=13, h=32, heads=4, kv_heads=2, head_dim=8, bias=True)
     grad_out = torch.randn(3, 13, 32)
     got = norm_output_and_grads(lambda *a: norm_call(*a, segment_ids=SEGMENTS.cuda()), to_cuda(inputs), grad_out.cuda())
     cpu = norm_output_and_grads(lambda *a: norm_call(*a, segment_ids=SEGMENTS), inputs, grad_out)

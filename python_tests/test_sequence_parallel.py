@@ -373,12 +373,11 @@ APPLIED = {
         dict(offload=None),
     ),
 }
-# What runs each family's attention where attention_block does not compute it (GPT-2's Conv1D, OLMo 2's norms over all
-# heads, Cohere's interleaved rotary, GLM-4's partial rotary, SmolLM3's layers without rotary): their own forwards,
-# the core attention through ulysses_attention. Qwen3's per-head norms are the op's q_norm and k_norm.
+# What runs each family's attention where attention_block does not compute it (GPT-2's Conv1D, Cohere's interleaved
+# rotary, GLM-4's partial rotary, SmolLM3's layers without rotary): their own forwards, the core attention through
+# ulysses_attention. Qwen3's per-head norms and OLMo 2's over whole projections are the op's q_norm and k_norm.
 THE_MODULES_OWN = {
     "gpt2": {"ulysses_attention"},
-    "olmo2": {"ulysses_attention"},
     "cohere": {"ulysses_attention"},
     "glm4": {"ulysses_attention"},
     "smollm3": {"attention_block", "ulysses_attention"},

@@ -248,7 +248,8 @@ inline std::vector<int64_t> linear_cross_entropy_tile(int64_t tokens, int64_t vo
 // rank's contiguous chunk of the rows and segment_ids the whole rows'; each head group's attention
 // runs over the whole rows for a share of its heads, between two all-to-alls (heads a multiple of the ranks).
 // q_norm and k_norm [head_dim] (Qwen3's per-head norms): each head's q and k go through an RMSNorm with
-// that weight and norm_eps before the rotary embedding.
+// that weight and norm_eps before the rotary embedding; [heads * head_dim] and [kv_heads * head_dim] (OLMo 2's):
+// the RMSNorm runs over each token's whole q and k projection.
 inline at::Tensor attention_block(
     const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o,
     const at::Tensor& cos, const at::Tensor& sin, const std::optional<at::Tensor>& b_q = std::nullopt,

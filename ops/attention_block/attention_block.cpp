@@ -25,6 +25,7 @@
 #include <c10/core/SymBool.h>
 #include <c10/util/Exception.h>
 
+#include "ops/attention_block/row_norms.h"
 #include "ops/attention_block/segments.h"
 #include "ops/common/checks.h"
 #include "ops/common/gemm.h"
@@ -58,15 +59,22 @@ int64_t group_bytes_of(const at::Tensor& x) {
   return head_group_bytes(x.device().type(), 0);
 }
 
-// The per-head RMSNorms of q and k before the rotary embedding (Qwen3's q_norm and k_norm): weights
-// [head_dim], undefined where absent.
+// The RMSNorms of q and k before the rotary embedding, undefined where absent: per head (Qwen3's q_norm and
+// k_norm, weights [head_dim]) or over each token's whole projection (OLMo 2's, weights [heads * head_dim]
+// and [kv_heads * head_dim]; row_norms.h), whose rows' scales (q_rstd, k_rstd) a call computes first.
 struct HeadNorms {
   at::Tensor q, k;
   double eps;
+  at::Tensor q_rstd, k_rstd;
 
   HeadNorms(const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps)
       : q(value_or_undefined(q_norm)), k(value_or_undefined(k_norm)), eps(norm_eps) {}
 };
+
+// A norm weight over the whole projection rather than one head (with one head the two are the same).
+bool over_whole_rows(const at::Tensor& weight, int64_t head_dim) {
+  return weight.defined() && weight.size(0) != head_dim;
+}
 
 // Every argument against x [B, T, h] and cos [1 or B, T, D]; works on symbolic shapes.
 void check_arguments(const char* op, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
@@ -123,11 +131,14 @@ void check_arguments(const char* op, const at::Tensor& x, const at::Tensor& w_q,
   }
   TORCH_CHECK(!scale.has_value() || (std::isfinite(*scale) && *scale > 0), op, ": scale is ", *scale,
               "; expected a finite value > 0 (or None for 1/sqrt(head_dim))");
+  // [head_dim]: per head; the projection's width: over each token's whole projection.
   if (norms.q.defined()) {
-    check_tensor(op, "q_norm", norms.q, x, "x", dtype, {head_dim}, "[head_dim]");
+    const c10::SymInt width = norms.q.dim() == 1 && norms.q.sym_size(0) == q_rows ? q_rows : head_dim;
+    check_tensor(op, "q_norm", norms.q, x, "x", dtype, {width}, "[head_dim] or [heads * head_dim]");
   }
   if (norms.k.defined()) {
-    check_tensor(op, "k_norm", norms.k, x, "x", dtype, {head_dim}, "[head_dim]");
+    const c10::SymInt width = norms.k.dim() == 1 && norms.k.sym_size(0) == kv_rows ? kv_rows : head_dim;
+    check_tensor(op, "k_norm", norms.k, x, "x", dtype, {width}, "[head_dim] or [kv_heads * head_dim]");
   }
   TORCH_CHECK(std::isfinite(norms.eps) && norms.eps >= 0, op, ": norm_eps is ", norms.eps,
               "; expected a finite value >= 0");
@@ -346,15 +357,34 @@ void project(Group& g, const Layout& l, const at::Tensor& x_rows, const at::Tens
     g.q_unnormed = norms.q.defined() ? q_rows : at::Tensor();
     g.k_unnormed = norms.k.defined() ? k_rows : at::Tensor();
   }
-  const auto normed = [&](const at::Tensor& rows, const at::Tensor& weight) {
+  const auto normed = [&](const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& rstd, int64_t start) {
+    if (rstd.defined()) {
+      return row_rms_norm(rows, rstd, weight.narrow(0, start, rows.size(1)));
+    }
     return weight.defined() ? head_rms_norm(rows, weight, norms.eps) : rows;
   };
-  g.q = rotary(normed(q_rows, norms.q), l, cos, sin);
-  g.k = repeat_kv(rotary(normed(k_rows, norms.k), l, cos, sin), l);
+  g.q = rotary(normed(q_rows, norms.q, norms.q_rstd, g.q_start), l, cos, sin);
+  g.k = repeat_kv(rotary(normed(k_rows, norms.k, norms.k_rstd, g.kv_start), l, cos, sin), l);
   g.v = repeat_kv(linear(w_v, b_v, g.kv_start, g.kv_rows).view({l.batch, l.tokens, -1, l.head_dim}).transpose(1, 2), l);
   g.q = shards.to_tokens(g.q);
   g.k = shards.to_tokens(g.k);
   g.v = shards.to_tokens(g.v);
+}
+
+// Rows of x's projection at a time for the whole-row norms' passes: as many as one head group's bytes hold.
+int64_t row_chunk(const at::Tensor& x, int64_t width) {
+  return std::max<int64_t>(1, group_bytes_of(x) / std::max<int64_t>(1, 4 * width * x.element_size()));
+}
+
+// The whole-row norms' scales of x_rows' q and k projections (HeadNorms).
+void compute_row_scales(HeadNorms& norms, const Layout& l, const at::Tensor& x_rows, const at::Tensor& w_q,
+                        const at::Tensor& w_k, const at::Tensor& b_q, const at::Tensor& b_k) {
+  if (over_whole_rows(norms.q, l.head_dim)) {
+    norms.q_rstd = row_rms_rstd(x_rows, w_q, b_q, norms.eps, row_chunk(x_rows, w_q.size(0)));
+  }
+  if (over_whole_rows(norms.k, l.head_dim)) {
+    norms.k_rstd = row_rms_rstd(x_rows, w_k, b_k, norms.eps, row_chunk(x_rows, w_k.size(0)));
+  }
 }
 
 }  // namespace
@@ -369,7 +399,7 @@ at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tenso
                                 const std::optional<at::Tensor>& k_norm, double norm_eps) {
   const at::Tensor bq = value_or_undefined(b_q), bk = value_or_undefined(b_k), bv = value_or_undefined(b_v),
                    bo = value_or_undefined(b_o), segments = value_or_undefined(segment_ids);
-  const HeadNorms norms(q_norm, k_norm, norm_eps);
+  HeadNorms norms(q_norm, k_norm, norm_eps);
   check_arguments("attention_block", x, w_q, w_k, w_v, w_o, cos, sin, bq, bk, bv, bo, scale, norms);
   const Shards shards(group_name);
   check_segment_ids("attention_block", segments, x, shards.ranks);
@@ -385,6 +415,7 @@ at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tenso
   }
   if (rows > 0) {
     const at::Tensor x_rows = x.reshape({rows, l.h}).contiguous();
+    compute_row_scales(norms, l, x_rows, w_q, w_k, bq, bk);
     for (int64_t first = 0; first < l.kv_heads; first += per_group) {
       Group g(l, first, std::min(per_group, l.kv_heads - first));
       project(g, l, x_rows, w_q, w_k, w_v, bq, bk, bv, cos, sin, norms, /*keep_rows=*/false, shards);
@@ -405,7 +436,7 @@ AttentionBlockGradients attention_block_backward_impl(
   const char* op = "attention_block_backward";
   const at::Tensor bq = value_or_undefined(b_q), bk = value_or_undefined(b_k), bv = value_or_undefined(b_v),
                    bo = value_or_undefined(b_o), segments = value_or_undefined(segment_ids);
-  const HeadNorms norms(q_norm, k_norm, norm_eps);
+  HeadNorms norms(q_norm, k_norm, norm_eps);
   check_arguments(op, x, w_q, w_k, w_v, w_o, cos, sin, bq, bk, bv, bo, scale, norms);
   const Shards shards(group_name);
   check_segment_ids(op, segments, x, shards.ranks);
@@ -447,6 +478,25 @@ AttentionBlockGradients attention_block_backward_impl(
     // float32 on every call, convert it once.
     const bool convert_x = acc_type != x.scalar_type() && !x.is_cuda();
     const at::Tensor x_operand = convert_x ? x_rows.to(acc_type) : x_rows;
+    // A projection's gradient (grad [n, count], its rows from first_row) into x's, its weight's and its bias's.
+    const auto projection_backward = [&](const at::Tensor& grad, const at::Tensor& w, const at::Tensor& grad_w,
+                                         const at::Tensor& grad_b, int64_t start, int64_t count, int64_t first_row) {
+      const int64_t n = grad.size(0);
+      if (want_x) {
+        accumulate_mm(grad_x.narrow(0, first_row, n), grad, w.narrow(0, start, count));
+      }
+      if (grad_w.defined()) {
+        accumulate_mm(grad_w.narrow(0, start, count), grad.t(), x_operand.narrow(0, first_row, n));
+      }
+      if (grad_b.defined()) {
+        grad_b.narrow(0, start, count).add_(at::sum(grad, {0}, false, acc_type));
+      }
+    };
+    compute_row_scales(norms, l, x_rows, w_q, w_k, bq, bk);
+    // Whole-row norms: the gradient of their output, every group's columns, finished after the groups.
+    const bool defer_q = want_inner && norms.q_rstd.defined(), defer_k = want_inner && norms.k_rstd.defined();
+    const at::Tensor grad_q_normed = defer_q ? at::empty({rows, w_q.size(0)}, x.options()) : at::Tensor();
+    const at::Tensor grad_k_normed = defer_k ? at::empty({rows, w_k.size(0)}, x.options()) : at::Tensor();
     for (int64_t first = 0; first < l.kv_heads; first += per_group) {
       Group g(l, first, std::min(per_group, l.kv_heads - first));
       project(g, l, x_rows, w_q, w_k, w_v, bq, bk, bv, cos, sin, norms, /*keep_rows=*/true, shards);
@@ -470,31 +520,43 @@ AttentionBlockGradients attention_block_backward_impl(
       dv = shards.to_heads(dv);
       at::Tensor grad_q = rotary_backward(dq, l, cos, sin);
       at::Tensor grad_k = rotary_backward(sum_repeats(dk, l), l, cos, sin);
-      if (norms.q.defined()) {
-        grad_q = head_rms_norm_backward(grad_q, g.q_unnormed, norms.q, norms.eps, grad_q_norm);
+      if (defer_q) {
+        grad_q_normed.narrow(1, g.q_start, g.q_rows).copy_(grad_q);
+      } else {
+        if (norms.q.defined()) {
+          grad_q = head_rms_norm_backward(grad_q, g.q_unnormed, norms.q, norms.eps, grad_q_norm);
+        }
+        projection_backward(grad_q, w_q, grad_w_q, grad_b_q, g.q_start, g.q_rows, 0);
       }
-      if (norms.k.defined()) {
-        grad_k = head_rms_norm_backward(grad_k, g.k_unnormed, norms.k, norms.eps, grad_k_norm);
+      if (defer_k) {
+        grad_k_normed.narrow(1, g.kv_start, g.kv_rows).copy_(grad_k);
+      } else {
+        if (norms.k.defined()) {
+          grad_k = head_rms_norm_backward(grad_k, g.k_unnormed, norms.k, norms.eps, grad_k_norm);
+        }
+        projection_backward(grad_k, w_k, grad_w_k, grad_b_k, g.kv_start, g.kv_rows, 0);
       }
-      const at::Tensor grad_v = as_rows(sum_repeats(dv, l), l);
-      const struct {
-        const at::Tensor& grad;  // of the projection's output rows
-        const at::Tensor& w;
-        at::Tensor grad_w, grad_b;
-        int64_t start, count;
-      } projections[] = {{grad_q, w_q, grad_w_q, grad_b_q, g.q_start, g.q_rows},
-                         {grad_k, w_k, grad_w_k, grad_b_k, g.kv_start, g.kv_rows},
-                         {grad_v, w_v, grad_w_v, grad_b_v, g.kv_start, g.kv_rows}};
-      for (const auto& p : projections) {
-        if (want_x) {
-          accumulate_mm(grad_x, p.grad, p.w.narrow(0, p.start, p.count));
-        }
-        if (p.grad_w.defined()) {
-          accumulate_mm(p.grad_w.narrow(0, p.start, p.count), p.grad.t(), x_operand);
-        }
-        if (p.grad_b.defined()) {
-          p.grad_b.narrow(0, p.start, p.count).add_(at::sum(p.grad, {0}, false, acc_type));
-        }
+      projection_backward(as_rows(sum_repeats(dv, l), l), w_v, grad_w_v, grad_b_v, g.kv_start, g.kv_rows, 0);
+    }
+    // The whole-row norms' gradients, then their projections', a chunk of rows at a time (the projection
+    // recomputed).
+    const struct {
+      bool deferred;
+      const at::Tensor &grad_normed, &w, &b, &weight, &rstd, &grad_w, &grad_b, &grad_weight;
+    } whole_row_norms[] = {{defer_q, grad_q_normed, w_q, bq, norms.q, norms.q_rstd, grad_w_q, grad_b_q, grad_q_norm},
+                           {defer_k, grad_k_normed, w_k, bk, norms.k, norms.k_rstd, grad_w_k, grad_b_k, grad_k_norm}};
+    for (const auto& n : whole_row_norms) {
+      if (!n.deferred) {
+        continue;
+      }
+      const int64_t width = n.w.size(0), chunk = row_chunk(x_rows, width);
+      for (int64_t start = 0; start < rows; start += chunk) {
+        const int64_t count = std::min(chunk, rows - start);
+        at::Tensor projected = at::empty({count, width}, x.options());
+        linear_into(projected, x_rows.narrow(0, start, count), n.w, n.b);
+        const at::Tensor grad_projected = row_rms_norm_backward(
+            n.grad_normed.narrow(0, start, count), projected, n.rstd.narrow(0, start, count), n.weight, n.grad_weight);
+        projection_backward(grad_projected.to(x.scalar_type()), n.w, n.grad_w, n.grad_b, 0, width, start);
       }
     }
   }

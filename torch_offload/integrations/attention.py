@@ -24,18 +24,18 @@ if TYPE_CHECKING:
 
 
 # attention_block: an attention module is handed to the op only when it is made of exactly the
-# four nn.Linear projections (and Qwen3's per-head norms), is causal, and its own forward gives the
-# op's result on random weights at apply time (which rules out soft-capped scores, norms over all
-# heads, partial rotary embeddings...). At call time the op runs only where the module would compute plain causal
+# four nn.Linear projections (and q/k norms per head or over the whole projection), is causal, and its own
+# forward gives the op's result on random weights at apply time (which rules out soft-capped scores, norms of
+# another kind, partial rotary embeddings...). At call time the op runs only where the module would compute plain causal
 # attention with SDPA: no mask (no padding, no sliding window in reach), no cache, no dropout.
 
 # The projections' layouts the op takes: separate q/k/v, or one fused qkv_proj whose rows
 # are q, then k, then v (Phi-3). Weights are read at each call, so the op sees the current ones.
 _SEPARATE = ("q_proj", "k_proj", "v_proj", "o_proj")
 _FUSED = ("qkv_proj", "o_proj")
-# Per-head norms of q and k before the rotary embedding (Qwen3's), beside separate projections: the op's
-# q_norm and k_norm when each holds one weight [head_dim] and an epsilon the op can read (the probe
-# proves they compute an RMSNorm with it).
+# Norms of q and k before the rotary embedding, beside separate projections: per head (Qwen3's) or over
+# each token's whole projection (OLMo 2's). The op's q_norm and k_norm when each holds one weight, [head_dim]
+# or the projection's width, and an epsilon the op can read (the probe proves they compute that RMSNorm).
 _NORMS = ("q_norm", "k_norm")
 _ATTENTION_ARGUMENTS = ("hidden_states", "position_embeddings", "attention_mask")  # and a cache (_CACHE_ARGUMENTS)
 # Other arguments transformers passes an attention module that do not change what SDPA computes
@@ -103,20 +103,23 @@ def _norm_eps(norm: nn.Module) -> float | None:
 
 
 def _norms_problem(attention: nn.Module, head_dim: int) -> str | None:
-    """Why ``attention``'s q_norm and k_norm (when it has them) are not the op's per-head norms."""
+    """Why ``attention``'s q_norm and k_norm (when it has them) are not the op's norms."""
     if not _has_norms(attention):
         return None
-    for name in _NORMS:
+    for name, projection in zip(_NORMS, ("q_proj", "k_proj")):
         norm = getattr(attention, name)
         parameters = dict(norm.named_parameters())
         weight = parameters.get("weight")
         if (
             list(parameters) != ["weight"]
-            or weight.shape != (head_dim,)
+            or weight.shape not in ((head_dim,), (getattr(attention, projection).out_features,))
             or any(True for _ in norm.children())
             or _norm_eps(norm) is None
         ):
-            return f"its {name} is not a norm of one weight [head_dim] with an epsilon the op reads"
+            return (
+                f"its {name} is not a norm of one weight ([head_dim] or {projection}'s width) with an epsilon the op"
+                " reads"
+            )
     if _norm_eps(attention.q_norm) != _norm_eps(attention.k_norm):
         return "its q_norm and k_norm have different epsilons"
     return None
