@@ -111,7 +111,7 @@ def reference_per_head(inputs):
 
 def test_head_groups_and_chunks_of_rows_match_float64():
     # 2048 tokens of 64-wide heads: each key/value head is a group of its own, and the norms' passes take the rows
-    # in chunks (q: the 16 MiB budget over 4 x 256 x 8 bytes per row, 2048 rows a chunk: 2 chunks of the 4096).
+    # in chunks (q: 2 MiB over 256 x 4 bytes per row, 2048 rows a chunk: 2 chunks of the 4096 rows).
     inputs = make_row_norm_inputs(batch=2, tokens=2048, h=32, heads=4, kv_heads=2, head_dim=64, bias=True)
     inputs = [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None for t in inputs]
     segments = torch.arange(2048).div(700, rounding_mode="floor")[None].repeat(2, 1)
