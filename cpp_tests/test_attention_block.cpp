@@ -127,6 +127,38 @@ TEST(AttentionBlock, PerHeadNormsMatchAtenWithTheirGradientsFromCpp) {
   }
 }
 
+// OLMo 2's norms: q_norm [16] and k_norm [8] over each token's whole q and k projection, before the heads.
+TEST(AttentionBlock, WholeRowNormsMatchAtenWithTheirGradientsFromCpp) {
+  const Attention a = make_attention();
+  const auto options = at::TensorOptions().dtype(at::kDouble);
+  const at::Tensor q_norm = (1 + at::randn({16}, options) / 2).requires_grad_(true);
+  const at::Tensor k_norm = (1 + at::randn({8}, options) / 2).requires_grad_(true);
+  const at::Tensor out =
+      torch_offload::attention_block(a.x, a.w_q, a.w_k, a.w_v, a.w_o, a.cos, a.sin, a.b_q, a.b_k, a.b_v, a.b_o,
+                                     std::nullopt, std::nullopt, std::nullopt, q_norm, k_norm);
+  const auto row_norm = [](const at::Tensor& rows, const at::Tensor& weight) {
+    return weight * rows * at::rsqrt(rows.square().mean(-1, true) + 1e-6);
+  };
+  const auto heads = [](const at::Tensor& rows) { return rows.view({2, 9, -1, 4}).transpose(1, 2); };
+  const auto rope = [&](const at::Tensor& t) { return t * a.cos.unsqueeze(1) + rotate_half(t) * a.sin.unsqueeze(1); };
+  const at::Tensor q = rope(heads(row_norm(at::linear(a.x, a.w_q, a.b_q), q_norm)));
+  const at::Tensor k = rope(heads(row_norm(at::linear(a.x, a.w_k, a.b_k), k_norm))).repeat_interleave(2, 1);
+  const at::Tensor v = heads(at::linear(a.x, a.w_v, a.b_v)).repeat_interleave(2, 1);
+  const at::Tensor blocked = at::ones({9, 9}, at::TensorOptions().dtype(at::kBool)).triu(1);
+  const at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).div(2.0).masked_fill(blocked, -INFINITY);
+  const at::Tensor attended = at::matmul(at::softmax(scores, -1), v).transpose(1, 2).reshape({2, 9, 16});
+  const at::Tensor want = at::linear(attended, a.w_o, a.b_o);
+  expect_close(out, want);
+  std::vector<at::Tensor> leaves = a.leaves();
+  leaves.insert(leaves.end(), {q_norm, k_norm});
+  const at::Tensor grad_out = at::randn_like(want);
+  const auto got_grads = torch::autograd::grad({out}, leaves, {grad_out});
+  const auto want_grads = torch::autograd::grad({want}, leaves, {grad_out});
+  for (size_t i = 0; i < got_grads.size(); ++i) {
+    expect_close(got_grads[i], want_grads[i]);
+  }
+}
+
 TEST(AttentionBlock, GradientsNotAskedForAreUndefined) {
   const Attention a = make_attention();
   const auto [dx, dw_q, dw_k, dw_v, dw_o, db_q, db_k, db_v, db_o, dq_norm, dk_norm] =
