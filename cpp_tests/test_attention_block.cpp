@@ -51,16 +51,21 @@ at::Tensor rotate_half(const at::Tensor& t) {
 
 // The same attention in plain ATen: every head at once, the mask and softmax written out.
 // `blocked` [batch or 1, 9, 9] says which keys each query may not see (default: the future);
-// q_norm, k_norm [4], when defined: each head's q, k through an RMSNorm (eps 1e-6) before the rotary embedding.
+// q_norm, k_norm, when defined: q, k through an RMSNorm (eps 1e-6) before the rotary embedding, per head (weights
+// [4], Qwen3's) or over each token's whole projection (wider weights, OLMo 2's).
 at::Tensor reference(const Attention& a, at::Tensor blocked = {}, const at::Tensor& q_norm = {},
                      const at::Tensor& k_norm = {}) {
   const auto heads = [](const at::Tensor& rows) { return rows.view({2, 9, -1, 4}).transpose(1, 2); };
   const auto rope = [&](const at::Tensor& t) { return t * a.cos.unsqueeze(1) + rotate_half(t) * a.sin.unsqueeze(1); };
-  const auto norm = [](const at::Tensor& t, const at::Tensor& weight) {
-    return weight.defined() ? weight * t * at::rsqrt(t.square().mean(-1, true) + 1e-6) : t;
+  const auto norm = [](const at::Tensor& rows, const at::Tensor& weight) {
+    if (!weight.defined()) {
+      return rows;
+    }
+    const at::Tensor t = rows.unflatten(-1, {-1, weight.size(0)});  // [.., heads, 4] or [.., 1, width]
+    return (weight * t * at::rsqrt(t.square().mean(-1, true) + 1e-6)).flatten(-2);
   };
-  const at::Tensor q = rope(norm(heads(at::linear(a.x, a.w_q, a.b_q)), q_norm));
-  const at::Tensor k = rope(norm(heads(at::linear(a.x, a.w_k, a.b_k)), k_norm)).repeat_interleave(2, 1);
+  const at::Tensor q = rope(heads(norm(at::linear(a.x, a.w_q, a.b_q), q_norm)));
+  const at::Tensor k = rope(heads(norm(at::linear(a.x, a.w_k, a.b_k), k_norm))).repeat_interleave(2, 1);
   const at::Tensor v = heads(at::linear(a.x, a.w_v, a.b_v)).repeat_interleave(2, 1);
   if (!blocked.defined()) {
     blocked = at::ones({1, 9, 9}, at::TensorOptions().dtype(at::kBool).device(a.x.device())).triu(1);
@@ -75,19 +80,24 @@ void expect_close(const at::Tensor& got, const at::Tensor& want) {
   EXPECT_TRUE(at::allclose(got, want, 1e-10, 1e-12)) << (got - want).abs().max().item<double>();
 }
 
-TEST(AttentionBlock, ValuesAndGradientsMatchAtenWithAutogradFromCpp) {
-  const Attention a = make_attention();
-  const at::Tensor out = fused(a);
-  const at::Tensor want = reference(a);
-  ASSERT_TRUE(out.requires_grad());
+// out and want close, and their gradients with respect to leaves for one random upstream gradient.
+void expect_values_and_gradients_close(const at::Tensor& out, const at::Tensor& want,
+                                       const std::vector<at::Tensor>& leaves) {
   expect_close(out, want);
   const at::Tensor grad_out = at::randn_like(want);
-  const auto got_grads = torch::autograd::grad({out}, a.leaves(), {grad_out});
-  const auto want_grads = torch::autograd::grad({want}, a.leaves(), {grad_out});
+  const auto got_grads = torch::autograd::grad({out}, leaves, {grad_out});
+  const auto want_grads = torch::autograd::grad({want}, leaves, {grad_out});
   ASSERT_EQ(got_grads.size(), want_grads.size());
   for (size_t i = 0; i < got_grads.size(); ++i) {
     expect_close(got_grads[i], want_grads[i]);
   }
+}
+
+TEST(AttentionBlock, ValuesAndGradientsMatchAtenWithAutogradFromCpp) {
+  const Attention a = make_attention();
+  const at::Tensor out = fused(a);
+  ASSERT_TRUE(out.requires_grad());
+  expect_values_and_gradients_close(out, reference(a), a.leaves());
 }
 
 TEST(AttentionBlock, SegmentsMatchAtenWithTheirMaskWrittenOut) {
@@ -98,65 +108,30 @@ TEST(AttentionBlock, SegmentsMatchAtenWithTheirMaskWrittenOut) {
                                                         a.b_v, a.b_o, std::nullopt, segment_ids);
   const at::Tensor same = segment_ids.unsqueeze(2).eq(segment_ids.unsqueeze(1));
   const at::Tensor want = reference(a, same.logical_not().logical_or(at::ones({9, 9}, at::kBool).triu(1)));
-  expect_close(out, want);
-  const at::Tensor grad_out = at::randn_like(want);
-  const auto got_grads = torch::autograd::grad({out}, a.leaves(), {grad_out});
-  const auto want_grads = torch::autograd::grad({want}, a.leaves(), {grad_out});
-  for (size_t i = 0; i < got_grads.size(); ++i) {
-    expect_close(got_grads[i], want_grads[i]);
-  }
+  expect_values_and_gradients_close(out, want, a.leaves());
+}
+
+// q_norm [q_width] and k_norm [k_width] through the op and the reference, values and gradients.
+void expect_norms_match_aten(int64_t q_width, int64_t k_width) {
+  const Attention a = make_attention();
+  const auto options = at::TensorOptions().dtype(at::kDouble);
+  const at::Tensor q_norm = (1 + at::randn({q_width}, options) / 2).requires_grad_(true);
+  const at::Tensor k_norm = (1 + at::randn({k_width}, options) / 2).requires_grad_(true);
+  const at::Tensor out =
+      torch_offload::attention_block(a.x, a.w_q, a.w_k, a.w_v, a.w_o, a.cos, a.sin, a.b_q, a.b_k, a.b_v, a.b_o,
+                                     std::nullopt, std::nullopt, std::nullopt, q_norm, k_norm);
+  std::vector<at::Tensor> leaves = a.leaves();
+  leaves.insert(leaves.end(), {q_norm, k_norm});
+  expect_values_and_gradients_close(out, reference(a, {}, q_norm, k_norm), leaves);
 }
 
 TEST(AttentionBlock, PerHeadNormsMatchAtenWithTheirGradientsFromCpp) {
-  const Attention a = make_attention();
-  const auto options = at::TensorOptions().dtype(at::kDouble);
-  const at::Tensor q_norm = (1 + at::randn({4}, options) / 2).requires_grad_(true);
-  const at::Tensor k_norm = (1 + at::randn({4}, options) / 2).requires_grad_(true);
-  const at::Tensor out =
-      torch_offload::attention_block(a.x, a.w_q, a.w_k, a.w_v, a.w_o, a.cos, a.sin, a.b_q, a.b_k, a.b_v, a.b_o,
-                                     std::nullopt, std::nullopt, std::nullopt, q_norm, k_norm);
-  const at::Tensor want = reference(a, {}, q_norm, k_norm);
-  expect_close(out, want);
-  std::vector<at::Tensor> leaves = a.leaves();
-  leaves.insert(leaves.end(), {q_norm, k_norm});
-  const at::Tensor grad_out = at::randn_like(want);
-  const auto got_grads = torch::autograd::grad({out}, leaves, {grad_out});
-  const auto want_grads = torch::autograd::grad({want}, leaves, {grad_out});
-  for (size_t i = 0; i < got_grads.size(); ++i) {
-    expect_close(got_grads[i], want_grads[i]);
-  }
+  expect_norms_match_aten(4, 4);
 }
 
-// OLMo 2's norms: q_norm [16] and k_norm [8] over each token's whole q and k projection, before the heads.
+// OLMo 2's norms: over each token's whole q [16] and k [8] projection.
 TEST(AttentionBlock, WholeRowNormsMatchAtenWithTheirGradientsFromCpp) {
-  const Attention a = make_attention();
-  const auto options = at::TensorOptions().dtype(at::kDouble);
-  const at::Tensor q_norm = (1 + at::randn({16}, options) / 2).requires_grad_(true);
-  const at::Tensor k_norm = (1 + at::randn({8}, options) / 2).requires_grad_(true);
-  const at::Tensor out =
-      torch_offload::attention_block(a.x, a.w_q, a.w_k, a.w_v, a.w_o, a.cos, a.sin, a.b_q, a.b_k, a.b_v, a.b_o,
-                                     std::nullopt, std::nullopt, std::nullopt, q_norm, k_norm);
-  const auto row_norm = [](const at::Tensor& rows, const at::Tensor& weight) {
-    return weight * rows * at::rsqrt(rows.square().mean(-1, true) + 1e-6);
-  };
-  const auto heads = [](const at::Tensor& rows) { return rows.view({2, 9, -1, 4}).transpose(1, 2); };
-  const auto rope = [&](const at::Tensor& t) { return t * a.cos.unsqueeze(1) + rotate_half(t) * a.sin.unsqueeze(1); };
-  const at::Tensor q = rope(heads(row_norm(at::linear(a.x, a.w_q, a.b_q), q_norm)));
-  const at::Tensor k = rope(heads(row_norm(at::linear(a.x, a.w_k, a.b_k), k_norm))).repeat_interleave(2, 1);
-  const at::Tensor v = heads(at::linear(a.x, a.w_v, a.b_v)).repeat_interleave(2, 1);
-  const at::Tensor blocked = at::ones({9, 9}, at::TensorOptions().dtype(at::kBool)).triu(1);
-  const at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).div(2.0).masked_fill(blocked, -INFINITY);
-  const at::Tensor attended = at::matmul(at::softmax(scores, -1), v).transpose(1, 2).reshape({2, 9, 16});
-  const at::Tensor want = at::linear(attended, a.w_o, a.b_o);
-  expect_close(out, want);
-  std::vector<at::Tensor> leaves = a.leaves();
-  leaves.insert(leaves.end(), {q_norm, k_norm});
-  const at::Tensor grad_out = at::randn_like(want);
-  const auto got_grads = torch::autograd::grad({out}, leaves, {grad_out});
-  const auto want_grads = torch::autograd::grad({want}, leaves, {grad_out});
-  for (size_t i = 0; i < got_grads.size(); ++i) {
-    expect_close(got_grads[i], want_grads[i]);
-  }
+  expect_norms_match_aten(16, 8);
 }
 
 TEST(AttentionBlock, GradientsNotAskedForAreUndefined) {

@@ -172,9 +172,10 @@ def test_opcheck(norms):
         )
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_reduced_precision_is_as_close_to_float64_as_eager(dtype):
-    inputs = make_norm_inputs(tokens=40, h=32, heads=4, kv_heads=2, head_dim=8, bias=True, dtype=dtype)
+def assert_reduced_precision_as_close_to_float64_as_eager(make, reference, dtype):
+    """The op in dtype on make's inputs against reference in float64: at most twice eager's relative error (or 1e-2),
+    the output and every gradient."""
+    inputs = make(tokens=40, h=32, heads=4, kv_heads=2, head_dim=8, bias=True, dtype=dtype)
     inputs64 = [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None for t in inputs]
     grad_out = torch.randn(2, 40, 32, generator=torch.Generator().manual_seed(3)).to(dtype)
     want = output_and_grads(reference, inputs64, grad_out.double())
@@ -185,6 +186,11 @@ def test_reduced_precision_is_as_close_to_float64_as_eager(dtype):
     for name in want[1]:
         error, eager_error = relative_error(got[1][name], want[1][name]), relative_error(eager[1][name], want[1][name])
         assert error <= max(2 * eager_error, 1e-2), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_reduced_precision_is_as_close_to_float64_as_eager(dtype):
+    assert_reduced_precision_as_close_to_float64_as_eager(make_norm_inputs, reference, dtype)
 
 
 @pytest.mark.parametrize(
@@ -213,11 +219,14 @@ def test_meta_tensors_give_shapes_only():
 
 
 class NormedAttention(torch.nn.Module):
-    def __init__(self, h=16, heads=4, kv_heads=2, head_dim=4):
+    """The op with q and k norms per head, or with whole_rows over each token's whole projection (OLMo 2's)."""
+
+    def __init__(self, h=16, heads=4, kv_heads=2, head_dim=4, whole_rows=False):
         super().__init__()
         self.q, self.k, self.v = (torch.nn.Linear(h, n * head_dim, bias=False) for n in (heads, kv_heads, kv_heads))
         self.o = torch.nn.Linear(heads * head_dim, h, bias=False)
-        self.q_norm, self.k_norm = (torch.nn.Parameter(1 + 0.3 * torch.randn(head_dim)) for _ in range(2))
+        widths = (heads * head_dim, kv_heads * head_dim) if whole_rows else (head_dim, head_dim)
+        self.q_norm, self.k_norm = (torch.nn.Parameter(1 + 0.3 * torch.randn(width)) for width in widths)
         self.head_dim = head_dim
 
     def forward(self, x):
@@ -236,10 +245,11 @@ class NormedAttention(torch.nn.Module):
         )
 
 
-def test_compile_fullgraph_dynamic_matches_eager_over_changing_tokens():
+@pytest.mark.parametrize("whole_rows", [False, True], ids=["per_head", "whole_rows"])
+def test_compile_fullgraph_dynamic_matches_eager_over_changing_tokens(whole_rows):
     torch._dynamo.reset()
     torch.manual_seed(0)
-    module = NormedAttention()
+    module = NormedAttention(whole_rows=whole_rows)
     compiled = torch.compile(module, fullgraph=True, dynamic=True)
     for tokens in (12, 29):
         x = torch.randn(2, tokens, 16, requires_grad=True)

@@ -1,18 +1,24 @@
 """attention_block's norms over each token's whole q and k projections (OLMo 2's q_norm and k_norm, weights
 [heads * head_dim] and [kv_heads * head_dim]): output and every gradient against transformers' OLMo 2 arithmetic
 in plain torch, across head groups and chunks of rows, with segments, gradcheck, opcheck, reduced precision, the
-Meta kernel, torch.compile and errors."""
+Meta kernel and errors (torch.compile: test_attention_block_norms.py)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-from test_attention_block import SEGMENTS, make_inputs, relative_error, segment_mask
-from test_attention_block_norms import EPS, assert_matches, call, leaves_of, output_and_grads
+from test_attention_block import SEGMENTS, make_inputs, segment_mask
+from test_attention_block_norms import (
+    EPS,
+    SHAPES,
+    assert_matches,
+    assert_reduced_precision_as_close_to_float64_as_eager,
+    call,
+    leaves_of,
+    output_and_grads,
+)
 from torch.testing._internal.optests import opcheck
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
-
-import torch_offload
 
 
 def rms_norm(t, weight):
@@ -64,14 +70,6 @@ def test_rms_norm_is_transformers_olmo2_rms_norm(dtype):
         module.weight.copy_(torch.randn(16))
     t = (torch.randn(5, 3, 16) * 4).to(dtype)
     assert torch.equal(rms_norm(t, module.weight), module(t))
-
-
-SHAPES = {
-    "gqa": dict(heads=4, kv_heads=2),
-    "mha_biases": dict(heads=4, kv_heads=4, bias=True),
-    "one_kv_head": dict(heads=4, kv_heads=1, head_dim=8),
-    "one_token": dict(tokens=1),
-}
 
 
 @pytest.mark.parametrize("norms", ["q", "k", "both"])
@@ -186,17 +184,7 @@ def test_opcheck():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_reduced_precision_is_as_close_to_float64_as_eager(dtype):
-    inputs = make_row_norm_inputs(tokens=40, h=32, heads=4, kv_heads=2, head_dim=8, bias=True, dtype=dtype)
-    inputs64 = [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None for t in inputs]
-    grad_out = torch.randn(2, 40, 32, generator=torch.Generator().manual_seed(3)).to(dtype)
-    want = output_and_grads(reference, inputs64, grad_out.double())
-    eager = output_and_grads(reference, inputs, grad_out)
-    got = output_and_grads(call, inputs, grad_out)
-    assert got[0].dtype == dtype and all(g.dtype == dtype for g in got[1].values())
-    assert relative_error(got[0], want[0]) <= max(2 * relative_error(eager[0], want[0]), 1e-2)
-    for name in want[1]:
-        error, eager_error = relative_error(got[1][name], want[1][name]), relative_error(eager[1][name], want[1][name])
-        assert error <= max(2 * eager_error, 1e-2), name
+    assert_reduced_precision_as_close_to_float64_as_eager(make_row_norm_inputs, reference, dtype)
 
 
 def test_meta_tensors_give_shapes_only():
@@ -207,37 +195,6 @@ def test_meta_tensors_give_shapes_only():
         torch.empty(2, 7, 16, device="meta"), *inputs[:11], None, None, mask, None, *inputs[11:], EPS
     )
     assert [g.shape if g is not None else None for g in grads] == [None] * 9 + [(16,), (8,)]
-
-
-class RowNormedAttention(torch.nn.Module):
-    def __init__(self, h=16, heads=4, kv_heads=2, head_dim=4):
-        super().__init__()
-        self.q, self.k, self.v = (torch.nn.Linear(h, n * head_dim, bias=False) for n in (heads, kv_heads, kv_heads))
-        self.o = torch.nn.Linear(heads * head_dim, h, bias=False)
-        self.q_norm = torch.nn.Parameter(1 + 0.3 * torch.randn(heads * head_dim))
-        self.k_norm = torch.nn.Parameter(1 + 0.3 * torch.randn(kv_heads * head_dim))
-        self.head_dim = head_dim
-
-    def forward(self, x):
-        angles = (torch.arange(x.shape[1], dtype=torch.float32)[:, None] / 3).repeat(1, self.head_dim)[None]
-        weights = (self.q.weight, self.k.weight, self.v.weight, self.o.weight)
-        return torch_offload.attention_block(
-            x, *weights, angles.cos(), angles.sin(), q_norm=self.q_norm, k_norm=self.k_norm, norm_eps=EPS
-        )
-
-
-def test_compile_fullgraph_dynamic_matches_eager_over_changing_tokens():
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    module = RowNormedAttention()
-    compiled = torch.compile(module, fullgraph=True, dynamic=True)
-    for tokens in (12, 29):
-        x = torch.randn(2, tokens, 16, requires_grad=True)
-        leaves = [x, *module.parameters()]
-        want, got = module(x), compiled(x)
-        torch.testing.assert_close(got, want)
-        for g, w in zip(torch.autograd.grad(got.sum(), leaves), torch.autograd.grad(want.sum(), leaves)):
-            torch.testing.assert_close(g, w)
 
 
 @pytest.mark.parametrize(

@@ -519,24 +519,24 @@ AttentionBlockGradients attention_block_backward_impl(
       dq = shards.to_heads(dq);
       dk = shards.to_heads(dk);
       dv = shards.to_heads(dv);
-      at::Tensor grad_q = rotary_backward(dq, l, cos, sin);
-      at::Tensor grad_k = rotary_backward(sum_repeats(dk, l), l, cos, sin);
-      if (defer_q) {
-        grad_q_normed.narrow(1, g.q_start, g.q_rows).copy_(grad_q);
-      } else {
-        if (norms.q.defined()) {
-          grad_q = head_rms_norm_backward(grad_q, g.q_unnormed, norms.q, norms.eps, grad_q_norm);
+      // q's and k's gradients through their per-head norms and projections, or kept for their whole-row norms.
+      const auto norm_and_projection_backward = [&](at::Tensor grad, const at::Tensor& kept, const at::Tensor& rows,
+                                                    const at::Tensor& weight, const at::Tensor& grad_weight,
+                                                    const at::Tensor& w, const at::Tensor& grad_w,
+                                                    const at::Tensor& grad_b, int64_t start, int64_t count) {
+        if (kept.defined()) {
+          kept.narrow(1, start, count).copy_(grad);
+          return;
         }
-        projection_backward(grad_q, w_q, grad_w_q, grad_b_q, g.q_start, g.q_rows, 0);
-      }
-      if (defer_k) {
-        grad_k_normed.narrow(1, g.kv_start, g.kv_rows).copy_(grad_k);
-      } else {
-        if (norms.k.defined()) {
-          grad_k = head_rms_norm_backward(grad_k, g.k_unnormed, norms.k, norms.eps, grad_k_norm);
+        if (weight.defined()) {
+          grad = head_rms_norm_backward(grad, rows, weight, norms.eps, grad_weight);
         }
-        projection_backward(grad_k, w_k, grad_w_k, grad_b_k, g.kv_start, g.kv_rows, 0);
-      }
+        projection_backward(grad, w, grad_w, grad_b, start, count, 0);
+      };
+      norm_and_projection_backward(rotary_backward(dq, l, cos, sin), grad_q_normed, g.q_unnormed, norms.q, grad_q_norm,
+                                   w_q, grad_w_q, grad_b_q, g.q_start, g.q_rows);
+      norm_and_projection_backward(rotary_backward(sum_repeats(dk, l), l, cos, sin), grad_k_normed, g.k_unnormed,
+                                   norms.k, grad_k_norm, w_k, grad_w_k, grad_b_k, g.kv_start, g.kv_rows);
       projection_backward(as_rows(sum_repeats(dv, l), l), w_v, grad_w_v, grad_b_v, g.kv_start, g.kv_rows, 0);
     }
     // The whole-row norms' gradients, then their projections', a chunk of rows at a time (the projection
