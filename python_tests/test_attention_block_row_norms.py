@@ -11,6 +11,7 @@ from test_attention_block_norms import (
     EPS,
     SHAPES,
     assert_matches,
+    assert_only_the_gradients_needed_are_computed,
     assert_reduced_precision_as_close_to_float64_as_eager,
     call,
     leaves_of,
@@ -108,11 +109,11 @@ def reference_per_head(inputs):
 
 
 def test_head_groups_and_chunks_of_rows_match_float64():
-    # 2048 tokens of 64-wide heads: each key/value head is a group of its own, and the norms' passes take the rows
-    # in chunks (q: 2 MiB over 256 x 4 bytes per row, 2048 rows a chunk: 2 chunks of the 4096 rows).
-    inputs = make_row_norm_inputs(batch=2, tokens=2048, h=32, heads=4, kv_heads=2, head_dim=64, bias=True)
+    # 2 x 1500 tokens of 64-wide heads: each key/value head is a group of its own, and the norms' passes take the rows
+    # in chunks (q: 2 MiB over 256 x 4 bytes a row, 2048 rows, so a whole chunk and a partial one of 952 rows).
+    inputs = make_row_norm_inputs(batch=2, tokens=1500, h=32, heads=4, kv_heads=2, head_dim=64, bias=True)
     inputs = [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None for t in inputs]
-    segments = torch.arange(2048).div(700, rounding_mode="floor")[None].repeat(2, 1)
+    segments = torch.arange(1500).div(700, rounding_mode="floor")[None].repeat(2, 1)
     got = output_and_grads(lambda *a: call(*a, segment_ids=segments), inputs)
     assert_matches(got, output_and_grads(lambda *a: reference(*a, segment_ids=segments), inputs))
 
@@ -185,6 +186,20 @@ def test_opcheck():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_reduced_precision_is_as_close_to_float64_as_eager(dtype):
     assert_reduced_precision_as_close_to_float64_as_eager(make_row_norm_inputs, reference, dtype)
+
+
+@pytest.mark.parametrize(
+    "expected_mask",
+    [
+        [False] * 9 + [True, True],
+        [True] * 9 + [False, False],
+        [False] * 9 + [True, False],
+        [False] * 3 + [True] + [False] * 7,
+    ],
+    ids=["norms_only", "frozen_norms", "q_norm_only", "w_v_only"],
+)
+def test_gradients_not_needed_are_not_computed(expected_mask):
+    assert_only_the_gradients_needed_are_computed(make_row_norm_inputs, reference, expected_mask)
 
 
 def test_meta_tensors_give_shapes_only():

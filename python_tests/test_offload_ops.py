@@ -49,6 +49,11 @@ def test_the_library_carries_no_cxx_runtime_of_its_own():
         ["nm", "-D", "--defined-only", torch_offload.library_path()], capture_output=True, text=True, check=True
     ).stdout
     assert "_ZNSt6locale" not in symbols, "libtorch_offload.so defines std::locale: a static libstdc++ is linked in"
+    if shutil.which("readelf") is not None:
+        dynamic = subprocess.run(
+            ["readelf", "-d", torch_offload.library_path()], capture_output=True, text=True, check=True
+        ).stdout
+        assert "[libstdc++.so.6]" in dynamic, "libtorch_offload.so does not need the shared libstdc++"
     with pytest.raises(
         RuntimeError, match=r"target has shape \[3\]; expected .* = \[4\]"
     ):  # the numbers of a message are there

@@ -96,7 +96,8 @@ TORCH_LIBRARY(offload, m) {
   // recomputes each group. The backward op returns the gradients output_mask asks for
   // (x, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, q_norm, k_norm), undefined where not asked or absent.
   // q_norm and k_norm [head_dim] (Qwen3's): each head's q and k through an RMSNorm (norm_eps) before the
-  // rotary embedding.
+  // rotary embedding; [heads * head_dim] and [kv_heads * head_dim] (OLMo 2's): over each token's whole
+  // q and k projection.
   // With group_name (sequence parallelism), x and cos/sin are this rank's contiguous chunk of the
   // rows, segment_ids the whole rows', and each head group's attention runs over the whole rows
   // for a share of its heads, between two all-to-alls (ops/sequence_parallel).

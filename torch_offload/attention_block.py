@@ -44,7 +44,9 @@ def attention_block(
     ``q_norm`` and ``k_norm`` ``[head_dim]`` (Qwen3's per-head norms): each head's q (k) before the
     rotary embedding goes through an RMSNorm over its ``head_dim`` values with that weight and
     ``norm_eps``, as transformers' ``Qwen3RMSNorm`` computes it (in float32 for bf16/fp16, rounded to
-    ``x``'s dtype, then times the weight); they get gradients.
+    ``x``'s dtype, then times the weight); they get gradients. ``[heads * head_dim]`` and
+    ``[kv_heads * head_dim]`` (OLMo 2's): the RMSNorm runs over each token's whole q (k) projection,
+    as ``Olmo2RMSNorm`` computes it (in float32 for bf16/fp16, times the weight, rounded once).
 
     It runs one group of heads at a time (as many as fit in 16 MiB of per-group tensors),
     so one group's q, k, v and attention output exist at once; backward saves only the

@@ -132,14 +132,19 @@ void check_arguments(const char* op, const at::Tensor& x, const at::Tensor& w_q,
   TORCH_CHECK(!scale.has_value() || (std::isfinite(*scale) && *scale > 0), op, ": scale is ", *scale,
               "; expected a finite value > 0 (or None for 1/sqrt(head_dim))");
   // [head_dim]: per head; the projection's width: over each token's whole projection.
-  if (norms.q.defined()) {
-    const c10::SymInt width = norms.q.dim() == 1 && norms.q.sym_size(0) == q_rows ? q_rows : head_dim;
-    check_tensor(op, "q_norm", norms.q, x, "x", dtype, {width}, "[head_dim] or [heads * head_dim]");
-  }
-  if (norms.k.defined()) {
-    const c10::SymInt width = norms.k.dim() == 1 && norms.k.sym_size(0) == kv_rows ? kv_rows : head_dim;
-    check_tensor(op, "k_norm", norms.k, x, "x", dtype, {width}, "[head_dim] or [kv_heads * head_dim]");
-  }
+  const auto check_norm = [&](const char* name, const at::Tensor& weight, const c10::SymInt& rows,
+                              const char* expected) {
+    if (!weight.defined()) {
+      return;
+    }
+    TORCH_CHECK(weight.dim() == 1, op, ": ", name, " has shape ", weight.sym_sizes(), "; expected ", expected);
+    const c10::SymInt width = weight.sym_size(0);
+    TORCH_SYM_CHECK(width.sym_eq(head_dim).sym_or(width.sym_eq(rows)), op, ": ", name, " has shape ",
+                    weight.sym_sizes(), "; expected ", expected);
+    check_tensor(op, name, weight, x, "x", dtype, {width}, expected);
+  };
+  check_norm("q_norm", norms.q, q_rows, "[head_dim] or [heads * head_dim]");
+  check_norm("k_norm", norms.k, kv_rows, "[head_dim] or [kv_heads * head_dim]");
   TORCH_CHECK(std::isfinite(norms.eps) && norms.eps >= 0, op, ": norm_eps is ", norms.eps,
               "; expected a finite value >= 0");
 }
@@ -495,7 +500,8 @@ AttentionBlockGradients attention_block_backward_impl(
     };
     compute_row_scales(norms, l, x_rows, w_q, w_k, bq, bk);
     // Whole-row norms: the gradient of their output, every group's columns, finished after the groups.
-    const bool defer_q = want_inner && norms.q_rstd.defined(), defer_k = want_inner && norms.k_rstd.defined();
+    const bool defer_q = norms.q_rstd.defined() && (want_x || want_w_q || want_b_q || want_q_norm);
+    const bool defer_k = norms.k_rstd.defined() && (want_x || want_w_k || want_b_k || want_k_norm);
     const at::Tensor grad_q_normed = defer_q ? at::empty({rows, w_q.size(0)}, x.options()) : at::Tensor();
     const at::Tensor grad_k_normed = defer_k ? at::empty({rows, w_k.size(0)}, x.options()) : at::Tensor();
     for (int64_t first = 0; first < l.kv_heads; first += per_group) {
@@ -526,6 +532,9 @@ AttentionBlockGradients attention_block_backward_impl(
                                                     const at::Tensor& grad_b, int64_t start, int64_t count) {
         if (kept.defined()) {
           kept.narrow(1, start, count).copy_(grad);
+          return;
+        }
+        if (over_whole_rows(weight, l.head_dim)) {  // and nothing on this side wants a gradient
           return;
         }
         if (weight.defined()) {
