@@ -504,6 +504,23 @@ AttentionBlockGradients attention_block_backward_impl(
     const bool defer_k = norms.k_rstd.defined() && (want_x || want_w_k || want_b_k || want_k_norm);
     const at::Tensor grad_q_normed = defer_q ? at::empty({rows, w_q.size(0)}, x.options()) : at::Tensor();
     const at::Tensor grad_k_normed = defer_k ? at::empty({rows, w_k.size(0)}, x.options()) : at::Tensor();
+    // q's and k's gradients through their per-head norms and projections, or kept for their whole-row norms.
+    const auto norm_and_projection_backward = [&](at::Tensor grad, const at::Tensor& kept, const at::Tensor& rows,
+                                                  const at::Tensor& weight, const at::Tensor& grad_weight,
+                                                  const at::Tensor& w, const at::Tensor& grad_w,
+                                                  const at::Tensor& grad_b, int64_t start, int64_t count) {
+      if (kept.defined()) {
+        kept.narrow(1, start, count).copy_(grad);
+        return;
+      }
+      if (over_whole_rows(weight, l.head_dim)) {  // and nothing on this side wants a gradient
+        return;
+      }
+      if (weight.defined()) {
+        grad = head_rms_norm_backward(grad, rows, weight, norms.eps, grad_weight);
+      }
+      projection_backward(grad, w, grad_w, grad_b, start, count, 0);
+    };
     for (int64_t first = 0; first < l.kv_heads; first += per_group) {
       Group g(l, first, std::min(per_group, l.kv_heads - first));
       project(g, l, x_rows, w_q, w_k, w_v, bq, bk, bv, cos, sin, norms, /*keep_rows=*/true, shards);
@@ -525,23 +542,6 @@ AttentionBlockGradients attention_block_backward_impl(
       dq = shards.to_heads(dq);
       dk = shards.to_heads(dk);
       dv = shards.to_heads(dv);
-      // q's and k's gradients through their per-head norms and projections, or kept for their whole-row norms.
-      const auto norm_and_projection_backward = [&](at::Tensor grad, const at::Tensor& kept, const at::Tensor& rows,
-                                                    const at::Tensor& weight, const at::Tensor& grad_weight,
-                                                    const at::Tensor& w, const at::Tensor& grad_w,
-                                                    const at::Tensor& grad_b, int64_t start, int64_t count) {
-        if (kept.defined()) {
-          kept.narrow(1, start, count).copy_(grad);
-          return;
-        }
-        if (over_whole_rows(weight, l.head_dim)) {  // and nothing on this side wants a gradient
-          return;
-        }
-        if (weight.defined()) {
-          grad = head_rms_norm_backward(grad, rows, weight, norms.eps, grad_weight);
-        }
-        projection_backward(grad, w, grad_w, grad_b, start, count, 0);
-      };
       norm_and_projection_backward(rotary_backward(dq, l, cos, sin), grad_q_normed, g.q_unnormed, norms.q, grad_q_norm,
                                    w_q, grad_w_q, grad_b_q, g.q_start, g.q_rows);
       norm_and_projection_backward(rotary_backward(sum_repeats(dk, l), l, cos, sin), grad_k_normed, g.k_unnormed,
