@@ -130,11 +130,12 @@ TORCH_LIBRARY(offload, m) {
   // segment_attention over a sequence split across the ranks of the process group named group_name
   // (Ulysses): query [batch, heads, tokens / ranks, head_dim] and key, value [batch, kv_heads, tokens
   // / ranks, head_dim] are this rank's contiguous chunk of the rows, segment_ids [batch, tokens] the
-  // whole rows'; returns this rank's chunk of the output. A composite of functional collectives and
-  // segment_attention (ulysses_attention.cpp): no kernels of its own.
+  // whole rows'; returns this rank's chunk of the output. softcap, sinks [heads] and window are
+  // segment_attention's. A composite of functional collectives and segment_attention
+  // (ulysses_attention.cpp): no kernels of its own.
   m.def(
       "ulysses_attention(Tensor query, Tensor key, Tensor value, Tensor segment_ids, str group_name, "
-      "float? scale=None) -> Tensor");
+      "float? scale=None, float? softcap=None, Tensor? sinks=None, int? window=None) -> Tensor");
 
   // A copy of value once every element of condition is true, else the error message (ops/common/checks.h):
   // apply()'s masks check with it under torch.compile what only the data shows.

@@ -26,6 +26,11 @@ __all__ = ["group_name", "shard_batch", "ulysses_attention"]
 # attribute of each attention module that names its group.
 IMPLEMENTATION = "torch_offload_ulysses"
 GROUP_ATTRIBUTE = "torch_offload_sequence_parallel_group"
+# Set on the attention modules of a model with eager attention: their left-padded rows are refused.
+EAGER_ATTRIBUTE = "torch_offload_sequence_parallel_eager"
+# Set on the attention modules of a model whose masks do not read position_ids (GPT-OSS's): to it, a row
+# without padding is one sequence, packed documents or not.
+ONE_SEQUENCE_PER_ROW_ATTRIBUTE = "torch_offload_sequence_parallel_one_sequence_per_row"
 
 
 def group_name(group: dist.ProcessGroup | None) -> str:
@@ -41,22 +46,31 @@ def ulysses_attention(
     group: dist.ProcessGroup | str | None = None,
     *,
     scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a sequence split over ``group``'s ranks, each rank holding a contiguous chunk:
     the ``offload::ulysses_attention`` op.
 
     ``query`` ``[batch, heads, tokens / ranks, head_dim]`` and ``key``, ``value`` ``[batch, kv_heads,
-    tokens / ranks, head_dim]`` are this rank's chunk (rank r holds tokens ``[r * tokens / ranks,
-    (r + 1) * tokens / ranks)`` of every row); ``segment_ids`` ``[batch, tokens]`` describe the whole rows
-    as ``attention_block``'s do (so packed documents may cross ranks). Returns this rank's chunk of the
-    output, ``[batch, heads, tokens / ranks, head_dim]``: what ``segment_attention`` gives on the whole
-    rows, sliced. ``heads`` must be a multiple of the number of ranks (else a ValueError naming both);
-    key/value heads that are not are repeated to the query heads (grouped-query attention with fewer
-    key/value heads than ranks). ``group``: a ProcessGroup, its name, or None for the default group.
-    Differentiable; every rank must call it with the same shapes.
+    tokens / ranks, head_dim]`` (value's head_dim may differ: multi-head latent attention) are this rank's
+    chunk (rank r holds tokens ``[r * tokens / ranks, (r + 1) * tokens / ranks)`` of every row);
+    ``segment_ids`` ``[batch, tokens]`` describe the whole rows as ``attention_block``'s do (so packed
+    documents may cross ranks). Returns this rank's chunk of the output, ``[batch, heads, tokens / ranks,
+    value_head_dim]``: what ``segment_attention`` gives on the whole rows, sliced. ``heads`` must be a
+    multiple of the number of ranks (else a ValueError naming both); key/value heads that are not are
+    repeated to the query heads (grouped-query attention with fewer key/value heads than ranks).
+    ``softcap``, ``sinks`` ``[heads]`` and ``window`` are ``segment_attention``'s; each rank attends its
+    share of the heads over the whole rows, so a window is exact, with those heads' sinks as the group's first
+    rank holds them (that rank gets the whole sinks gradient, the others zero: summed over the ranks, the whole
+    one). ``group``: a ProcessGroup, its name, or
+    None for the default group. Differentiable; every rank must call it with the same shapes.
     """
     name = group if isinstance(group, str) else group_name(group)
-    return torch.ops.offload.ulysses_attention(query, key, value, segment_ids, name, scale)
+    # The score mods' arguments only where given, as segment_attention passes them.
+    mods = (softcap, sinks, window) if any(m is not None for m in (softcap, sinks, window)) else ()
+    return torch.ops.offload.ulysses_attention(query, key, value, segment_ids, name, scale, *mods)
 
 
 def shard_batch(batch: dict, group: dist.ProcessGroup | None = None) -> dict:
@@ -196,11 +210,17 @@ def window_problem(window: int | None, segment_ids: torch.Tensor, ranks: int) ->
     )
 
 
-def check_window(window: int | None, segment_ids: torch.Tensor, ranks: int) -> None:
-    """Sliding-window attention is not computed: refused where a token would attend past the window."""
-    problem = window_problem(window, segment_ids, ranks)
-    if problem is not None:
-        raise NotImplementedError(problem)
+def every_query_has_a_key(segment_ids: torch.Tensor) -> torch.Tensor:
+    """The ids, checked (in the graph under torch.compile) to start no row with padding: eager attention gives a
+    left-padded row's padding, whose queries see no key, the mean of the row's values, later tokens included,
+    where ulysses_attention gives 0, as SDPA does."""
+    return torch.ops.offload._assert_all(
+        segment_ids,
+        segment_ids[:, :1] >= 0,
+        "torch_offload sequence parallelism: a left-padded row in a model with 'eager' attention, which gives its "
+        "padding (queries that see no key) the mean of the row's values; ulysses_attention gives them 0, as SDPA "
+        "does: pad on the right",
+    )
 
 
 def mask(
@@ -245,9 +265,15 @@ def attention(
         )
     if kwargs.get("dropout", 0.0):
         raise NotImplementedError("torch_offload sequence parallelism: attention dropout is not supported")
-    segment_ids = whole_rows_segment_ids(attention_mask, kwargs.get("position_ids"), query.shape[0], group)
-    check_window(kwargs.get("sliding_window"), segment_ids, segment_ids.shape[1] // query.shape[2])
-    out = ulysses_attention(query, key, value, segment_ids, group, scale=kwargs.get("scaling"))
+    real = attention_mask
+    if real is None and getattr(module, ONE_SEQUENCE_PER_ROW_ATTRIBUTE, False):
+        real = torch.ones(query.shape[0], query.shape[2], dtype=torch.bool, device=query.device)
+    segment_ids = whole_rows_segment_ids(real, kwargs.get("position_ids"), query.shape[0], group)
+    if getattr(module, EAGER_ATTRIBUTE, False):
+        segment_ids = every_query_has_a_key(segment_ids)
+    # Gemma 2's soft-capped scores, GPT-OSS's sinks (s_aux) and a layer's sliding window, as its mask has it.
+    mods = dict(softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"), window=kwargs.get("sliding_window"))
+    out = ulysses_attention(query, key, value, segment_ids, group, scale=kwargs.get("scaling"), **mods)
     return out.transpose(1, 2).contiguous(), None  # [B, T, heads, D], as SDPA's function returns it
 
 

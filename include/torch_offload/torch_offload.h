@@ -338,18 +338,25 @@ inline SegmentAttentionGradients segment_attention_backward(const at::Tensor& gr
 
 // segment_attention over a sequence split across the ranks of a process group (Ulysses), named as
 // torch.distributed names it (ProcessGroup.group_name): query [batch, heads, tokens / ranks, head_dim]
-// and key, value [batch, kv_heads, tokens / ranks, head_dim] are this rank's contiguous chunk of the
-// rows, segment_ids [batch, tokens] the whole rows'. heads must be a multiple of the ranks; key/value
-// heads that are not are repeated. Every rank calls it with the same shapes. Differentiable (the
-// exchanges' gradients are the inverse exchanges, in C++).
+// and key, value [batch, kv_heads, tokens / ranks, head_dim] (value's head_dim may differ) are this
+// rank's contiguous chunk of the rows, segment_ids [batch, tokens] the whole rows'. heads must be a
+// multiple of the ranks; key/value heads that are not are repeated. softcap, sinks [heads] and window
+// are segment_attention's: each rank attends its share of the heads over the whole rows, with those
+// heads' sinks as the group's first rank holds them (which so gets the whole sinks gradient, the
+// others zero: summed over the ranks it is the whole one). Every rank calls it with the same shapes. Differentiable
+// (the exchanges' gradients are the inverse exchanges, in C++).
 inline at::Tensor ulysses_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                     const at::Tensor& segment_ids, const std::string& group_name,
-                                    std::optional<double> scale = std::nullopt) {
+                                    std::optional<double> scale = std::nullopt,
+                                    std::optional<double> softcap = std::nullopt,
+                                    const std::optional<at::Tensor>& sinks = std::nullopt,
+                                    std::optional<int64_t> window = std::nullopt) {
   TORCH_CHECK(query.defined(), "ulysses_attention: query is an undefined tensor; expected a defined tensor");
   static const auto handle =
       detail::op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const std::string&, std::optional<double>)>("offload::ulysses_attention");
-  return handle.call(query, key, value, segment_ids, group_name, scale);
+                            const std::string&, std::optional<double>, std::optional<double>,
+                            const std::optional<at::Tensor>&, std::optional<int64_t>)>("offload::ulysses_attention");
+  return handle.call(query, key, value, segment_ids, group_name, scale, softcap, sinks, window);
 }
 
 }  // namespace torch_offload

@@ -720,8 +720,10 @@ SegmentAttentionGradients segment_attention_backward_impl(
 }
 
 void check_segment_attention_inputs(const char* op, const at::Tensor& q, const at::Tensor& segment_ids,
-                                    std::optional<double> scale) {
+                                    std::optional<double> scale, std::optional<double> softcap,
+                                    const std::optional<at::Tensor>& sinks, std::optional<int64_t> window) {
   check_segment_attention_values(op, q, segment_ids, scale);
+  score_mods(op, q, softcap, sinks, window);
 #ifdef TORCH_OFFLOAD_WITH_CUDA
   if (q.is_cuda()) {
     check_cuda_support(op, q, "query", q.size(-1), "query's last dimension");

@@ -102,11 +102,12 @@ SegmentAttentionGradients segment_attention_backward_impl(
     const at::Tensor& v, const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 4> output_mask,
     std::optional<double> softcap, const std::optional<at::Tensor>& sinks, std::optional<int64_t> window);
 
-// segment_attention's checks of query, segment_ids and scale but their shapes, and what the kernels of
-// query's device take (CUDA: dtype, head dimension): ulysses_attention runs them before its first
-// exchange, where a rank that threw would leave the others waiting.
+// segment_attention's checks of query, segment_ids, scale and the score mods (sinks against query's heads)
+// but the shapes of key and value, and what the kernels of query's device take (CUDA: dtype, head dimension):
+// ulysses_attention runs them before its first exchange, where a rank that threw would leave the others waiting.
 void check_segment_attention_inputs(const char* op, const at::Tensor& q, const at::Tensor& segment_ids,
-                                    std::optional<double> scale);
+                                    std::optional<double> scale, std::optional<double> softcap,
+                                    const std::optional<at::Tensor>& sinks, std::optional<int64_t> window);
 
 // Errors unless cos and sin are constants for autograd: the op computes no gradient for them.
 void check_rotary_needs_no_grad(const at::Tensor& cos, const at::Tensor& sin);

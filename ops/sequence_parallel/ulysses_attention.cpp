@@ -69,7 +69,8 @@ at::Tensor tokens_to_heads(const at::Tensor& t, int64_t ranks, const std::string
 
 at::Tensor ulysses_attention_composite(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                        const at::Tensor& segment_ids, const std::string& group_name,
-                                       std::optional<double> scale) {
+                                       std::optional<double> scale, std::optional<double> softcap,
+                                       const std::optional<at::Tensor>& sinks, std::optional<int64_t> window) {
   constexpr const char* op = "ulysses_attention";
   TORCH_CHECK_VALUE(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, op, ": query, key and value have shapes ",
                     query.sym_sizes(), ", ", key.sym_sizes(), ", ", value.sym_sizes(),
@@ -81,10 +82,12 @@ at::Tensor ulysses_attention_composite(const at::Tensor& query, const at::Tensor
   TORCH_CHECK_VALUE(kv_heads > 0 && heads % kv_heads == 0 && value.size(1) == kv_heads, op, ": ", heads,
                     " query heads are not a multiple of key's ", kv_heads, " heads (value has ", value.size(1), ")");
   // Everything checked before the first exchange: a rank that threw after it would leave the others waiting.
+  // Value's head dimension may differ from query's and key's (multi-head latent attention).
   TORCH_CHECK_VALUE(key.sym_size(0) == query.sym_size(0) && key.sym_size(2) == query.sym_size(2) &&
-                        key.sym_size(3) == query.sym_size(3) && value.sym_sizes() == key.sym_sizes(),
+                        key.sym_size(3) == query.sym_size(3) && value.sym_size(0) == key.sym_size(0) &&
+                        value.sym_size(2) == key.sym_size(2),
                     op, ": key and value have shapes ", key.sym_sizes(), " and ", value.sym_sizes(),
-                    "; expected query's batch, tokens and head_dim (", query.sym_sizes(), ") and one shape");
+                    "; expected query's batch and tokens (", query.sym_sizes(), "), key its head_dim too");
   TORCH_CHECK_VALUE(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type() &&
                         key.device() == query.device() && value.device() == query.device(),
                     op, ": query, key and value must share a dtype and device");
@@ -92,7 +95,8 @@ at::Tensor ulysses_attention_composite(const at::Tensor& query, const at::Tensor
                         segment_ids.sym_size(1) == query.sym_size(2) * ranks,
                     op, ": segment_ids has shape ", segment_ids.sym_sizes(), "; expected the whole rows, [batch, ",
                     ranks, " ranks x ", query.sym_size(2), " tokens]");
-  check_segment_attention_inputs(op, query, segment_ids, scale);  // segment_attention's, on the exchanged tensors
+  // segment_attention's checks, on the exchanged tensors; the sinks against all the query's heads.
+  check_segment_attention_inputs(op, query, segment_ids, scale, softcap, sinks, window);
   at::Tensor k = key, v = value;
   if (kv_heads % ranks != 0) {  // fewer key/value heads than ranks (or not a multiple): give each query head its own
     k = k.repeat_interleave(heads / kv_heads, 1);
@@ -106,7 +110,17 @@ at::Tensor ulysses_attention_composite(const at::Tensor& query, const at::Tensor
     k = k.repeat_interleave(repeats, 1);
     v = v.repeat_interleave(repeats, 1);
   }
-  return tokens_to_heads(segment_attention(q_share, k, v, segment_ids, scale), ranks, group_name, true);
+  // This rank attends its share of the heads over the whole rows, so a window is computed exactly. Its heads'
+  // sinks come through an exchange, not a slice at this rank's offset: the graph torch.compile makes of this
+  // composite is then the same on every rank (its cache hands one rank's graph to the others). Each rank keeps
+  // the first rank's copy, so that rank gets the whole sinks gradient and the others zero.
+  std::optional<at::Tensor> share_sinks;
+  if (sinks.has_value() && sinks->defined()) {
+    const auto copies = heads_to_tokens(sinks->view({1, heads, 1, 1}), ranks, group_name, true);
+    share_sinks = copies.select(2, 0).reshape({heads / ranks});  // [1, heads / ranks, ranks (source), 1]
+  }
+  const at::Tensor out = segment_attention(q_share, k, v, segment_ids, scale, softcap, share_sinks, window);
+  return tokens_to_heads(out, ranks, group_name, true);
 }
 
 }  // namespace torch_offload

@@ -24,6 +24,7 @@ int64_t group_size(const std::string& group_name);
 
 at::Tensor ulysses_attention_composite(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                        const at::Tensor& segment_ids, const std::string& group_name,
-                                       std::optional<double> scale);
+                                       std::optional<double> scale, std::optional<double> softcap,
+                                       const std::optional<at::Tensor>& sinks, std::optional<int64_t> window);
 
 }  // namespace torch_offload

@@ -289,7 +289,7 @@ def _attention_block_forward(attention: nn.Module, fallback, group: str | None =
         if group is not None:
             segments = sequence_parallel.whole_rows_segment_ids(mask, others.get("position_ids"), x.shape[0], group)
             if any(sequence_parallel.window_problem(w, segments, ranks) for w in windows):
-                return fallback(*args, **kwargs)  # which refuses it, naming the window
+                return fallback(*args, **kwargs)  # whose attention function computes the window over the ranks
         weights = {
             f"{name}.{kind}": getattr(p, kind) for name, p in zip(layout, projections) for kind in ("weight", "bias")
         }

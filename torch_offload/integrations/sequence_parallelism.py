@@ -6,17 +6,27 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .. import sequence_parallel
-from .implementations import _IMPLEMENTATION_KEY, _configs, _set_implementation
+from .. import eager_attention, masking, sequence_parallel
+from .implementations import (
+    _EAGER_SEGMENT_MASK_MODEL_TYPES,
+    _IMPLEMENTATION_KEY,
+    _configs,
+    _eager_attention_module,
+    _set_implementation,
+)
 from .layers import _attention_of
 
 if TYPE_CHECKING:
     from .handle import OffloadHandle
 
-# The families tested over ranks (test_sequence_parallel.py); mixtures of experts, whose masks are segment ids
-# too, are not yet.
+# The families tested over ranks (test_sequence_parallel.py). Gemma 2 and GPT-OSS with eager attention too, once
+# eager_attention's probe shows segment_attention computes it (soft-capped scores, sinks); mixtures of experts
+# only where the model returns no router logits (their auxiliary loss would be each rank's tokens').
 _SEQUENCE_PARALLEL_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "olmo2", "granite", "smollm3", "cohere", "glm4"}
+    {
+        *("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "olmo2", "granite", "smollm3", "cohere"),
+        *("glm4", "gemma2", "gemma3_text", "gpt_oss", "deepseek_v3", "mixtral", "qwen2_moe", "qwen3_moe"),
+    }
 )
 
 
@@ -47,6 +57,11 @@ def _sequence_parallel_group(sequence_parallel: Any, loss: bool) -> Any:
     return sequence_parallel
 
 
+# Families whose models build their masks without position_ids (transformers 5.24's GptOssModel), so packed
+# documents attend to each other there: their attention over the ranks does the same (the GPT-OSS case of
+# test_sequence_parallel fails if transformers starts to separate them).
+_MASKS_WITHOUT_POSITION_IDS = frozenset({"gpt_oss"})
+
 # Rotary embeddings whose frequencies transformers picks from a call's largest position (dynamic_rope_update).
 _ROPE_OF_THE_CALLS_POSITIONS = ("dynamic", "longrope")
 
@@ -58,18 +73,28 @@ def _attend_over_ranks(
     sequence_parallel.IMPLEMENTATION (ulysses_attention for the modules' own forwards) and each attention
     module is told the group; modules already through attention_block run it with the group."""
     configs = _configs(model)
+    eager_configs = set()
     for config in configs:
         implementation = vars(config).get(_IMPLEMENTATION_KEY)
+        model_type = getattr(config, "model_type", None)
         if implementation is None:  # a composite config (a VLM's) whose parts have their own
             continue
-        if implementation == "eager":
+        if implementation == "eager" and model_type in _EAGER_SEGMENT_MASK_MODEL_TYPES:
+            module = _eager_attention_module(model, config)
+            problem = "no attention module found" if module is None else eager_attention.probe_problem(module)
+            if problem is not None:
+                raise ValueError(
+                    f"torch_offload.apply: sequence_parallel: {type(config).__name__}'s eager attention: {problem}"
+                )
+            eager_configs.add(id(config))  # its left-padded rows are refused at the call (every_query_has_a_key)
+        elif implementation == "eager":
             raise ValueError(
                 f"torch_offload.apply: sequence_parallel: {type(config).__name__} has 'eager' attention, which "
                 "gives a query with no key to attend (a left-padded row's pads) the mean of its whole row's "
                 "values, later tokens included, where ulysses_attention gives 0 as SDPA does; load the model "
                 "with attn_implementation='sdpa'"
             )
-        if implementation != "sdpa" or getattr(config, "model_type", None) not in _SEQUENCE_PARALLEL_MODEL_TYPES:
+        elif implementation != "sdpa" or model_type not in _SEQUENCE_PARALLEL_MODEL_TYPES:
             raise ValueError(
                 f"torch_offload.apply: sequence_parallel supports the attention of "
                 f"{', '.join(sorted(_SEQUENCE_PARALLEL_MODEL_TYPES))} models with 'sdpa' "
@@ -82,6 +107,17 @@ def _attend_over_ranks(
                 f"torch_offload.apply: sequence_parallel: {type(config).__name__}'s rotary embedding "
                 f"({rope.get('rope_type', rope.get('type'))!r}) scales with the largest position of a "
                 "call, which differs between ranks"
+            )
+        if getattr(config, "output_router_logits", False):
+            raise ValueError(
+                f"torch_offload.apply: sequence_parallel: {type(config).__name__} has output_router_logits=True: "
+                "the mixture of experts' auxiliary loss would be over each rank's tokens, not the whole batch's; "
+                "set config.output_router_logits = False"
+            )
+        if masking.config_window(config) is not None and model_type not in masking._WINDOW_PASSING_MODEL_TYPES:
+            raise ValueError(
+                f"torch_offload.apply: sequence_parallel: {type(config).__name__}'s attention modules do not pass "
+                "their sliding window to the attention function, so ulysses_attention would not compute it"
             )
         heads = getattr(config, "num_attention_heads", None)
         if isinstance(heads, int) and heads % group.size():
@@ -99,12 +135,24 @@ def _attend_over_ranks(
         attention = _attention_of(layer)
         if attention is None:
             raise ValueError(f"torch_offload.apply: sequence_parallel: {name} has no single attention module")
+        module = getattr(layer, attention)
         handle._patch(
             f"{name}.{attention}.{sequence_parallel.GROUP_ATTRIBUTE}",
-            getattr(layer, attention),
+            module,
             sequence_parallel.GROUP_ATTRIBUTE,
             group.group_name,
         )
+        config = getattr(module, "config", None)
+        if id(config) in eager_configs:
+            handle._patch(
+                f"{name}.{attention}.{sequence_parallel.EAGER_ATTRIBUTE}",
+                module,
+                sequence_parallel.EAGER_ATTRIBUTE,
+                True,
+            )
+        if getattr(config, "model_type", None) in _MASKS_WITHOUT_POSITION_IDS:
+            one_sequence = sequence_parallel.ONE_SEQUENCE_PER_ROW_ATTRIBUTE
+            handle._patch(f"{name}.{attention}.{one_sequence}", module, one_sequence, True)
         if handle.attention.get(f"{name}.{attention}") != "attention_block":  # not the op with the group
             handle.attention[f"{name}.{attention}"] = "ulysses_attention"
     for config in configs:
