@@ -313,6 +313,19 @@ def test_unwritable_directory_is_refused():
         torch_offload.disk_spill(torch.ones(4), directory="/proc/sys")
 
 
+def test_the_engine_writes_from_a_tensor_of_its_own(spill_dir):
+    # The I/O thread that finishes a write lets go of its source. Letting go of the last C++ reference to a tensor
+    # Python has seen takes the GIL, which that thread would wait for behind the caller, and a thread waiting for it
+    # when the interpreter exits dies inside a noexcept destructor: std::terminate (a child of the test below, once
+    # in CI). The engine writes from a tensor of its own over the caller's memory: while a C++ reference to t's own
+    # holds one to its Python object, t's reference count shows it.
+    t = torch.ones(64 << 20)  # 256 MiB: still being written when disk_spill returns
+    before = sys.getrefcount(t)
+    ticket = torch_offload.disk_spill(t, directory=spill_dir)
+    assert sys.getrefcount(t) == before
+    assert torch.equal(torch_offload.disk_restore(ticket, t.shape, t.dtype, "cpu"), t)
+
+
 # The engine's first spill as the user nobody with no thread allowed, then with threads allowed again.
 SPILL_AS_NOBODY_WITHOUT_THREADS = """
         import os, pwd, resource, torch, torch_offload

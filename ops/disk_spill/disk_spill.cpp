@@ -53,6 +53,20 @@ int64_t ticket_id(const at::Tensor& ticket, const char* op) {
   return data[0];
 }
 
+// A tensor over t's memory that only the engine holds (t itself where it is not a plain strided one). The I/O
+// threads let go of a source once it is written: letting go of the last C++ reference to a tensor Python has seen
+// takes the GIL (c10's decref_pyobject), so an I/O thread would wait for the training loop's Python, and at
+// interpreter exit that wait ends the thread inside a noexcept destructor: std::terminate.
+at::Tensor engine_own(const at::Tensor& t) {
+  if (t.layout() != at::kStrided || t.is_quantized() || !t.has_storage()) {
+    return t;
+  }
+  at::Tensor own = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(t.storage()), t.key_set(), t.dtype());
+  own.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  return own;
+}
+
+// host: engine_own's (it outlives this call in the ticket until written).
 at::Tensor spill_host_tensor(const at::Tensor& host, std::optional<c10::string_view> directory, bool allow_tmpfs,
                              std::function<void()> source_ready, bool bounce_source) {
   auto file = SpillEngine::instance().file_for(spill_directory(directory), allow_tmpfs);
@@ -64,8 +78,9 @@ at::Tensor spill_host_tensor(const at::Tensor& host, std::optional<c10::string_v
 // worker copies it to its own buffer first, and only once a non-blocking offload_pack's
 // device-to-host copy into it has landed.
 at::Tensor spill_pinned_tensor(const at::Tensor& host, std::optional<c10::string_view> directory, bool allow_tmpfs) {
+  const at::Tensor own = engine_own(host);
   return spill_host_tensor(
-      host, directory, allow_tmpfs, [host] { wait_for_pending_pack(host); },
+      own, directory, allow_tmpfs, [own] { wait_for_pending_pack(own); },
       /*bounce_source=*/true);
 }
 #endif
@@ -85,7 +100,7 @@ at::Tensor disk_spill_cpu(const at::Tensor& src, std::optional<c10::string_view>
   // Written asynchronously from src's own memory (no copy when contiguous):
   // do not change src in place before disk_wait (the checksum, taken first,
   // would then fail on restore).
-  return spill_host_tensor(src.contiguous(), directory, allow_tmpfs, nullptr, /*bounce_source=*/false);
+  return spill_host_tensor(engine_own(src.contiguous()), directory, allow_tmpfs, nullptr, /*bounce_source=*/false);
 }
 
 at::Tensor disk_spill_meta(const at::Tensor& src, std::optional<c10::string_view> /*directory*/, bool /*allow_tmpfs*/) {
