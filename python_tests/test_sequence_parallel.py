@@ -586,8 +586,8 @@ def test_compiled_applied_model_on_each_ranks_chunk_equals_one_process(tmp_path)
         assert_equals_one_process(case, parts)
         graphs, (op,) = parts[0][3], THE_MODULES_OWN.get(APPLIED[case][0], {"attention_block"})
         # Every layer's op in the one graph of the case's one call. A float dynamo turns into a tensor (Gemma 2's
-        # soft-cap) restarts its analysis once: the backend also saw the graph of the attempt before.
-        assert len(graphs) <= 2 and graphs[-1].count(f"offload.{op}") == 3
+        # soft-cap) may restart its analysis once (torch 2.13 does): the backend then also saw the first attempt.
+        assert len(graphs) <= (2 if case == "gemma2" else 1) and graphs[-1].count(f"offload.{op}") == 3
 
 
 def refusals_on_ranks(rank, world_size, path):
