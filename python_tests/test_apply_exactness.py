@@ -329,3 +329,29 @@ def test_models_with_transformers_loss_keep_the_fused_loss_on_padded_batches(nam
     assert handle.loss == "linear_cross_entropy"
     assert_close_runs(want, loss_and_grads(model, ids, run=run))
     handle.remove()
+
+
+def test_transformers_output_capturing_hooks_keep_the_attention_op_and_record_its_outputs():
+    # A first call asking for hidden states (or attentions, or router logits) hooks every decoder layer and attention
+    # module for good; the hooks run around the op's forward as around the module's, so apply keeps the op.
+    model, ids = make_model("llama"), batch()
+    with torch.no_grad():
+        want_states = model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+    assert all(layer.self_attn._forward_hooks for layer in model.model.layers)
+    want = loss_and_grads(model, ids)
+    handle = torch_offload.apply(model, num_shards=2)
+    assert handle.attention_blocks == 3, handle.attention
+    states, got = [], {}
+
+    def run(**kwargs):
+        out = model(**kwargs, output_hidden_states=True)
+        states.extend(out.hidden_states)
+        return out
+
+    # The op's forward in each layer, and its backward (the last layer, checkpointed whole, recomputes it).
+    assert op_calls(lambda: got.update(applied=loss_and_grads(model, ids, run=run))) == (4, 3)
+    assert_close_runs(want, got["applied"])
+    assert len(states) == len(want_states) == 4
+    for have, expected in zip(states, want_states):
+        torch.testing.assert_close(have, expected, rtol=1e-5, atol=1e-6)
+    handle.remove()

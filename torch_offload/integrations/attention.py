@@ -173,8 +173,12 @@ def _attention_block_problem(attention: nn.Module) -> str | None:
     layout = _projection_layout(attention)
     if layout is None:
         return _layout_problem(attention)
-    if any("forward" in vars(m) or m._forward_hooks or m._forward_pre_hooks for m in attention.modules()):
-        return "it or a projection has hooks or a forward of its own (the op would bypass them)"
+    # The module's own hooks run around the op's forward as around its own (transformers' output-capturing hooks,
+    # installed by the first call that records attentions, hidden states or router logits); a projection's would not.
+    if "forward" in vars(attention):
+        return "it has a forward of its own (the op would bypass it)"
+    if any("forward" in vars(m) or m._forward_hooks or m._forward_pre_hooks for m in list(attention.modules())[1:]):
+        return "a projection has hooks or a forward of its own (the op would bypass them)"
     parameters = inspect.signature(attention.forward).parameters
     if any(name not in parameters for name in _ATTENTION_ARGUMENTS) or not any(
         name in parameters for name in _CACHE_ARGUMENTS
