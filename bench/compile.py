@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 
-from measure import measured_step, worker_env, write_section
+from measure import demo_llama, measured_step, worker_env, write_section
 from real_batches import batch
 
 METHODS = ("eager", "compiled")
@@ -34,27 +34,13 @@ METHODS = ("eager", "compiled")
 
 def worker(method, tokens, offload, device, kind):
     import torch
-    import transformers
 
     import torch_offload
 
     gpu = device.startswith("cuda")
     hidden, intermediate, layers = (1024, 2816, 8) if gpu else (256, 704, 4)
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=32000,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=hidden // 64,
-        max_position_embeddings=tokens,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        attn_implementation="sdpa",
-    )
-    model = transformers.LlamaForCausalLM(config).to(device).train()
+    model = demo_llama(hidden, intermediate, layers, tokens).to(device).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     spill = tempfile.TemporaryDirectory()
     tier = None if offload == "none" else offload

@@ -44,6 +44,26 @@ def measured_step(step, gpu):
     return value, seconds, peak - before
 
 
+def demo_llama(hidden, intermediate, layers, tokens):
+    """The demo's Llama (examples/demo.py): vocabulary 32K, heads of 64, as many key/value heads, SDPA attention."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        max_position_embeddings=tokens,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="sdpa",
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
 def slope(points):
     """KiB per token: the least-squares line through (tokens, peak bytes), of points {tokens: {"peak": bytes}}."""
     tokens = list(points)
