@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The ends of the supported torch range (`make test-torch-range`): for each version given, the CUDA build of the
-# library (nvcc, sm_80 and sm_90, as the lent GPU machines build it) and the op test files on the CPU, with
-# torch.compile's and sequence parallelism's: the parts of apply() that lean on torch's private corners.
-#   torch_range.sh CUDA_VENV CUDA_HOME VERSION...
+# library (nvcc, sm_80 and sm_90, as the lent GPU machines build it) and the test files the Makefile names in
+# OP_TESTS, on the CPU.
+#   OP_TESTS="test_a.py test_b.py" torch_range.sh CUDA_VENV CUDA_HOME VERSION...
 # Each version gets a venv under build/torch-VERSION holding only that torch (from PyPI, without its dependencies);
 # everything else, the CUDA libraries included, comes from CUDA_VENV's site-packages through a .pth file: CUDA 13
 # libraries of another minor version serve a CPU run. A library a version needs newer than CUDA_VENV's is named in
@@ -12,10 +12,7 @@ set -euo pipefail
 cuda_venv=$(realpath "$1") cuda_home=$2
 shift 2
 declare -A EXTRA_WHEELS=([2.15.0]="nvidia-nvshmem-cu13==3.7.2")  # torch 2.15's libtorch_nvshmem needs 3.7
-OP_TESTS=(test_offload_ops.py test_tiled_mlp.py test_linear_cross_entropy.py test_attention_block.py
-  test_attention_block_norms.py test_segment_attention.py test_segment_attention_score_mods.py
-  test_segment_attention_value_head_dim.py test_attention_block_row_norms.py test_autocast_backward.py test_disk_spill.py
-  test_activations.py test_compile.py test_sequence_parallel.py)
+read -ra op_tests <<< "${OP_TESTS:?the test files to run, from the Makefile}"
 cuda_site=$("$cuda_venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')
 for version in "$@"; do
   SECONDS=0
@@ -32,6 +29,6 @@ for version in "$@"; do
   "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -C "build-dir=build/torch-$version/build" \
     -C cmake.define.TORCH_OFFLOAD_CUDA=ON -C "cmake.define.CMAKE_CUDA_COMPILER=$cuda_home/bin/nvcc" \
     -C "cmake.define.CUDA_TOOLKIT_ROOT_DIR=$cuda_home" -C "cmake.define.CUDA_nvrtc_LIBRARY=$nvrtc" .
-  (cd python_tests && "../$venv/bin/python" -m pytest -q -p no:cacheprovider -n auto --dist loadgroup "${OP_TESTS[@]}")
+  (cd python_tests && "../$venv/bin/python" -m pytest -q -p no:cacheprovider -n auto --dist loadgroup "${op_tests[@]}")
   echo "torch_range: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'): built and tested in ${SECONDS} s"
 done
