@@ -4,6 +4,7 @@ disk space given back, fork."""
 import contextlib
 import ctypes
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -324,6 +325,40 @@ def test_the_engine_writes_from_a_tensor_of_its_own(spill_dir):
     ticket = torch_offload.disk_spill(t, directory=spill_dir)
     assert sys.getrefcount(t) == before
     assert torch.equal(torch_offload.disk_restore(ticket, t.shape, t.dtype, "cpu"), t)
+
+
+# glibc's heap keeps what is freed in it resident; the tier's I/O threads give it back (spill_engine.cpp, trim_heap).
+HOLES_IN_THE_HEAP = """
+        import time, torch, torch_offload
+        def resident():
+            with open("/proc/self/status") as status:
+                return next(int(line.split()[1]) << 10 for line in status if line.startswith("VmRSS:"))
+        torch.ones(6 << 20).sum()  # a 24 MiB block mmapped and freed: glibc then serves blocks up to that from its heap
+        blocks = [torch.ones(2 << 20) for _ in range(40)]  # 8 MiB each: 320 MiB of heap
+        pinned = torch.ones(1 << 18)  # 1 MiB above them: the heap cannot shrink from its top
+        del blocks
+        held = resident()
+        before = torch_offload.disk_spill_stats()["heap_trims"]
+        ticket = torch_offload.disk_spill(torch.ones(16 << 20), directory={directory!r})  # 64 MiB written
+        torch_offload.disk_wait(ticket)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and resident() > held - (200 << 20):
+            time.sleep(0.05)
+        print(torch_offload.disk_spill_stats()["heap_trims"] - before, (held - resident()) >> 20)
+"""
+
+
+def test_the_io_threads_give_back_the_heap_that_glibc_keeps(spill_dir, monkeypatch):
+    # In a fresh process with glibc's default settings: 320 MiB freed in holes of the heap stay resident until one
+    # 64 MiB write through the tier makes an I/O thread trim the heap.
+    if platform.libc_ver()[0] != "glibc":
+        unavailable("the heap's retention and its trimming are glibc's")
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    child = run_child(HOLES_IN_THE_HEAP.format(directory=spill_dir))
+    assert child.returncode == 0, child.stderr
+    trims, given_back_mib = map(int, child.stdout.split())
+    assert trims == 1 and given_back_mib > 200, child.stdout
 
 
 # The engine's first spill as the user nobody with no thread allowed, then with threads allowed again.

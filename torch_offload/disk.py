@@ -29,6 +29,7 @@ _STATS = (
     "tickets_live",
     "restore_cache_hits",
     "restore_cache_kept_bytes",
+    "heap_trims",
 )
 
 
@@ -91,7 +92,9 @@ def disk_wait(ticket: torch.Tensor) -> None:
 def disk_spill_stats() -> dict[str, float]:
     """bytes_written, bytes_read, extents_live, peak_file_bytes, tickets_live,
     write_seconds / read_seconds (summed over the I/O threads), restore_cache_hits
-    (restores that reused a freed restore buffer) and restore_cache_kept_bytes."""
+    (restores that reused a freed restore buffer), restore_cache_kept_bytes and heap_trims
+    (how often the I/O threads gave the heap's free pages back to the system: every 64 MiB
+    written or restored, with glibc)."""
     stats = dict(zip(_STATS, torch.ops.offload.disk_spill_stats()))
     stats["write_seconds"] = stats.pop("write_ns") / 1e9
     stats["read_seconds"] = stats.pop("read_ns") / 1e9

@@ -155,8 +155,8 @@ void disk_spill_configure_kernel(int64_t num_threads, int64_t extent_bytes, bool
 
 std::vector<int64_t> disk_spill_stats_kernel() {
   const SpillStats s = SpillEngine::instance().stats();
-  return {s.bytes_written, s.bytes_read,   s.extents_live,       s.peak_file_bytes,         s.write_ns,
-          s.read_ns,       s.tickets_live, s.restore_cache_hits, s.restore_cache_kept_bytes};
+  return {s.bytes_written, s.bytes_read,   s.extents_live,       s.peak_file_bytes,          s.write_ns,
+          s.read_ns,       s.tickets_live, s.restore_cache_hits, s.restore_cache_kept_bytes, s.heap_trims};
 }
 
 }  // namespace torch_offload

@@ -33,7 +33,7 @@ std::vector<int64_t> disk_ticket_location_cpu(const at::Tensor& ticket);
 void disk_spill_configure_kernel(int64_t num_threads, int64_t extent_bytes, bool checksums, int64_t max_in_flight_bytes,
                                  int64_t restore_cache_bytes);
 // [bytes_written, bytes_read, extents_live, peak_file_bytes, write_ns, read_ns, tickets_live,
-//  restore_cache_hits, restore_cache_kept_bytes]
+//  restore_cache_hits, restore_cache_kept_bytes, heap_trims]
 std::vector<int64_t> disk_spill_stats_kernel();
 
 }  // namespace torch_offload

@@ -47,6 +47,7 @@ struct SpillStats {
   int64_t tickets_live = 0;
   int64_t restore_cache_hits = 0;        // restores that reused a freed buffer
   int64_t restore_cache_kept_bytes = 0;  // freed restore buffers kept now
+  int64_t heap_trims = 0;                // times a worker gave the heaps' free pages back
 };
 
 class SpillEngine {
@@ -105,6 +106,8 @@ class SpillEngine {
   std::string run_job(const Job& job, char* staging, std::unique_ptr<char, decltype(&std::free)>& bounce);
   void finish_job(const Job& job, const std::string& error);
   void start_reads_locked(const std::shared_ptr<Ticket>& ticket);
+  // Counts bytes that went through the tier; every kTrimEveryBytes, asks a worker to trim the heap.
+  void count_for_trim_locked(int64_t bytes);
   void free_extents_locked(Ticket& ticket);
   std::shared_ptr<Ticket> find_locked(int64_t ticket, const char* op) const;
 
@@ -115,6 +118,9 @@ class SpillEngine {
   std::condition_variable done_cv_;
   std::deque<Job> queue_;
   std::deque<FreedExtents> frees_;  // taken before the jobs: space back first
+  // Bytes written or restored since the heap was last trimmed, and whether a worker should trim it (trim_heap()).
+  int64_t bytes_since_trim_ = 0;
+  bool trim_requested_ = false;
   std::vector<std::thread> workers_;
   bool stopping_ = false;
   int64_t in_flight_bytes_ = 0;
