@@ -132,10 +132,10 @@ OP_TESTS := test_offload_ops.py test_tiled_mlp.py test_linear_cross_entropy.py t
   test_disk_spill.py test_activations.py test_compile.py test_sequence_parallel.py test_apply.py
 
 # The op tests on the second torch: the CUDA wheel that cuda-check built the package against. Without a GPU
-# their CUDA tests skip and the rest runs on the CPU. (The whole suite here took half of CI's 90 minutes and
+# their CUDA tests skip and the rest runs on the CPU. (The whole suite here took about 30 of CI's 75-87 minutes and
 # repeated make test's coverage of the integrations, which do not depend on the torch build.)
 test-cuda-torch: cuda-check
-	cd python_tests && ../$(CUDA_VENV)/bin/python -m pytest $(PYTEST_PARALLEL) $(OP_TESTS)
+	cd python_tests && $(abspath $(CUDA_VENV))/bin/python -m pytest $(PYTEST_PARALLEL) $(OP_TESTS)
 
 # The ends of the supported torch range (pyproject.toml): the CUDA build and the op, compile and sequence-parallel
 # test files on torch 2.11 (the lent GPU machines') and 2.15 (the newest release), each in its own venv that borrows

@@ -333,32 +333,49 @@ HOLES_IN_THE_HEAP = """
         def resident():
             with open("/proc/self/status") as status:
                 return next(int(line.split()[1]) << 10 for line in status if line.startswith("VmRSS:"))
+        def trims():
+            return torch_offload.disk_spill_stats()["heap_trims"]
+        def wait_for(condition):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not condition():
+                time.sleep(0.05)
+        def written(t):
+            ticket = torch_offload.disk_spill(t, directory={directory!r})
+            torch_offload.disk_wait(ticket)
+            return ticket
         torch.ones(6 << 20).sum()  # a 24 MiB block mmapped and freed: glibc then serves blocks up to that from its heap
         blocks = [torch.ones(2 << 20) for _ in range(40)]  # 8 MiB each: 320 MiB of heap
         pinned = torch.ones(1 << 18)  # 1 MiB above them: the heap cannot shrink from its top
         del blocks
         held = resident()
-        before = torch_offload.disk_spill_stats()["heap_trims"]
-        ticket = torch_offload.disk_spill(torch.ones(16 << 20), directory={directory!r})  # 64 MiB written
-        torch_offload.disk_wait(ticket)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and resident() > held - (200 << 20):
-            time.sleep(0.05)
-        print(torch_offload.disk_spill_stats()["heap_trims"] - before, (held - resident()) >> 20)
+        first = written(torch.ones(8 << 20))  # 32 MiB: no trim yet
+        time.sleep(0.5)
+        print(trims(), (held - resident()) >> 20)
+        second = written(torch.ones(8 << 20) + 1)  # 64 MiB in all: one trim
+        wait_for(lambda: trims() == 1 and resident() < held - (200 << 20))
+        print(trims(), (held - resident()) >> 20)
+        for ticket in (first, second):  # 64 MiB restored: one more
+            torch_offload.disk_restore(ticket, (8 << 20,), torch.float32, "cpu")
+        wait_for(lambda: trims() == 2)
+        print(trims())
 """
 
 
 def test_the_io_threads_give_back_the_heap_that_glibc_keeps(spill_dir, monkeypatch):
-    # In a fresh process with glibc's default settings: 320 MiB freed in holes of the heap stay resident until one
-    # 64 MiB write through the tier makes an I/O thread trim the heap.
+    # In a fresh process with glibc's default settings: 320 MiB freed in holes of the heap stay resident until 64 MiB
+    # written through the tier make an I/O thread trim the heap; 64 MiB restored make it trim again.
     if platform.libc_ver()[0] != "glibc":
         unavailable("the heap's retention and its trimming are glibc's")
-    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES"):
-        monkeypatch.delenv(name, raising=False)
+    for name in [name for name in os.environ if name.startswith("MALLOC_")] + ["LD_PRELOAD", "GLIBC_TUNABLES"]:
+        monkeypatch.delenv(name, raising=False)  # glibc's malloc with its defaults
     child = run_child(HOLES_IN_THE_HEAP.format(directory=spill_dir))
     assert child.returncode == 0, child.stderr
-    trims, given_back_mib = map(int, child.stdout.split())
+    after_32, after_64, after_restores = child.stdout.splitlines()
+    trims, given_back_mib = map(int, after_32.split())
+    assert trims == 0 and given_back_mib < 100, child.stdout
+    trims, given_back_mib = map(int, after_64.split())
     assert trims == 1 and given_back_mib > 200, child.stdout
+    assert int(after_restores) == 2, child.stdout
 
 
 # The engine's first spill as the user nobody with no thread allowed, then with threads allowed again.

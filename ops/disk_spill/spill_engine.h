@@ -118,9 +118,11 @@ class SpillEngine {
   std::condition_variable done_cv_;
   std::deque<Job> queue_;
   std::deque<FreedExtents> frees_;  // taken before the jobs: space back first
-  // Bytes written or restored since the heap was last trimmed, and whether a worker should trim it (trim_heap()).
+  // Bytes written or restored since the heap was last trimmed, whether a worker should trim it (trim_heap()), and
+  // whether one is.
   int64_t bytes_since_trim_ = 0;
   bool trim_requested_ = false;
+  bool trimming_ = false;
   std::vector<std::thread> workers_;
   bool stopping_ = false;
   int64_t in_flight_bytes_ = 0;
