@@ -1,0 +1,127 @@
+"""Memory and time of one training step at long context, as users run it: `apply(model)` with no option in a
+process with no special environment.
+
+    .venv/bin/python bench/long_context.py [--tokens 8192,16384,32768,65536] [--plain-tokens 4096,8192,16384]
+                                           [--write]
+
+The demo's Llama (hidden 512, MLP 1408, 8 layers, vocabulary 32K, float32, random weights), one row of T tokens,
+one step (forward and backward, no optimizer) per fresh process after a 128-token warm-up step: the growth of the
+resident set during the step (VmHWM, reset just before), the bytes the disk tier wrote and its seconds. Unlike the
+other benches, glibc keeps its default settings (no MALLOC_MMAP_THRESHOLD_) and the disk tier its defaults: what a
+user's process shows. Bytes per token is the least-squares slope over the applied lengths from 16K up. Plain training
+runs where it fits; its step time is extrapolated to the applied lengths by the quadratic through its points
+(attention's work grows with T squared), and the applied step's time is given against it.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from measure import ROOT, demo_llama, machine, reset_peak_rss, slope, status_bytes, write_section
+
+TITLE = "Long context"
+
+
+def worker(method, tokens):
+    import time
+
+    import torch
+
+    import torch_offload
+
+    torch.manual_seed(0)
+    model = demo_llama(512, 1408, 8, tokens).train()
+    if method == "apply(model)":
+        torch_offload.apply(model)  # plain training writes nothing: its bytes written stay 0
+
+    def step(length):
+        ids = torch.randint(3, 32000, (1, length), generator=torch.Generator().manual_seed(0))
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return loss.item()
+
+    step(128)
+    written = torch_offload.disk_spill_stats()["bytes_written"]
+    before = reset_peak_rss()
+    start = time.perf_counter()
+    loss = step(tokens)
+    seconds = time.perf_counter() - start
+    written = torch_offload.disk_spill_stats()["bytes_written"] - written
+    return dict(peak=status_bytes("VmHWM") - before, seconds=seconds, loss=loss, written=written)
+
+
+def quadratic_time(points):
+    """The quadratic through (or, past three points, nearest to) the (tokens, seconds) points, as a function."""
+    import numpy
+
+    tokens = list(points)
+    coefficients = numpy.polyfit(tokens, [points[t]["seconds"] for t in tokens], min(2, len(tokens) - 1))
+    return lambda t: float(numpy.polyval(coefficients, t))
+
+
+def run(method, tokens):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    command = [sys.executable, __file__, "--run", method, str(tokens)]
+    result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout)
+    print(f"{method} {tokens}: {result['peak'] / 2**20:.0f} MiB, {result['seconds']:.1f} s", flush=True)
+    return result
+
+
+def table(applied, plain):
+    per_token = slope({t: p for t, p in applied.items() if t >= 16384})
+    plain_per_token = slope(plain)
+    plain_time = quadratic_time(plain)
+    rows = [
+        "| tokens | apply(model) MiB | KiB per token so far | written to disk (KiB per token) | step (s) | "
+        "plain step (s) | vs plain |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for tokens, point in applied.items():
+        measured = tokens in plain
+        plain_seconds = plain[tokens]["seconds"] if measured else plain_time(tokens)
+        rows.append(
+            f"| {tokens:,} | {point['peak'] / 2**20:.0f} | {point['peak'] / tokens / 1024:.1f} | "
+            f"{point['written'] / tokens / 1024:.1f} | "
+            f"{point['seconds']:.1f} | {plain_seconds:.1f}{'' if measured else ' (extrapolated)'} | "
+            f"{point['seconds'] / plain_seconds:.2f}x |"
+        )
+    plain_points = ", ".join(f"{t // 1024}K {p['peak'] / 2**20:.0f} MiB {p['seconds']:.1f} s" for t, p in plain.items())
+    command = "`.venv/bin/python bench/long_context.py " + " ".join(sys.argv[1:]) + "`"
+    return (
+        f"## {TITLE}\n\n{command} ({machine()}). The demo's Llama (hidden 512, MLP 1408, 8 layers, vocabulary 32K, "
+        "float32), one row of T tokens, `apply(model)` with no option, one step per fresh process with glibc's and "
+        "the disk tier's default settings (no environment variable): resident set growth during the step (VmHWM) and "
+        f"its time. Plain training in the same run: {plain_points}; {plain_per_token:.1f} KiB per token; its step "
+        "time beyond the lengths it ran at is the quadratic through its points.\n\n"
+        + "\n".join(rows)
+        + f"\n\nResident growth per token from 16K up (least squares): **{per_token:.1f} KiB**, "
+        f"{plain_per_token / per_token:.0f}x less than plain training. Where those bytes live at the step's peak "
+        "(the backward of the last layer, kept and recomputed whole): [Live tensors at the peak of an applied "
+        "step](#live-tensors-at-the-peak-of-an-applied-step).\n"
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="8192,16384,32768,65536")
+    parser.add_argument("--plain-tokens", default="4096,8192,16384")
+    parser.add_argument("--write", action="store_true", help="record the table in BENCHMARKS.md")
+    parser.add_argument("--run", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run:
+        json.dump(worker(args.run[0], int(args.run[1])), sys.stdout)
+        return
+    plain = {t: run("plain", t) for t in map(int, args.plain_tokens.split(","))}
+    applied = {t: run("apply(model)", t) for t in map(int, args.tokens.split(","))}
+    text = table(applied, plain)
+    print(text)
+    if args.write:
+        write_section(TITLE, text)
+
+
+if __name__ == "__main__":
+    main()
