@@ -124,12 +124,16 @@ cuda-check: $(VENV)/.ready $(CUDA_VENV)/.ready gtest
 	cmake/check_cuda_runtime.sh $(CUDA_BUILD_DIR)/libtorch_offload.so
 	PATH=$$PWD/$(VENV)/bin:$$PATH cmake/check_cuda_runtime.sh --mismatch $$PWD/$(CUDA_VENV)/bin/python $(CUDA_HOME)/bin/nvcc
 
-# The test files of the ops, torch.compile and sequence parallelism: the parts of the library that lean on torch's
-# dispatcher and private corners, run on every torch CI builds against (make test runs all files on $(TORCH_VERSION)).
+# The test files of the ops, torch.compile and apply(): the parts of the library that lean on torch's dispatcher and
+# private corners, run on every torch CI builds against (make test runs all files on $(TORCH_VERSION)).
 OP_TESTS := test_offload_ops.py test_tiled_mlp.py test_linear_cross_entropy.py test_attention_block.py \
   test_attention_block_norms.py test_segment_attention.py test_segment_attention_score_mods.py \
   test_segment_attention_value_head_dim.py test_attention_block_row_norms.py test_autocast_backward.py \
-  test_disk_spill.py test_activations.py test_compile.py test_sequence_parallel.py test_apply.py
+  test_disk_spill.py test_activations.py test_compile.py test_apply.py
+# Sequence parallelism's file spawns Gloo ranks that share one xdist worker: about 10 minutes of CI per torch, so it
+# runs on $(TORCH_VERSION) (make test) and on the lent GPU machines' torch, the range's oldest end, only.
+GPU_TORCH := 2.11.0
+GPU_TORCH_TESTS := test_sequence_parallel.py
 
 # The op tests on the second torch: the CUDA wheel that cuda-check built the package against. Without a GPU
 # their CUDA tests skip and the rest runs on the CPU. (The whole suite here took about 30 of CI's 75-87 minutes and
@@ -137,12 +141,12 @@ OP_TESTS := test_offload_ops.py test_tiled_mlp.py test_linear_cross_entropy.py t
 test-cuda-torch: cuda-check
 	cd python_tests && $(abspath $(CUDA_VENV))/bin/python -m pytest $(PYTEST_PARALLEL) $(OP_TESTS)
 
-# The ends of the supported torch range (pyproject.toml): the CUDA build and the op, compile and sequence-parallel
-# test files on torch 2.11 (the lent GPU machines') and 2.15 (the newest release), each in its own venv that borrows
+# The ends of the supported torch range (pyproject.toml): the CUDA build and OP_TESTS on torch 2.11 (the lent GPU
+# machines', which also runs GPU_TORCH_TESTS) and 2.15 (the newest release), each in its own venv that borrows
 # $(CUDA_VENV)'s other packages.
-TORCH_RANGE ?= 2.11.0 2.15.0
+TORCH_RANGE ?= $(GPU_TORCH) 2.15.0
 test-torch-range: $(CUDA_VENV)/.ready
-	OP_TESTS="$(OP_TESTS)" .ci/torch_range.sh $(CUDA_VENV) $(CUDA_HOME) $(TORCH_RANGE)
+	OP_TESTS="$(OP_TESTS)" GPU_TORCH=$(GPU_TORCH) GPU_TORCH_TESTS="$(GPU_TORCH_TESTS)" .ci/torch_range.sh $(CUDA_VENV) $(CUDA_HOME) $(TORCH_RANGE)
 
 # On a machine with a GPU: build against that machine's own CUDA torch (GPU_PYTHON's), run every
 # CUDA test and the GPU bench, print one table (.ci/gpu_check.py). No venv, no package index needed.

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The ends of the supported torch range (`make test-torch-range`): for each version given, the CUDA build of the
 # library (nvcc, sm_80 and sm_90, as the lent GPU machines build it) and the test files the Makefile names in
-# OP_TESTS, on the CPU.
-#   OP_TESTS="test_a.py test_b.py" torch_range.sh CUDA_VENV CUDA_HOME VERSION...
+# OP_TESTS, on the CPU; the version named GPU_TORCH (the lent GPU machines') runs GPU_TORCH_TESTS too.
+#   OP_TESTS="test_a.py test_b.py" [GPU_TORCH=2.11.0 GPU_TORCH_TESTS="test_c.py"] torch_range.sh CUDA_VENV CUDA_HOME VERSION...
 # Each version gets a venv under build/torch-VERSION holding only that torch (from PyPI, without its dependencies);
 # everything else, the CUDA libraries included, comes from CUDA_VENV's site-packages through a .pth file: CUDA 13
 # libraries of another minor version serve a CPU run. A library a version needs newer than CUDA_VENV's is named in
@@ -29,6 +29,8 @@ for version in "$@"; do
   "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -C "build-dir=build/torch-$version/build" \
     -C cmake.define.TORCH_OFFLOAD_CUDA=ON -C "cmake.define.CMAKE_CUDA_COMPILER=$cuda_home/bin/nvcc" \
     -C "cmake.define.CUDA_TOOLKIT_ROOT_DIR=$cuda_home" -C "cmake.define.CUDA_nvrtc_LIBRARY=$nvrtc" .
-  (cd python_tests && "../$venv/bin/python" -m pytest -q -p no:cacheprovider -n auto --dist loadgroup "${op_tests[@]}")
+  tests=("${op_tests[@]}")
+  if [ "$version" = "${GPU_TORCH:-}" ]; then read -ra gpu_torch_tests <<< "${GPU_TORCH_TESTS:-}"; tests+=("${gpu_torch_tests[@]}"); fi
+  (cd python_tests && "../$venv/bin/python" -m pytest -q -p no:cacheprovider -n auto --dist loadgroup "${tests[@]}")
   echo "torch_range: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'): built and tested in ${SECONDS} s"
 done
