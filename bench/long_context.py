@@ -2,7 +2,7 @@
 process with no special environment.
 
     .venv/bin/python bench/long_context.py [--tokens 8192,16384,32768,65536] [--plain-tokens 4096,8192,16384]
-                                           [--write]
+                                           [--keep-last N] [--write]
 
 The demo's Llama (hidden 512, MLP 1408, 8 layers, vocabulary 32K, float32, random weights), one row of T tokens,
 one step (forward and backward, no optimizer) per fresh process after a 128-token warm-up step: the growth of the
@@ -10,7 +10,8 @@ resident set during the step (VmHWM, reset just before), the bytes the disk tier
 other benches, glibc keeps its default settings (no MALLOC_MMAP_THRESHOLD_) and the disk tier its defaults: what a
 user's process shows. Bytes per token is the least-squares slope over the applied lengths from 16K up. Plain training
 runs where it fits; its step time is extrapolated to the applied lengths by the quadratic through its points
-(attention's work grows with T squared), and the applied step's time is given against it.
+(attention's work grows with T squared), and the applied step's time is given against it. `--keep-last N` passes
+apply() that one option (a section of its own): how much the last layers, kept and recomputed whole, hold.
 """
 
 import argparse
@@ -24,7 +25,7 @@ from measure import ROOT, demo_llama, machine, reset_peak_rss, slope, status_byt
 TITLE = "Long context"
 
 
-def worker(method, tokens):
+def worker(method, tokens, apply_options):
     import time
 
     import torch
@@ -34,7 +35,7 @@ def worker(method, tokens):
     torch.manual_seed(0)
     model = demo_llama(512, 1408, 8, tokens).train()
     if method == "apply(model)":
-        torch_offload.apply(model)  # plain training writes nothing: its bytes written stay 0
+        torch_offload.apply(model, **apply_options)  # plain training writes nothing: its bytes written stay 0
 
     def step(length):
         ids = torch.randint(3, 32000, (1, length), generator=torch.Generator().manual_seed(0))
@@ -62,16 +63,16 @@ def quadratic_time(points):
     return lambda t: float(numpy.polyval(coefficients, t))
 
 
-def run(method, tokens):
+def run(method, tokens, apply_options):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    command = [sys.executable, __file__, "--run", method, str(tokens)]
+    command = [sys.executable, __file__, "--run", method, str(tokens), json.dumps(apply_options)]
     result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout)
     print(f"{method} {tokens}: {result['peak'] / 2**20:.0f} MiB, {result['seconds']:.1f} s", flush=True)
     return result
 
 
-def table(applied, plain):
+def table(applied, plain, apply_options):
     per_token = slope({t: p for t, p in applied.items() if t >= 16384})
     plain_per_token = slope(plain)
     plain_time = quadratic_time(plain)
@@ -91,36 +92,44 @@ def table(applied, plain):
         )
     plain_points = ", ".join(f"{t // 1024}K {p['peak'] / 2**20:.0f} MiB {p['seconds']:.1f} s" for t, p in plain.items())
     command = "`.venv/bin/python bench/long_context.py " + " ".join(sys.argv[1:]) + "`"
+    options = ", ".join(f"{k}={v}" for k, v in apply_options.items())
     return (
-        f"## {TITLE}\n\n{command} ({machine()}). The demo's Llama (hidden 512, MLP 1408, 8 layers, vocabulary 32K, "
-        "float32), one row of T tokens, `apply(model)` with no option, one step per fresh process with glibc's and "
+        f"## {section_title(apply_options)}\n\n{command} ({machine()}). The demo's Llama (hidden 512, MLP 1408, 8 "
+        f"layers, vocabulary 32K, float32), one row of T tokens, `apply(model{', ' + options if options else ''})` "
+        f"{'and no other option' if options else 'with no option'}, one step per fresh process with glibc's and "
         "the disk tier's default settings (no environment variable): resident set growth during the step (VmHWM) and "
         f"its time. Plain training in the same run: {plain_points}; {plain_per_token:.1f} KiB per token; its step "
         "time beyond the lengths it ran at is the quadratic through its points.\n\n"
         + "\n".join(rows)
         + f"\n\nResident growth per token from 16K up (least squares): **{per_token:.1f} KiB**, "
         f"{plain_per_token / per_token:.0f}x less than plain training. Where those bytes live at the step's peak "
-        "(the backward of the last layer, kept and recomputed whole): [Live tensors at the peak of an applied "
-        "step](#live-tensors-at-the-peak-of-an-applied-step).\n"
+        "with the defaults (the backward of the last layer, kept and recomputed whole): [Live tensors at the peak of "
+        "an applied step](#live-tensors-at-the-peak-of-an-applied-step).\n"
     )
+
+
+def section_title(apply_options):
+    return TITLE + "".join(f", {k}={v}" for k, v in apply_options.items())
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="8192,16384,32768,65536")
     parser.add_argument("--plain-tokens", default="4096,8192,16384")
+    parser.add_argument("--keep-last", type=int, help="apply()'s keep_last (default: apply()'s own)")
     parser.add_argument("--write", action="store_true", help="record the table in BENCHMARKS.md")
-    parser.add_argument("--run", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--run", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
-        json.dump(worker(args.run[0], int(args.run[1])), sys.stdout)
+        json.dump(worker(args.run[0], int(args.run[1]), json.loads(args.run[2])), sys.stdout)
         return
-    plain = {t: run("plain", t) for t in map(int, args.plain_tokens.split(","))}
-    applied = {t: run("apply(model)", t) for t in map(int, args.tokens.split(","))}
-    text = table(applied, plain)
+    apply_options = {} if args.keep_last is None else {"keep_last": args.keep_last}
+    plain = {t: run("plain", t, {}) for t in map(int, args.plain_tokens.split(","))}
+    applied = {t: run("apply(model)", t, apply_options) for t in map(int, args.tokens.split(","))}
+    text = table(applied, plain, apply_options)
     print(text)
     if args.write:
-        write_section(TITLE, text)
+        write_section(section_title(apply_options), text)
 
 
 if __name__ == "__main__":
