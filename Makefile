@@ -126,8 +126,8 @@ cuda-check: $(VENV)/.ready $(CUDA_VENV)/.ready gtest
 
 # The test files of the ops, torch.compile and apply(): the parts of the library that lean on torch's dispatcher and
 # private corners, run on every torch CI builds against (make test runs all files on $(TORCH_VERSION)).
-OP_TESTS := test_offload_ops.py test_tiled_mlp.py test_linear_cross_entropy.py test_attention_block.py \
-  test_attention_block_norms.py test_segment_attention.py test_segment_attention_score_mods.py \
+OP_TESTS := test_offload_ops.py test_tiled_mlp.py test_linear_cross_entropy.py test_token_logprobs.py \
+  test_attention_block.py test_attention_block_norms.py test_segment_attention.py test_segment_attention_score_mods.py \
   test_segment_attention_value_head_dim.py test_attention_block_row_norms.py test_autocast_backward.py \
   test_disk_spill.py test_activations.py test_compile.py test_apply.py
 # Sequence parallelism's file spawns Gloo ranks that share one xdist worker: about 10 minutes of CI per torch, so it

@@ -56,15 +56,29 @@ at::Tensor linear_cross_entropy_autocast(const at::Tensor& hidden, const at::Ten
   return loss.scalar_type() == at::kDouble ? loss : loss.to(at::kFloat);  // autocast leaves float64 alone
 }
 
+// token_logprobs likewise: its GEMMs in the autocast dtype, its outputs float32.
+template <c10::DeviceType kDevice>
+std::tuple<at::Tensor, at::Tensor> token_logprobs_autocast(const at::Tensor& hidden, const at::Tensor& weight,
+                                                           const at::Tensor& ids, const std::optional<at::Tensor>& bias,
+                                                           double temperature, bool entropy) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
+  const auto cast = [&](const auto& t) { return at::autocast::cached_cast(dtype, t, kDevice); };
+  return token_logprobs(cast(hidden), cast(weight), ids, cast(bias), temperature, entropy);
+}
+
 }  // namespace
 }  // namespace torch_offload
 
 TORCH_LIBRARY_IMPL(offload, AutocastCPU, m) {
   m.impl("linear_cross_entropy", &torch_offload::linear_cross_entropy_autocast<c10::DeviceType::CPU>);
+  m.impl("token_logprobs", &torch_offload::token_logprobs_autocast<c10::DeviceType::CPU>);
 }
 
 TORCH_LIBRARY_IMPL(offload, AutocastCUDA, m) {
   m.impl("linear_cross_entropy", &torch_offload::linear_cross_entropy_autocast<c10::DeviceType::CUDA>);
+  m.impl("token_logprobs", &torch_offload::token_logprobs_autocast<c10::DeviceType::CUDA>);
 }
 
 namespace torch_offload {
@@ -130,8 +144,8 @@ void without_autocast(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 void register_backward_ops_without_autocast(torch::Library& m) {
-  for (const char* op : {"tiled_mlp_backward", "linear_cross_entropy_backward", "attention_block_backward",
-                         "segment_attention_backward"}) {
+  for (const char* op : {"tiled_mlp_backward", "linear_cross_entropy_backward", "token_logprobs_backward",
+                         "attention_block_backward", "segment_attention_backward"}) {
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&without_autocast>());
   }
 }

@@ -266,10 +266,54 @@ at::Tensor linear_cross_entropy_autograd(const at::Tensor& hidden, const at::Ten
                                            in_forward);
 }
 
+// token_logprobs saves its inputs, each token's log-sum-exp and, when computed, its entropy; backward
+// recomputes the tiles for whichever outputs got a gradient (the per-token upstream gradients are not
+// known in forward). No double backward.
+class TokenLogprobsFunction : public torch::autograd::Function<TokenLogprobsFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
+                               const at::Tensor& ids, const std::optional<at::Tensor>& bias, double temperature,
+                               bool entropy) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [logprobs, entropies, lse] = token_logprobs_forward(hidden, weight, ids, bias, temperature, entropy);
+    ctx->save_for_backward({hidden, weight, bias.value_or(at::Tensor()), ids, lse, entropy ? entropies : at::Tensor()});
+    ctx->saved_data["temperature"] = temperature;
+    if (!entropy) {
+      ctx->mark_non_differentiable({entropies});  // the empty placeholder
+    }
+    return {logprobs, entropies};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const bool has_bias = saved[2].defined(), has_entropy = saved[5].defined();
+    const auto present = [](bool has, const at::Tensor& t) {
+      return has && t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+    };
+    // Absent optional inputs have no autograd edge: bias (input 3) takes one only when given.
+    const std::array<bool, 3> output_mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                                          has_bias && ctx->needs_input_grad(3)};
+    const auto [grad_hidden, grad_weight, grad_bias] =
+        token_logprobs_backward(present(true, grads[0]), present(has_entropy, grads[1]), saved[0], saved[1], saved[3],
+                                present(has_bias, saved[2]), saved[4], present(has_entropy, saved[5]),
+                                ctx->saved_data.at("temperature").toDouble(), output_mask);
+    return {grad_hidden, grad_weight, at::Tensor(), grad_bias, at::Tensor(), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> token_logprobs_autograd(const at::Tensor& hidden, const at::Tensor& weight,
+                                                           const at::Tensor& ids, const std::optional<at::Tensor>& bias,
+                                                           double temperature, bool entropy) {
+  const variable_list outputs = TokenLogprobsFunction::apply(hidden, weight, ids, bias, temperature, entropy);
+  return {outputs[0], outputs[1]};
+}
+
 }  // namespace
 }  // namespace torch_offload
 
 TORCH_LIBRARY_IMPL(offload, Autograd, m) {
+  m.impl("token_logprobs", &torch_offload::token_logprobs_autograd);
+  m.impl("token_logprobs_forward", torch::autograd::autogradNotImplementedFallback());
+  m.impl("token_logprobs_backward", torch::autograd::autogradNotImplementedFallback());
   m.impl("linear_cross_entropy", &torch_offload::linear_cross_entropy_autograd);
   // Called by the formula above below autograd; gradients of gradients are not supported.
   m.impl("linear_cross_entropy_forward", torch::autograd::autogradNotImplementedFallback());

@@ -5,6 +5,7 @@
 #include "ops/linear_cross_entropy/linear_cross_entropy.h"
 #include "ops/offload/offload.h"
 #include "ops/tiled_mlp/tiled_mlp.h"
+#include "ops/token_logprobs/token_logprobs.h"
 
 TORCH_LIBRARY_IMPL(offload, CPU, m) {
   m.impl("offload_pack", &torch_offload::offload_pack_cpu);
@@ -30,4 +31,11 @@ TORCH_LIBRARY_IMPL(offload, CPU, m) {
   m.impl("attention_block_backward", &torch_offload::attention_block_backward_cpu);
   m.impl("segment_attention", &torch_offload::segment_attention_cpu);
   m.impl("segment_attention_backward", &torch_offload::segment_attention_backward_cpu);
+}
+
+// token_logprobs' tiles are ATen's: one kernel serves every dense device.
+TORCH_LIBRARY_IMPL(offload, CPU, m) {
+  m.impl("token_logprobs", &torch_offload::token_logprobs_kernel);
+  m.impl("token_logprobs_forward", &torch_offload::token_logprobs_forward_kernel);
+  m.impl("token_logprobs_backward", &torch_offload::token_logprobs_backward_kernel);
 }

@@ -5,6 +5,7 @@
 #include "ops/linear_cross_entropy/linear_cross_entropy.h"
 #include "ops/offload/offload.h"
 #include "ops/tiled_mlp/tiled_mlp.h"
+#include "ops/token_logprobs/token_logprobs.h"
 
 TORCH_LIBRARY_IMPL(offload, CUDA, m) {
   m.impl("offload_pack", &torch_offload::offload_pack_cuda);
@@ -26,4 +27,11 @@ TORCH_LIBRARY_IMPL(offload, CUDA, m) {
   m.impl("attention_block_backward", &torch_offload::attention_block_backward_cuda);
   m.impl("segment_attention", &torch_offload::segment_attention_cuda);
   m.impl("segment_attention_backward", &torch_offload::segment_attention_backward_cuda);
+}
+
+// token_logprobs' tiles are ATen's: one kernel serves every dense device.
+TORCH_LIBRARY_IMPL(offload, CUDA, m) {
+  m.impl("token_logprobs", &torch_offload::token_logprobs_kernel);
+  m.impl("token_logprobs_forward", &torch_offload::token_logprobs_forward_kernel);
+  m.impl("token_logprobs_backward", &torch_offload::token_logprobs_backward_kernel);
 }

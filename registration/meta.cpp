@@ -6,6 +6,7 @@
 #include "ops/linear_cross_entropy/linear_cross_entropy.h"
 #include "ops/offload/offload.h"
 #include "ops/tiled_mlp/tiled_mlp.h"
+#include "ops/token_logprobs/token_logprobs.h"
 
 // Meta kernels keep meta tensors on meta. Under FakeTensor (torch.compile) the
 // device-moving ops need their real result device: torch_offload/_fake.py
@@ -35,4 +36,10 @@ TORCH_LIBRARY_IMPL(offload, Meta, m) {
   m.impl("attention_block_backward", &torch_offload::attention_block_backward_meta);
   m.impl("segment_attention", &torch_offload::segment_attention_meta);
   m.impl("segment_attention_backward", &torch_offload::segment_attention_backward_meta);
+}
+
+TORCH_LIBRARY_IMPL(offload, Meta, m) {
+  m.impl("token_logprobs", &torch_offload::token_logprobs_meta);
+  m.impl("token_logprobs_forward", &torch_offload::token_logprobs_forward_meta);
+  m.impl("token_logprobs_backward", &torch_offload::token_logprobs_backward_meta);
 }

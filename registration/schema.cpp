@@ -85,6 +85,21 @@ TORCH_LIBRARY(offload, m) {
       "linear_cross_entropy_with_gradients(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
       "int ignore_index, float label_smoothing, float softcap, float z_loss, str reduction, SymInt tile_tokens, "
       "bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");
+  // Each token's log-probability of its id under softmax(logits / temperature) and, with entropy=True, its
+  // entropy (else an empty [0] tensor), logits = hidden @ weight^T + bias in tiles (no [tokens, V]), float32
+  // for bf16/fp16 inputs. The forward op also returns each token's log-sum-exp of logits / temperature for
+  // the backward op, which takes either upstream gradient (or both) and returns the gradients output_mask
+  // asks for (hidden, weight, bias); it needs the forward's entropies with grad_entropy.
+  m.def(
+      "token_logprobs(Tensor hidden, Tensor weight, Tensor ids, *, Tensor? bias=None, float temperature=1.0, "
+      "bool entropy=False) -> (Tensor, Tensor)");
+  m.def(
+      "token_logprobs_forward(Tensor hidden, Tensor weight, Tensor ids, Tensor? bias, float temperature, "
+      "bool entropy) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "token_logprobs_backward(Tensor? grad_logprobs, Tensor? grad_entropy, Tensor hidden, Tensor weight, "
+      "Tensor ids, Tensor? bias, Tensor lse, Tensor? entropy, float temperature, bool[3] output_mask) "
+      "-> (Tensor, Tensor, Tensor)");
   // The automatic tile [tokens, vocabulary columns]; takes no tensor, so one kernel serves every backend.
   m.def("linear_cross_entropy_tile(int tokens, int vocab, ScalarType dtype) -> int[]",
         &torch_offload::linear_cross_entropy_tile_kernel);

@@ -232,6 +232,54 @@ inline std::vector<int64_t> linear_cross_entropy_tile(int64_t tokens, int64_t vo
   return handle.call(tokens, vocab, dtype);
 }
 
+// Each token's log-probability of its id under softmax(logits / temperature), logits = hidden @ weight^T +
+// bias ([..., h] against [V, h]; ids hidden's shape without h, in [0, V)), and with entropy=true each
+// token's entropy (else an empty [0] tensor), both ids' shape, float32 for bf16/fp16 inputs, computed in
+// tiles so that no [tokens, V] tensor exists. Differentiable through either output: backward recomputes
+// the tiles (the upstream gradients per token are unknown in forward).
+using TokenLogprobs = std::tuple<at::Tensor, at::Tensor>;
+inline TokenLogprobs token_logprobs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids,
+                                    const std::optional<at::Tensor>& bias = std::nullopt, double temperature = 1.0,
+                                    bool entropy = false) {
+  TORCH_CHECK(hidden.defined(), "token_logprobs: hidden is an undefined tensor; expected a defined tensor");
+  static const auto handle =
+      detail::op<TokenLogprobs(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const std::optional<at::Tensor>&, double, bool)>("offload::token_logprobs");
+  return handle.call(hidden, weight, ids, bias, temperature, entropy);
+}
+
+// The forward token_logprobs' autograd formula runs: (log-probabilities, entropies, and each token's
+// log-sum-exp of logits / temperature, [tokens], which the backward reuses).
+using TokenLogprobsForward = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+inline TokenLogprobsForward token_logprobs_forward(const at::Tensor& hidden, const at::Tensor& weight,
+                                                   const at::Tensor& ids, const std::optional<at::Tensor>& bias,
+                                                   double temperature, bool entropy) {
+  TORCH_CHECK(hidden.defined(), "token_logprobs: hidden is an undefined tensor; expected a defined tensor");
+  static const auto handle = detail::op<TokenLogprobsForward(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                             const std::optional<at::Tensor>&, double, bool)>(
+      "offload::token_logprobs_forward");
+  return handle.call(hidden, weight, ids, bias, temperature, entropy);
+}
+
+// The gradients of token_logprobs with respect to (hidden, weight, bias) for upstream gradients of the
+// log-probabilities and of the entropies (either may be absent: zero), each computed only where
+// output_mask asks for it and the input exists (undefined otherwise). lse and entropy are the forward's
+// (entropy needed with grad_entropy). bf16/fp16 gradients add up in float32 and are rounded once.
+using TokenLogprobsGradients = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+inline TokenLogprobsGradients token_logprobs_backward(const std::optional<at::Tensor>& grad_logprobs,
+                                                      const std::optional<at::Tensor>& grad_entropy,
+                                                      const at::Tensor& hidden, const at::Tensor& weight,
+                                                      const at::Tensor& ids, const std::optional<at::Tensor>& bias,
+                                                      const at::Tensor& lse, const std::optional<at::Tensor>& entropy,
+                                                      double temperature, std::array<bool, 3> output_mask) {
+  TORCH_CHECK(hidden.defined(), "token_logprobs_backward: hidden is an undefined tensor; expected a defined tensor");
+  static const auto handle = detail::op<TokenLogprobsGradients(
+      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
+      const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const std::optional<at::Tensor>&, double,
+      std::array<bool, 3>)>("offload::token_logprobs_backward");
+  return handle.call(grad_logprobs, grad_entropy, hidden, weight, ids, bias, lse, entropy, temperature, output_mask);
+}
+
 // A decoder layer's attention from its normalized input x [batch, tokens, h] to its
 // output: q = rope(x w_q^T + b_q), k = rope(x w_k^T + b_k), v = x w_v^T + b_v, causal
 // softmax(q k^T * scale) v per head (grouped-query when w_k has fewer heads than w_q),

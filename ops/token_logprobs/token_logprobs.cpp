@@ -1,0 +1,269 @@
+// The tiling loops of token_logprobs. With s = (hidden @ weight^T + bias) / temperature over the vocabulary,
+// a token's log-probability of its id t is s_t - lse and its entropy H = -sum_j p_j log p_j, p = softmax(s).
+// Forward folds tile by tile each token's running max m, S = sum_j exp(s_j - m) and Q = sum_j exp(s_j - m)
+// (s_j - m), so that lse = m + log S and H = log S - Q / S without a cancellation between two large terms.
+// Backward recomputes each tile; for upstream gradients a (log-probability) and b (entropy),
+//   d/ds_j = a ([j = t] - p_j) - b p_j (log p_j + H),   d/dlogit_j = d/ds_j / temperature.
+// Elementwise work is ATen's on [rows, cols] tiles, so every device runs the same code; only the GEMMs
+// touch the [V, h] weight.
+#include "ops/token_logprobs/token_logprobs.h"
+
+#include <cmath>
+#include <limits>
+
+#include <ATen/OpMathType.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/exp.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/log.h>
+#include <ATen/ops/maximum.h>
+#include <ATen/ops/nonzero.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include "ops/common/checks.h"
+#include "ops/common/gemm.h"
+#include "ops/linear_cross_entropy/linear_cross_entropy.h"
+
+namespace torch_offload {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Every argument against hidden [..., h] and weight [V, h]; works on symbolic shapes.
+void check_arguments(const char* op, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids,
+                     const at::Tensor& bias, double temperature) {
+  check_defined(hidden, op, "hidden");
+  const auto dtype = hidden.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              ": hidden has dtype ", dtype, "; expected float32, float64, bfloat16 or float16");
+  TORCH_CHECK(hidden.dim() >= 1, op, ": hidden is a 0-d tensor; expected [..., h]");
+  check_defined(weight, op, "weight");
+  TORCH_CHECK(weight.dim() == 2, op, ": weight has shape ", weight.sym_sizes(), "; expected [V, h]");
+  const c10::SymInt vocab = weight.sym_size(0);
+  check_tensor(op, "weight", weight, hidden, "hidden", dtype, {vocab, hidden.sym_size(-1)}, "[V, h]");
+  if (bias.defined()) {
+    check_tensor(op, "bias", bias, hidden, "hidden", dtype, {vocab}, "[V]");
+  }
+  check_defined(ids, op, "ids");
+  TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, op, ": ids has dtype ",
+              ids.scalar_type(), "; expected int64 (or int32) token ids");
+  check_tensor(op, "ids", ids, hidden, "hidden", ids.scalar_type(), hidden.sym_sizes().slice(0, hidden.dim() - 1),
+               "hidden's shape without h");
+  TORCH_CHECK(temperature > 0.0 && temperature < kInf, op, ": temperature is ", temperature,
+              "; expected a finite value > 0");
+}
+
+// An id outside [0, V) would pick no logit: an error naming it, before any work.
+void check_id_values(const char* op, const at::Tensor& ids, int64_t vocab) {
+  const at::Tensor bad = ids.lt(0).logical_or(ids.ge(vocab));
+  if (bad.any().item<bool>()) {
+    const int64_t index = at::nonzero(bad)[0][0].item<int64_t>();
+    TORCH_CHECK(false, op, ": ids holds ", ids[index].item<int64_t>(), " at (flattened) index ", index,
+                "; expected token ids in [0, ", vocab, ")");
+  }
+}
+
+at::Tensor narrow_or_undefined(const at::Tensor& t, int64_t start, int64_t length) {
+  return t.defined() ? t.narrow(0, start, length) : t;
+}
+
+// The problem flattened: hidden [T, h] contiguous, ids [T] int64, and the tile shape.
+struct Tiles {
+  at::Tensor hidden, ids;
+  int64_t tokens, vocab, rows, cols;
+
+  Tiles(const at::Tensor& hidden_in, const at::Tensor& weight, const at::Tensor& ids_in)
+      : hidden(token_rows(hidden_in)), ids(ids_in.reshape({-1}).to(at::kLong).contiguous()) {
+    tokens = ids.size(0);
+    vocab = weight.size(0);
+    const auto tile = linear_cross_entropy_tile_kernel(tokens, vocab, hidden.scalar_type());
+    rows = tile[0];
+    cols = tile[1];
+  }
+};
+
+// s = logits / temperature of rows [start, start + rows) and columns [col0, col0 + cols), in the
+// accumulation type, from the reused GEMM buffer.
+at::Tensor scaled_logits(const at::Tensor& buffer, const at::Tensor& hidden_tile, const at::Tensor& weight,
+                         const at::Tensor& bias, int64_t col0, int64_t cols, double temperature,
+                         at::ScalarType acc_type) {
+  const at::Tensor logits = buffer.narrow(0, 0, hidden_tile.size(0) * cols).view({hidden_tile.size(0), cols});
+  linear_into(logits, hidden_tile, weight.narrow(0, col0, cols), narrow_or_undefined(bias, col0, cols));
+  return logits.to(acc_type).mul_(1.0 / temperature);
+}
+
+// Where each row's id falls in the columns [col0, col0 + cols): the mask and the column (clamped) to gather.
+std::pair<at::Tensor, at::Tensor> ids_in_tile(const at::Tensor& ids, int64_t col0, int64_t cols) {
+  const at::Tensor in_tile = ids.ge(col0).logical_and(ids.lt(col0 + cols));
+  return {in_tile, (ids - col0).clamp(0, cols - 1).unsqueeze(1)};
+}
+
+}  // namespace
+
+TokenLogprobsForward token_logprobs_forward_kernel(TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS) {
+  const char* op = "token_logprobs";
+  const at::Tensor b = value_or_undefined(bias);
+  check_arguments(op, hidden, weight, ids, b, temperature);
+  const Tiles t(hidden, weight, ids);
+  check_id_values(op, t.ids, t.vocab);
+  const auto acc_type = at::toOpMathType(hidden.scalar_type());
+  const auto acc = hidden.options().dtype(acc_type);
+
+  at::Tensor max = at::full({t.tokens}, -kInf, acc), sum_exp = at::zeros({t.tokens}, acc);
+  at::Tensor shifted_sum = entropy ? at::zeros({t.tokens}, acc) : at::Tensor();  // Q
+  at::Tensor picked = at::zeros({t.tokens}, acc);                                // s of the id
+  if (t.tokens > 0 && t.vocab > 0) {
+    const at::Tensor buffer = at::empty({t.rows * t.cols}, hidden.options());
+    const at::Tensor zero = at::zeros({}, acc);
+    for (int64_t start = 0; start < t.tokens; start += t.rows) {
+      const int64_t rows = std::min(t.rows, t.tokens - start);
+      const at::Tensor hidden_tile = t.hidden.narrow(0, start, rows), ids_tile = t.ids.narrow(0, start, rows);
+      at::Tensor m = max.narrow(0, start, rows), s_sum = sum_exp.narrow(0, start, rows);
+      for (int64_t col0 = 0; col0 < t.vocab; col0 += t.cols) {
+        const int64_t cols = std::min(t.cols, t.vocab - col0);
+        const at::Tensor s = scaled_logits(buffer, hidden_tile, weight, b, col0, cols, temperature, acc_type);
+        const at::Tensor new_max = at::maximum(m, std::get<0>(s.max(1)));
+        // A row whose every s so far is -inf (a bias masking the vocabulary) keeps m = -inf and S = 0.
+        const at::Tensor reference = at::where(new_max.eq(-kInf), zero, new_max);
+        const at::Tensor rescale = at::exp(m - reference);
+        const at::Tensor shifted = s - reference.unsqueeze(1);
+        const at::Tensor e = at::exp(shifted);
+        if (entropy) {
+          // Q relative to the new max: exp(m - m') (Q + S (m - m')); nothing where S is still 0.
+          at::Tensor q = shifted_sum.narrow(0, start, rows);
+          const at::Tensor carried = at::where(s_sum.gt(0), rescale * (q + s_sum * (m - reference)), zero);
+          q.copy_(carried + at::where(e.gt(0), e * shifted, zero).sum(1));
+        }
+        s_sum.copy_(s_sum * rescale + e.sum(1));
+        m.copy_(new_max);
+        const auto [in_tile, column] = ids_in_tile(ids_tile, col0, cols);
+        at::Tensor p = picked.narrow(0, start, rows);
+        p.copy_(at::where(in_tile, s.gather(1, column).squeeze(1), p));
+      }
+    }
+  }
+  const at::Tensor log_sum = at::log(sum_exp);
+  const at::Tensor lse = max + log_sum;
+  const at::Tensor logprobs = (picked - lse).view(ids.sizes());
+  const at::Tensor entropies = entropy ? (log_sum - shifted_sum / sum_exp).view(ids.sizes()) : at::empty({0}, acc);
+  return {logprobs, entropies, lse};
+}
+
+TokenLogprobs token_logprobs_kernel(TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS) {
+  auto [logprobs, entropies, lse] = token_logprobs_forward_kernel(hidden, weight, ids, bias, temperature, entropy);
+  return {logprobs, entropies};
+}
+
+TokenLogprobsGradients token_logprobs_backward_kernel(TORCH_OFFLOAD_TOKEN_LOGPROBS_BACKWARD_ARGS) {
+  const char* op = "token_logprobs_backward";
+  const at::Tensor b = value_or_undefined(bias);
+  check_arguments(op, hidden, weight, ids, b, temperature);
+  const auto dtype = hidden.scalar_type();
+  const auto acc_type = at::toOpMathType(dtype);
+  const auto acc = hidden.options().dtype(acc_type);
+  check_tensor(op, "lse", lse, hidden, "hidden", acc_type, {ids.sym_numel()}, "[tokens]");
+  const at::Tensor a = value_or_undefined(grad_logprobs), g = value_or_undefined(grad_entropy);
+  const at::Tensor h_values = value_or_undefined(entropy);
+  if (a.defined()) {
+    check_tensor(op, "grad_logprobs", a, hidden, "hidden", a.scalar_type(), ids.sym_sizes(), "ids' shape");
+  }
+  if (g.defined()) {
+    check_tensor(op, "grad_entropy", g, hidden, "hidden", g.scalar_type(), ids.sym_sizes(), "ids' shape");
+    TORCH_CHECK(h_values.defined(), op, ": grad_entropy is given without entropy; expected the forward's entropies");
+    check_tensor(op, "entropy", h_values, hidden, "hidden", acc_type, ids.sym_sizes(), "ids' shape");
+  }
+  const Tiles t(hidden, weight, ids);
+  check_id_values(op, t.ids, t.vocab);
+  const bool want_hidden = output_mask[0], want_weight = output_mask[1], want_bias = output_mask[2] && b.defined();
+  const int64_t h = hidden.size(-1);
+  at::Tensor grad_hidden = want_hidden ? at::zeros({t.tokens, h}, hidden.options()) : at::Tensor();
+  at::Tensor grad_weight = want_weight ? at::zeros({t.vocab, h}, acc) : at::Tensor();
+  at::Tensor grad_bias = want_bias ? at::zeros({t.vocab}, acc) : at::Tensor();
+
+  if (t.tokens > 0 && t.vocab > 0 && (a.defined() || g.defined()) && (want_hidden || want_weight || want_bias)) {
+    const at::Tensor a_flat = a.defined() ? a.reshape({-1}).to(acc_type) : at::Tensor();
+    const at::Tensor g_flat = g.defined() ? g.reshape({-1}).to(acc_type) : at::Tensor();
+    const at::Tensor h_flat = g.defined() ? h_values.reshape({-1}) : at::Tensor();
+    const at::Tensor buffer = at::empty({t.rows * t.cols}, hidden.options());
+    const at::Tensor zero = at::zeros({}, acc);
+    // bf16/fp16: gradients add up in float32; off CUDA the GEMM operands are float32 (CUDA multiplies the
+    // tile's gradient rounded to the input dtype, accumulating in float32).
+    const bool reduced = acc_type != dtype, convert = reduced && !hidden.is_cuda();
+    const at::Tensor hidden_grad_tile_buffer = want_hidden ? at::empty({t.rows, h}, acc) : at::Tensor();
+    for (int64_t start = 0; start < t.tokens; start += t.rows) {
+      const int64_t rows = std::min(t.rows, t.tokens - start);
+      const at::Tensor hidden_tile = t.hidden.narrow(0, start, rows), ids_tile = t.ids.narrow(0, start, rows);
+      const at::Tensor hidden_operand = convert && want_weight ? hidden_tile.to(acc_type) : hidden_tile;
+      const at::Tensor lse_tile = lse.narrow(0, start, rows).unsqueeze(1);
+      const at::Tensor grad_hidden_tile =
+          want_hidden ? hidden_grad_tile_buffer.narrow(0, 0, rows).zero_() : at::Tensor();
+      for (int64_t col0 = 0; col0 < t.vocab; col0 += t.cols) {
+        const int64_t cols = std::min(t.cols, t.vocab - col0);
+        const at::Tensor log_p =
+            scaled_logits(buffer, hidden_tile, weight, b, col0, cols, temperature, acc_type).sub_(lse_tile);
+        const at::Tensor p = at::exp(log_p);
+        at::Tensor d_s = at::zeros({rows, cols}, acc);
+        if (a.defined()) {
+          const at::Tensor a_tile = a_flat.narrow(0, start, rows);
+          d_s.sub_(p * a_tile.unsqueeze(1));
+          const auto [in_tile, column] = ids_in_tile(ids_tile, col0, cols);
+          d_s.scatter_add_(1, column, at::where(in_tile, a_tile, zero).unsqueeze(1));
+        }
+        if (g.defined()) {
+          // p log p is 0 where p is (a masked logit's log p is -inf).
+          const at::Tensor h_tile = h_flat.narrow(0, start, rows).unsqueeze(1);
+          d_s.sub_(g_flat.narrow(0, start, rows).unsqueeze(1) * at::where(p.gt(0), p * (log_p + h_tile), zero));
+        }
+        d_s.mul_(1.0 / temperature);
+        const at::Tensor d_logits = reduced && !convert ? d_s.to(dtype) : d_s;
+        const at::Tensor weight_tile = weight.narrow(0, col0, cols);
+        if (want_hidden) {
+          accumulate_mm(grad_hidden_tile, d_logits, convert ? weight_tile.to(acc_type) : weight_tile);
+        }
+        if (want_weight) {
+          accumulate_mm(grad_weight.narrow(0, col0, cols), d_logits.t(), hidden_operand);
+        }
+        if (want_bias) {
+          grad_bias.narrow(0, col0, cols).add_(d_s.sum(0));
+        }
+      }
+      if (want_hidden) {
+        grad_hidden.narrow(0, start, rows).copy_(grad_hidden_tile);
+      }
+    }
+  }
+  const auto to_dtype = [&](const at::Tensor& x) { return x.defined() ? x.to(dtype) : x; };
+  return {want_hidden ? grad_hidden.view(hidden.sizes()) : grad_hidden, to_dtype(grad_weight), to_dtype(grad_bias)};
+}
+
+// Meta: the same checks (on symbolic shapes), then results shaped like the real ones.
+TokenLogprobsForward token_logprobs_forward_meta(TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS) {
+  check_arguments("token_logprobs", hidden, weight, ids, value_or_undefined(bias), temperature);
+  const auto acc = hidden.options().dtype(at::toOpMathType(hidden.scalar_type()));
+  return {at::empty_symint(ids.sym_sizes(), acc),
+          entropy ? at::empty_symint(ids.sym_sizes(), acc) : at::empty({0}, acc),
+          at::empty_symint({ids.sym_numel()}, acc)};
+}
+
+TokenLogprobs token_logprobs_meta(TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS) {
+  auto [logprobs, entropies, lse] = token_logprobs_forward_meta(hidden, weight, ids, bias, temperature, entropy);
+  return {logprobs, entropies};
+}
+
+TokenLogprobsGradients token_logprobs_backward_meta(TORCH_OFFLOAD_TOKEN_LOGPROBS_BACKWARD_ARGS) {
+  const char* op = "token_logprobs_backward";
+  const at::Tensor b = value_or_undefined(bias);
+  check_arguments(op, hidden, weight, ids, b, temperature);
+  check_tensor(op, "lse", lse, hidden, "hidden", at::toOpMathType(hidden.scalar_type()), {ids.sym_numel()}, "[tokens]");
+  (void)grad_logprobs, (void)grad_entropy, (void)entropy;
+  const auto like = [](bool want, const at::Tensor& x) {
+    return want && x.defined() ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor();
+  };
+  return {like(output_mask[0], hidden), like(output_mask[1], weight), like(output_mask[2], b)};
+}
+
+}  // namespace torch_offload

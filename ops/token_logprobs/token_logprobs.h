@@ -1,0 +1,33 @@
+#pragma once
+// token_logprobs: each token's log-probability of its id under softmax(logits / temperature), and its
+// entropy, with logits = hidden @ weight^T + bias computed in tiles of tokens x vocabulary, so that no
+// [tokens, V] tensor exists (what RL trainers take from the LM head). The tiles' arithmetic is ATen's,
+// the same on every device; the tile shape is linear_cross_entropy's. Registration lives in registration/.
+#include <array>
+#include <optional>
+#include <tuple>
+
+#include <ATen/core/Tensor.h>
+
+#include "torch_offload/torch_offload.h"
+
+namespace torch_offload {
+
+#define TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS                                                                          \
+  const at::Tensor &hidden, const at::Tensor &weight, const at::Tensor &ids, const std::optional<at::Tensor>&bias, \
+      double temperature, bool entropy
+#define TORCH_OFFLOAD_TOKEN_LOGPROBS_BACKWARD_ARGS                                                                     \
+  const std::optional<at::Tensor>&grad_logprobs, const std::optional<at::Tensor>&grad_entropy,                         \
+      const at::Tensor &hidden, const at::Tensor &weight, const at::Tensor &ids, const std::optional<at::Tensor>&bias, \
+      const at::Tensor &lse, const std::optional<at::Tensor>&entropy, double temperature,                              \
+      std::array<bool, 3> output_mask
+
+// The kernels of every dense device (CPU and CUDA: ATen on tiles) and the shapes for Meta.
+TokenLogprobs token_logprobs_kernel(TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS);
+TokenLogprobsForward token_logprobs_forward_kernel(TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS);
+TokenLogprobsGradients token_logprobs_backward_kernel(TORCH_OFFLOAD_TOKEN_LOGPROBS_BACKWARD_ARGS);
+TokenLogprobs token_logprobs_meta(TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS);
+TokenLogprobsForward token_logprobs_forward_meta(TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS);
+TokenLogprobsGradients token_logprobs_backward_meta(TORCH_OFFLOAD_TOKEN_LOGPROBS_BACKWARD_ARGS);
+
+}  // namespace torch_offload

@@ -1,0 +1,301 @@
+"""token_logprobs against eager torch: log_softmax(F.linear(...) / temperature) gathered at the ids and the entropy
+of that softmax, their gradients for random upstream gradients of either output, gradcheck in float64, opcheck,
+bf16/fp16 against float64 with eager's error as the scale, autocast, torch.compile, meta tensors, bad arguments, and
+no [tokens, V] allocation."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from op_recording import peak_allocated_bytes
+from torch.testing._internal.optests import opcheck
+
+import torch_offload
+
+
+def reference(hidden, weight, ids, bias=None, temperature=1.0):
+    """(log-probabilities, entropies) from the whole [..., V] logits, as TRL's selective_log_softmax and
+    entropy_from_logits compute them (in float32 for bf16/fp16 logits)."""
+    logits = F.linear(hidden, weight, bias)
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    log_p = torch.log_softmax(logits / temperature, dim=-1)
+    # p log p is 0 where a logit is masked to -inf (not 0 * -inf = NaN, nor a NaN gradient through it).
+    finite_log_p = log_p.masked_fill(log_p.isneginf(), 0.0)
+    return log_p.gather(-1, ids.unsqueeze(-1)).squeeze(-1), -(log_p.exp() * finite_log_p).sum(-1)
+
+
+def make_inputs(shape, vocab, bias=False, dtype=torch.float64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    h = shape[-1]
+    hidden = torch.randn(shape, generator=generator, dtype=dtype).requires_grad_()
+    weight = (torch.randn(vocab, h, generator=generator, dtype=dtype) / h**0.5).requires_grad_()
+    b = torch.randn(vocab, generator=generator, dtype=dtype).requires_grad_() if bias else None
+    ids = torch.randint(0, vocab, shape[:-1], generator=generator)
+    return hidden, weight, b, ids
+
+
+def outputs_and_grads(outputs, upstream, leaves):
+    """The outputs, and the gradients of sum(output * upstream) over both outputs by the leaves."""
+    total = sum((o * u).sum() for o, u in zip(outputs, upstream) if u is not None)
+    return outputs, torch.autograd.grad(total, leaves, allow_unused=True)
+
+
+def relative_error(got, want):
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+
+
+SHAPES = [((2, 7, 16), 19), ((1030, 8), 4099)]  # one tile; two tiles of tokens and two of the vocabulary
+
+
+@pytest.mark.parametrize("shape, vocab", SHAPES, ids=["one_tile", "many_tiles"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("which", ["logprobs", "entropy", "both"])
+def test_matches_eager_float64_for_any_upstream_gradient(shape, vocab, temperature, bias, which):
+    hidden, weight, b, ids = make_inputs(shape, vocab, bias=bias)
+    leaves = [t for t in (hidden, weight, b) if t is not None]
+    generator = torch.Generator().manual_seed(1)
+    upstream = [torch.randn(shape[:-1], generator=generator, dtype=torch.float64) for _ in range(2)]
+    if which == "logprobs":
+        upstream[1] = None
+    if which == "entropy":
+        upstream[0] = None
+    want, want_grads = outputs_and_grads(reference(hidden, weight, ids, b, temperature), upstream, leaves)
+    got, got_grads = outputs_and_grads(
+        torch_offload.token_logprobs(hidden, weight, ids, bias=b, temperature=temperature, entropy=True),
+        upstream,
+        leaves,
+    )
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float64 and g.shape == shape[:-1]
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_without_entropy_returns_the_log_probabilities_alone():
+    hidden, weight, b, ids = make_inputs((3, 5, 8), 23, bias=True)
+    got = torch_offload.token_logprobs(hidden, weight, ids, bias=b, temperature=0.7)
+    assert isinstance(got, torch.Tensor)
+    torch.testing.assert_close(got, reference(hidden, weight, ids, b, 0.7)[0])
+    logprobs, placeholder = torch.ops.offload.token_logprobs(hidden, weight, ids)
+    assert placeholder.shape == (0,) and not placeholder.requires_grad
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_gradcheck_float64_both_outputs(temperature):
+    hidden, weight, b, ids = make_inputs((2, 3, 6), 11, bias=True)  # odd V
+    assert torch.autograd.gradcheck(
+        lambda x, w, bb: torch_offload.token_logprobs(x, w, ids, bias=bb, temperature=temperature, entropy=True),
+        (hidden, weight, b),
+    )
+
+
+def test_gradcheck_float64_tied_weight():
+    # The head's weight is also the embedding the hidden states come from: both paths reach it.
+    _, weight, _, ids = make_inputs((2, 5, 6), 13)
+    projection = torch.randn(6, 6, dtype=torch.float64, requires_grad=True)
+
+    def tied(w, p):
+        hidden = F.embedding(ids, w) @ p
+        return torch_offload.token_logprobs(hidden, w, ids.roll(1, -1), temperature=0.7, entropy=True)
+
+    assert torch.autograd.gradcheck(tied, (weight, projection))
+
+
+def test_frozen_weight_gets_no_gradient_and_hidden_gets_eagers():
+    hidden, weight, _, ids = make_inputs((4, 9, 8), 37)
+    weight.requires_grad_(False)
+    logprobs, entropy = torch_offload.token_logprobs(hidden, weight, ids, entropy=True)
+    upstream = [torch.randn_like(logprobs), torch.randn_like(entropy)]
+    (grad,) = torch.autograd.grad((logprobs * upstream[0]).sum() + (entropy * upstream[1]).sum(), hidden)
+    want_logprobs, want_entropy = reference(hidden, weight, ids)
+    (want,) = torch.autograd.grad((want_logprobs * upstream[0]).sum() + (want_entropy * upstream[1]).sum(), hidden)
+    torch.testing.assert_close(grad, want)
+    assert torch.autograd.gradcheck(
+        lambda x: torch_offload.token_logprobs(x, weight, ids[:2, :3], entropy=True),
+        (hidden[:2, :3].detach().requires_grad_(),),
+    )
+
+
+def test_vocabulary_masked_by_minus_infinity_matches_eager():
+    # Masked logits have p = 0: they add nothing to the entropy or its gradient (not 0 * -inf = NaN), in
+    # every vocabulary tile, a tile that is all masked included.
+    hidden, weight, b, ids = make_inputs((1030, 8), 4099, bias=True)
+    with torch.no_grad():
+        b[:2100] = float("-inf")
+        b[3000:3100] = float("-inf")
+    ids = torch.randint(2100, 3000, ids.shape)
+    leaves = [hidden, weight, b]
+    upstream = [torch.randn(ids.shape, dtype=torch.float64), torch.randn(ids.shape, dtype=torch.float64)]
+    want, want_grads = outputs_and_grads(reference(hidden, weight, ids, b, 0.7), upstream, leaves)
+    got, got_grads = outputs_and_grads(
+        torch_offload.token_logprobs(hidden, weight, ids, bias=b, temperature=0.7, entropy=True), upstream, leaves
+    )
+    for g, w in zip([*got, *got_grads], [*want, *want_grads]):
+        assert g.isfinite().all()
+        torch.testing.assert_close(g, w)
+    assert (got_grads[2][~b.isfinite()] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_reduced_precision_is_as_close_to_float64_as_eager(dtype):
+    hidden64, weight64, b64, ids = make_inputs((2, 600, 32), 5000, bias=True)
+    rounded = [t.detach().to(dtype) for t in (hidden64, weight64, b64)]
+    inputs = [t.clone().requires_grad_() for t in rounded]
+    inputs64 = [t.double().requires_grad_() for t in rounded]
+    upstream = [torch.randn(ids.shape, dtype=torch.float32), torch.randn(ids.shape, dtype=torch.float32)]
+    want, want_grads = outputs_and_grads(reference(*inputs64[:2], ids, inputs64[2], 0.7), upstream, inputs64)
+    eager, eager_grads = outputs_and_grads(reference(*inputs[:2], ids, inputs[2], 0.7), upstream, inputs)
+    got, got_grads = outputs_and_grads(
+        torch_offload.token_logprobs(*inputs[:2], ids, bias=inputs[2], temperature=0.7, entropy=True),
+        upstream,
+        inputs,
+    )
+    for name, g, e, w in zip(["logprobs", "entropy"], got, eager, want):
+        assert g.dtype == torch.float32, name
+        assert relative_error(g, w) <= max(2 * relative_error(e, w), 1e-3), name
+    for name, g, e, w in zip(["hidden", "weight", "bias"], got_grads, eager_grads, want_grads):
+        assert g.dtype == dtype, name
+        assert relative_error(g, w) <= max(1.5 * relative_error(e, w), 1e-2), name
+
+
+def test_autocast_runs_the_gemms_in_the_autocast_dtype_and_returns_float32():
+    hidden, weight, b, ids = make_inputs((2, 9, 16), 40, bias=True, dtype=torch.float32)
+    upstream = [torch.randn(ids.shape), torch.randn(ids.shape)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, got_grads = outputs_and_grads(
+            torch_offload.token_logprobs(hidden, weight, ids, bias=b, entropy=True), upstream, [hidden, weight, b]
+        )
+        logits = F.linear(hidden, weight, b).float()
+    want, want_grads = outputs_and_grads(
+        (
+            logits.log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1),
+            -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1),
+        ),
+        upstream,
+        [hidden, weight, b],
+    )
+    for g, w in zip([*got, *got_grads], [*want, *want_grads]):
+        assert g.dtype == torch.float32
+        assert relative_error(g, w) < 2e-2
+
+
+def test_no_tensor_of_tokens_by_vocabulary_is_allocated():
+    tokens, vocab = 2048, 32768
+    hidden, weight, b, ids = make_inputs((tokens, 16), vocab, bias=True, dtype=torch.float32)
+    upstream = [torch.randn(tokens), torch.randn(tokens)]
+    full = tokens * vocab * 4
+
+    def step(fn):
+        outputs_and_grads(fn(), upstream, [hidden, weight, b])
+
+    ours = peak_allocated_bytes(
+        lambda: step(lambda: torch_offload.token_logprobs(hidden, weight, ids, bias=b, entropy=True))
+    )
+    eager = peak_allocated_bytes(lambda: step(lambda: reference(hidden, weight, ids, b)))
+    assert eager > full  # the measure sees [tokens, V]
+    assert ours < full / 4, (ours, full)
+
+
+def test_opcheck():
+    for bias in (False, True):
+        hidden, weight, b, ids = make_inputs((2, 7, 16), 19, bias=bias, dtype=torch.float32)
+        for entropy in (False, True):
+            opcheck(
+                torch.ops.offload.token_logprobs.default,
+                (hidden, weight, ids),
+                dict(bias=b, temperature=0.7, entropy=entropy),
+            )
+        detached = [t.detach() if t is not None else None for t in (hidden, weight, b)]
+        opcheck(
+            torch.ops.offload.token_logprobs_forward.default, (detached[0], detached[1], ids, detached[2], 0.7, True)
+        )
+        logprobs, entropy, lse = torch.ops.offload.token_logprobs_forward(
+            detached[0], detached[1], ids, detached[2], 0.7, True
+        )
+        grad = torch.randn(ids.shape)
+        for grads, mask in (
+            ((grad, grad), [True, True, True]),
+            ((grad, None), [False, True, False]),
+            ((None, grad), [True, False, True]),
+        ):
+            opcheck(
+                torch.ops.offload.token_logprobs_backward.default,
+                (*grads, detached[0], detached[1], ids, detached[2], lse, entropy, 0.7, mask),
+            )
+
+
+def test_compile_fullgraph_dynamic_matches_eager():
+    torch._dynamo.reset()
+    head = torch.nn.Linear(16, 37, bias=False)
+
+    def per_token(x, ids):
+        logprobs, entropy = torch_offload.token_logprobs(x, head.weight, ids, temperature=0.7, entropy=True)
+        return logprobs.sum() + 0.5 * entropy.sum()
+
+    compiled = torch.compile(per_token, fullgraph=True, dynamic=True)
+    for tokens in (12, 29):
+        x = torch.randn(2, tokens, 16, requires_grad=True)
+        ids = torch.randint(0, 37, (2, tokens))
+        want, want_grads = outputs_and_grads([per_token(x, ids)], [torch.ones(())], [x, head.weight])
+        got, got_grads = outputs_and_grads([compiled(x, ids)], [torch.ones(())], [x, head.weight])
+        torch.testing.assert_close(got[0], want[0])
+        for g, w in zip(got_grads, want_grads):
+            torch.testing.assert_close(g, w)
+    explanation = torch._dynamo.explain(per_token)(torch.randn(2, 12, 16), torch.randint(0, 37, (2, 12)))
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+
+def test_meta_tensors_give_shapes_only():
+    hidden = torch.empty(2, 5, 16, device="meta", dtype=torch.bfloat16)
+    weight = torch.empty(30, 16, device="meta", dtype=torch.bfloat16)
+    ids = torch.empty(2, 5, dtype=torch.long, device="meta")
+    logprobs, entropy, lse = torch.ops.offload.token_logprobs_forward(hidden, weight, ids, None, 1.0, True)
+    assert [(t.shape, t.dtype, t.is_meta) for t in (logprobs, entropy, lse)] == [
+        ((2, 5), torch.float32, True),
+        ((2, 5), torch.float32, True),
+        ((10,), torch.float32, True),
+    ]
+    grads = torch.ops.offload.token_logprobs_backward(
+        logprobs, None, hidden, weight, ids, None, lse, None, 1.0, [False, True, True]
+    )
+    assert [g.shape if g is not None else None for g in grads] == [None, (30, 16), None]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            dict(ids=torch.tensor([[0, 19, 1]])),
+            r"token_logprobs: ids holds 19 at \(flattened\) index 1; expected token ids in \[0, 19\)",
+        ),
+        (dict(ids=torch.tensor([[0, -1, 1]])), r"ids holds -1 at \(flattened\) index 1"),
+        (dict(ids=torch.zeros(1, 3)), r"token_logprobs: ids has dtype Float; expected int64 \(or int32\) token ids"),
+        (dict(ids=torch.zeros(1, 4, dtype=torch.long)), r"token_logprobs: ids"),
+        (dict(weight=torch.randn(19, 5)), r"token_logprobs: weight"),
+        (dict(bias=torch.randn(18)), r"token_logprobs: bias"),
+        (dict(temperature=0.0), r"token_logprobs: temperature is 0; expected a finite value > 0"),
+        (dict(temperature=float("inf")), r"token_logprobs: temperature is inf"),
+        (dict(hidden=torch.zeros(1, 3, 8, dtype=torch.long)), r"token_logprobs: hidden has dtype Long"),
+        (dict(hidden=None), r"token_logprobs: hidden is NoneType; expected a defined tensor"),
+    ],
+    ids=[
+        "id_too_large",
+        "negative_id",
+        "float_ids",
+        "ids_shape",
+        "weight_shape",
+        "bias_shape",
+        "zero_temperature",
+        "inf_temperature",
+        "integer_hidden",
+        "no_hidden",
+    ],
+)
+def test_bad_arguments_are_refused_by_name(change, message):
+    arguments = dict(hidden=torch.randn(1, 3, 8), weight=torch.randn(19, 8), ids=torch.tensor([[0, 1, 2]]))
+    arguments.update(change)
+    keywords = {k: arguments.pop(k) for k in ("bias", "temperature") if k in arguments}
+    with pytest.raises(RuntimeError, match=message):
+        torch_offload.token_logprobs(arguments["hidden"], arguments["weight"], arguments["ids"], **keywords)

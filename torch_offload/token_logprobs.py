@@ -1,0 +1,42 @@
+"""Per-token log-probabilities and entropies from the LM head without its [tokens, V] logits, as RL trainers
+(GRPO, DPO) take them: ``token_logprobs`` (the ``torch.ops.offload.token_logprobs`` op)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _require_tensor
+
+__all__ = ["token_logprobs"]
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``log_softmax(F.linear(hidden, weight, bias) / temperature)`` at ``ids``, without the logits (differentiable).
+
+    ``hidden`` is ``[..., h]``, ``weight`` ``[V, h]`` (e.g. the tied embedding matrix), ``bias``
+    ``[V]``, ``ids`` ``hidden.shape[:-1]`` of token ids in ``[0, V)`` (int64 or int32). Returns the
+    log-probabilities, ``ids``' shape, and with ``entropy=True`` also each token's entropy of
+    ``softmax(logits / temperature)`` as a tuple. Both are float32 for bf16/fp16 inputs (the logits'
+    GEMMs run in the input dtype, everything after in float32), else ``hidden``'s dtype.
+
+    The logits exist one tile at a time (at most 1024 tokens x 4096 vocabulary rows, 8 MiB; the tile
+    of ``linear_cross_entropy_tile``); forward keeps each token's log-sum-exp (and entropy). Gradients
+    flow to ``hidden``, ``weight`` and ``bias`` from any upstream gradient of either output; they are
+    computed in backward, which recomputes every tile's logits (the per-token upstream gradients are
+    not known in forward: 4 GEMMs in all, against 3 for ``linear_cross_entropy``'s scalar loss). No
+    double backward.
+    """
+    for value, arg in ((hidden, "hidden"), (weight, "weight"), (ids, "ids")):
+        _require_tensor(value, "token_logprobs", arg)
+    logprobs, entropies = torch.ops.offload.token_logprobs(
+        hidden, weight, ids, bias=bias, temperature=float(temperature), entropy=entropy
+    )
+    return (logprobs, entropies) if entropy else logprobs
