@@ -44,7 +44,7 @@ def relative_error(got, want):
     return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
 
 
-SHAPES = [((2, 7, 16), 19), ((1030, 8), 4099)]  # one tile; two tiles of tokens and two of the vocabulary
+SHAPES = [((2, 7, 16), 19), ((1030, 8), 4099)]  # one tile; two tiles of tokens and three of the vocabulary
 
 
 @pytest.mark.parametrize("shape, vocab", SHAPES, ids=["one_tile", "many_tiles"])
@@ -71,6 +71,54 @@ def test_matches_eager_float64_for_any_upstream_gradient(shape, vocab, temperatu
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_default_log_probabilities_and_gradients_match_eager_on_odd_layouts():
+    # entropy=False (the default), int32 ids, a strided hidden and a transposed weight.
+    base, weight_t, b, ids = make_inputs((3, 10, 8), 23, bias=True)
+    hidden = base[:, ::2]
+    weight = torch.randn(8, 23, dtype=torch.float64).t().requires_grad_()
+    assert not hidden.is_contiguous() and not weight.is_contiguous()
+    ids = ids[:, ::2].int()
+    upstream = torch.randn(ids.shape, dtype=torch.float64)
+    leaves = [base, weight, b]
+    got, got_grads = outputs_and_grads([torch_offload.token_logprobs(hidden, weight, ids, bias=b)], [upstream], leaves)
+    want, want_grads = outputs_and_grads([reference(hidden, weight, ids.long(), b)[0]], [upstream], leaves)
+    torch.testing.assert_close(got[0], want[0])
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize(
+    "hidden_shape, ids_shape, vocab",
+    [((0, 8), (0,), 11), ((8,), (), 11), ((2, 3, 0), (2, 3), 11)],
+    ids=["no_tokens", "one_vector", "hidden_size_zero"],
+)
+def test_edge_shapes_match_eager(hidden_shape, ids_shape, vocab):
+    hidden = torch.randn(hidden_shape, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, hidden_shape[-1], dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, vocab, ids_shape)
+    upstream = [torch.randn(ids_shape, dtype=torch.float64), torch.randn(ids_shape, dtype=torch.float64)]
+    got, got_grads = outputs_and_grads(
+        torch_offload.token_logprobs(hidden, weight, ids, entropy=True), upstream, [hidden, weight]
+    )
+    want, want_grads = outputs_and_grads(reference(hidden, weight, ids), upstream, [hidden, weight])
+    for g, w in zip([*got, *got_grads], [*want, *want_grads]):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w)
+
+
+def test_entropy_changed_in_place_after_forward_still_backpropagates():
+    # RL code masks or cleans the entropies in place; the backward keeps its own copy.
+    hidden, weight, _, ids = make_inputs((2, 6, 8), 17)
+    logprobs, entropy = torch_offload.token_logprobs(hidden, weight, ids, entropy=True)
+    want_logprobs, want_entropy = reference(hidden, weight, ids)
+    mask = torch.arange(6) < 4
+    entropy.masked_fill_(~mask, 0.0)
+    loss = logprobs.sum() + entropy.sum()
+    want_loss = want_logprobs.sum() + want_entropy.masked_fill(~mask, 0.0).sum()
+    for g, w in zip(torch.autograd.grad(loss, (hidden, weight)), torch.autograd.grad(want_loss, (hidden, weight))):
+        torch.testing.assert_close(g, w)
 
 
 def test_without_entropy_returns_the_log_probabilities_alone():
@@ -123,9 +171,10 @@ def test_vocabulary_masked_by_minus_infinity_matches_eager():
     # every vocabulary tile, a tile that is all masked included.
     hidden, weight, b, ids = make_inputs((1030, 8), 4099, bias=True)
     with torch.no_grad():
-        b[:2100] = float("-inf")
-        b[3000:3100] = float("-inf")
-    ids = torch.randint(2100, 3000, ids.shape)
+        b[:1500] = float("-inf")  # the first vocabulary tile of three, and more
+        b[2000:2100] = float("-inf")
+        b[2734:] = float("-inf")  # the last tile
+    ids = torch.randint(1500, 2000, ids.shape)
     leaves = [hidden, weight, b]
     upstream = [torch.randn(ids.shape, dtype=torch.float64), torch.randn(ids.shape, dtype=torch.float64)]
     want, want_grads = outputs_and_grads(reference(hidden, weight, ids, b, 0.7), upstream, leaves)

@@ -276,8 +276,13 @@ class TokenLogprobsFunction : public torch::autograd::Function<TokenLogprobsFunc
                                bool entropy) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [logprobs, entropies, lse] = token_logprobs_forward(hidden, weight, ids, bias, temperature, entropy);
-    ctx->save_for_backward({hidden, weight, bias.value_or(at::Tensor()), ids, lse, entropy ? entropies : at::Tensor()});
+    // A copy of the entropies ([tokens]): callers mask or clean the output in place (masked_fill_, nan_to_num_),
+    // which must not invalidate the backward.
+    ctx->save_for_backward(
+        {hidden, weight, bias.value_or(at::Tensor()), ids, lse, entropy ? entropies.clone() : at::Tensor()});
     ctx->saved_data["temperature"] = temperature;
+    // An output without a gradient (entropy kept for logging) gets none: its tiles' term is skipped.
+    ctx->set_materialize_grads(false);
     if (!entropy) {
       ctx->mark_non_differentiable({entropies});  // the empty placeholder
     }

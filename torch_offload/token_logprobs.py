@@ -27,8 +27,9 @@ def token_logprobs(
     ``softmax(logits / temperature)`` as a tuple. Both are float32 for bf16/fp16 inputs (the logits'
     GEMMs run in the input dtype, everything after in float32), else ``hidden``'s dtype.
 
-    The logits exist one tile at a time (at most 1024 tokens x 4096 vocabulary rows, 8 MiB; the tile
-    of ``linear_cross_entropy_tile``); forward keeps each token's log-sum-exp (and entropy). Gradients
+    The logits exist one tile at a time (the tile of ``linear_cross_entropy_tile``: 8 MiB of logits in the
+    input dtype, at most 1024 tokens x 4096 vocabulary rows) with a few float32 temporaries of the tile's
+    size; forward keeps each token's log-sum-exp (and entropy). Gradients
     flow to ``hidden``, ``weight`` and ``bias`` from any upstream gradient of either output; they are
     computed in backward, which recomputes every tile's logits (the per-token upstream gradients are
     not known in forward: 4 GEMMs in all, against 3 for ``linear_cross_entropy``'s scalar loss). No

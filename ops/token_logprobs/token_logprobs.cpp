@@ -206,17 +206,19 @@ TokenLogprobsGradients token_logprobs_backward_kernel(TORCH_OFFLOAD_TOKEN_LOGPRO
         const at::Tensor log_p =
             scaled_logits(buffer, hidden_tile, weight, b, col0, cols, temperature, acc_type).sub_(lse_tile);
         const at::Tensor p = at::exp(log_p);
-        at::Tensor d_s = at::zeros({rows, cols}, acc);
+        at::Tensor d_s;
         if (a.defined()) {
           const at::Tensor a_tile = a_flat.narrow(0, start, rows);
-          d_s.sub_(p * a_tile.unsqueeze(1));
+          d_s = p * a_tile.unsqueeze(1).neg();
           const auto [in_tile, column] = ids_in_tile(ids_tile, col0, cols);
           d_s.scatter_add_(1, column, at::where(in_tile, a_tile, zero).unsqueeze(1));
         }
         if (g.defined()) {
           // p log p is 0 where p is (a masked logit's log p is -inf).
           const at::Tensor h_tile = h_flat.narrow(0, start, rows).unsqueeze(1);
-          d_s.sub_(g_flat.narrow(0, start, rows).unsqueeze(1) * at::where(p.gt(0), p * (log_p + h_tile), zero));
+          const at::Tensor term =
+              g_flat.narrow(0, start, rows).unsqueeze(1) * at::where(p.gt(0), p * (log_p + h_tile), zero);
+          d_s = d_s.defined() ? d_s.sub_(term) : term.neg_();
         }
         d_s.mul_(1.0 / temperature);
         const at::Tensor d_logits = reduced && !convert ? d_s.to(dtype) : d_s;
