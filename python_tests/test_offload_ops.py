@@ -296,6 +296,8 @@ def test_tensors_that_are_not_dense_get_an_error_naming_the_op_and_argument(case
         ("tiled_mlp", "w_up"): lambda t: torch_offload.tiled_mlp(x, w_gate, t, w_down),
         ("linear_cross_entropy", "hidden"): lambda t: torch_offload.linear_cross_entropy(t, weight, target),
         ("linear_cross_entropy", "weight"): lambda t: torch_offload.linear_cross_entropy(x, t, target),
+        ("token_logprobs", "hidden"): lambda t: torch_offload.token_logprobs(t, weight, target),
+        ("token_logprobs", "weight"): lambda t: torch_offload.token_logprobs(x, t, target),
         ("attention_block", "x"): lambda t: torch_offload.attention_block(
             t, w_down.t(), w_down.t(), w_down.t(), w_down.t(), rope, rope
         ),
