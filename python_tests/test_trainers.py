@@ -1,6 +1,7 @@
 """apply() under the trainers users run: transformers' Trainer and TRL's SFTTrainer, with packed
 (padding-free) and padded batches, 4 steps on a tiny model: the losses of every step equal the
-un-applied model's; the same through TorchOffloadCallback."""
+un-applied model's; the same through TorchOffloadCallback, and TRL's GRPOTrainer and DPOTrainer with it
+(3 steps: losses and every gradient)."""
 
 import copy
 
@@ -291,3 +292,106 @@ def test_trainer_callback_moves_from_the_model_its_raising_train_left_applied(tm
     losses(trainer)
     assert probe.tiled == [True] * 4  # the second model applied, not left as it was
     assert callback.handle is None and own_attributes(second) == second_before
+
+
+class Gradients(transformers.TrainerCallback):
+    """Every parameter's gradient at every optimizer step."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.steps.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+
+
+def rl_losses_and_gradients(make_trainer):
+    """(losses, gradients per step) without and with TorchOffloadCallback, and the callback."""
+    runs = []
+    original = trl.trainer.utils._ChunkedLogProbFunction
+    for applied in (False, True):
+        torch.manual_seed(0)
+        gradients = Gradients()
+        callback = torch_offload.TorchOffloadCallback(num_shards=2)
+        trainer = make_trainer(tiny_model(), [gradients, callback] if applied else [gradients])
+        runs.append((losses(trainer), gradients.steps))
+        assert trl.trainer.utils._ChunkedLogProbFunction is original  # TRL's own again after training
+    (plain, plain_gradients), (applied, applied_gradients) = runs
+    assert len(plain) == 3 and len(plain_gradients) == 3
+    torch.testing.assert_close(applied, plain, rtol=1e-4, atol=1e-5)
+    for got, want in zip(applied_gradients, plain_gradients):
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+    return callback
+
+
+def rl_arguments(tmp_path, cls, **kwargs):
+    config = arguments(tmp_path, cls, gradient_checkpointing=False, bf16=False, **kwargs)
+    config.max_steps = 3
+    return config
+
+
+def test_grpo_trainer_callback_scores_tokens_through_the_op_with_equal_losses_and_gradients(tmp_path):
+    tok = tokenizer()
+    dataset = datasets.Dataset.from_dict({"prompt": texts(8)})
+
+    def reward(completions, **kwargs):  # in-process: longer completions score higher
+        return [len(completion) / 10 for completion in completions]
+
+    def make_trainer(model, callbacks):
+        config = rl_arguments(
+            tmp_path, trl.GRPOConfig, num_generations=2, max_completion_length=8, beta=0.0, temperature=0.7
+        )
+        return trl.GRPOTrainer(
+            model=model,
+            args=config,
+            reward_funcs=reward,
+            train_dataset=dataset,
+            processing_class=tok,
+            callbacks=callbacks,
+        )
+
+    callback = rl_losses_and_gradients(make_trainer)
+    # Each step scores its completions with gradients (and the old policy's without): every call went through
+    # the op.
+    assert callback.fused_head.calls >= 3
+
+
+def test_dpo_trainer_callback_losses_and_gradients_equal(tmp_path):
+    tok = tokenizer()
+    prompts, chosen, rejected = texts(8), texts(16)[:8], texts(16)[8:]
+    dataset = datasets.Dataset.from_dict({"prompt": prompts, "chosen": chosen, "rejected": rejected})
+
+    def make_trainer(model, callbacks):
+        config = rl_arguments(tmp_path, trl.DPOConfig, max_length=64)
+        return trl.DPOTrainer(
+            model=model,
+            ref_model=copy.deepcopy(model),
+            args=config,
+            train_dataset=dataset,
+            processing_class=tok,
+            callbacks=callbacks,
+        )
+
+    callback = rl_losses_and_gradients(make_trainer)
+    # The policy's calls ask for DPO's metrics too (mean logits, top-1): TRL's own kernel serves them. The
+    # reference model's ask for log-probabilities alone: the op.
+    assert callback.fused_head.calls >= 3
+
+
+def test_fused_head_of_an_untested_trl_is_left_alone_with_a_warning(monkeypatch):
+    from torch_offload import trl_fused_head
+
+    original = trl.trainer.utils._ChunkedLogProbFunction
+    assert trl_fused_head.install(tiny_model(), "caller") == (None, None)  # no TRL head on it: nothing to say
+    model = tiny_model()
+    trl.trainer.utils.add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    with pytest.warns(UserWarning, match=r"caller: TRL 1.17.0's fused LM head is left as it is"):
+        assert trl_fused_head.install(model, "caller") == (None, None)
+    assert trl.trainer.utils._ChunkedLogProbFunction is original
+    monkeypatch.undo()
+    head, undo = trl_fused_head.install(model, "caller")
+    assert trl.trainer.utils._ChunkedLogProbFunction is head
+    undo()
+    assert trl.trainer.utils._ChunkedLogProbFunction is original

@@ -8,6 +8,7 @@ from typing import Any
 import transformers
 from torch import nn
 
+from . import trl_fused_head
 from .integrations import OffloadHandle, apply, check_apply_option_names
 
 _CALLER = "torch_offload.TorchOffloadCallback"
@@ -23,6 +24,10 @@ class TorchOffloadCallback(transformers.TrainerCallback):
     patched it) and ``remove()`` when it ends, so the model the trainer returns is the one it was given.
     Unknown options are a TypeError here, at construction; options the model's configuration would
     ignore (e.g. ``min_bytes`` without a tier) are apply()'s ValueError when training begins.
+
+    Under TRL 1.16's trainers (GRPO, DPO, ...), whose fused LM head scores the tokens, the calls asking for
+    log-probabilities and entropies alone go through the ``token_logprobs`` op while training
+    (``callback.fused_head.calls`` counts them); the others keep TRL's (torch_offload/trl_fused_head.py).
 
     ``sequence_parallel`` is a ValueError here: a Trainer hands every rank whole batches, never
     ``torch_offload.shard_batch``'s share of their tokens.
@@ -45,6 +50,8 @@ class TorchOffloadCallback(transformers.TrainerCallback):
         self.apply_options = apply_options
         self.handle: OffloadHandle | None = None
         self._model: weakref.ref[nn.Module] | None = None  # the model self.handle is on
+        self.fused_head: trl_fused_head.TokenLogprobsHead | None = None
+        self._undo_fused_head = None
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         # Before the trainer wraps the model's forward (TRL's fused LM head now, accelerate's autocast in train()):
@@ -56,7 +63,12 @@ class TorchOffloadCallback(transformers.TrainerCallback):
         if model is None:
             raise ValueError(f"{_CALLER}: the trainer passed no model to on_train_begin")
         self._remove_stale(model)
-        self.handle = apply(model, **self.apply_options)
+        self.fused_head, self._undo_fused_head = trl_fused_head.install(model, _CALLER)
+        try:
+            self.handle = apply(model, **self.apply_options)
+        except BaseException:
+            self._remove()
+            raise
         self._model = weakref.ref(model)
         _APPLIED_BY[model] = self
 
@@ -79,6 +91,9 @@ class TorchOffloadCallback(transformers.TrainerCallback):
                 ) from error
 
     def _remove(self) -> None:
+        if self._undo_fused_head is not None:
+            self._undo_fused_head()
+            self._undo_fused_head = None  # fused_head stays, with its count of calls
         if self.handle is None:
             return
         self.handle.remove()

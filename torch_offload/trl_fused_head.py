@@ -1,0 +1,106 @@
+"""TRL's fused LM head through the ``token_logprobs`` op, for TorchOffloadCallback.
+
+TRL 1.16's trainers (GRPO, DPO, RLOO, KTO, SFT) patch the model with ``add_fused_lm_head``: a call with
+``fused_lm_head=True`` runs the backbone and scores the positions with ``ChunkedLogProbFunction``, which holds
+tiles of 4096 tokens x 32768 vocabulary rows of logits (512 MiB in bf16) and float32 accumulators. Where a call
+asks for what the op computes (log-probabilities, entropies; no soft-capping, no logit scale), it goes through
+``token_logprobs`` instead (8 MiB tiles, float64 kept in float64); other calls (DPO's metrics: mean logits, top-1)
+keep TRL's. The stand-in is put in ``trl.trainer.utils`` for the time of training and taken out after.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import torch
+
+# TRL's function and the arguments its forward takes, in order, as the versions below call it.
+_TESTED_VERSIONS = ("1.16.",)
+_ARGUMENTS = (
+    "ctx",
+    "hidden",
+    "weight",
+    "bias",
+    "targets",
+    "temperature",
+    "chunk_size",
+    "final_logit_softcapping",
+    "logit_scale",
+    "outputs",
+)
+_OURS = {"log_probs", "entropy"}
+
+
+class TokenLogprobsHead:
+    """Stands in for ``ChunkedLogProbFunction`` (its ``apply`` alone, which is all TRL calls). ``calls`` counts
+    the calls the op served."""
+
+    def __init__(self, original) -> None:
+        self.original = original
+        self.calls = 0
+
+    def apply(
+        self,
+        hidden,
+        weight,
+        bias,
+        targets,
+        temperature,
+        chunk_size,
+        final_logit_softcapping=None,
+        logit_scale=1.0,
+        outputs=("log_probs",),
+    ):
+        if final_logit_softcapping is not None or logit_scale != 1.0 or not set(outputs) <= _OURS:
+            return self.original.apply(
+                hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs
+            )
+        self.calls += 1
+        entropy = "entropy" in outputs
+        logprobs, entropies = torch.ops.offload.token_logprobs(
+            hidden, weight, targets, bias=bias, temperature=float(temperature), entropy=entropy
+        )
+        # TRL's fields: log-probabilities, entropy, log sum of squared probabilities, mean logit, top-1.
+        return logprobs, entropies if entropy else None, None, None, None
+
+
+def _has_trl_fused_head(model) -> bool:
+    """Whether model.forward is TRL's add_fused_lm_head forward (it takes ``fused_lm_head``)."""
+    forward = getattr(model.forward, "__func__", model.forward)
+    code = getattr(forward, "__code__", None)
+    return code is not None and "fused_lm_head" in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+
+
+def install(model, caller: str):
+    """Where a TRL trainer gave ``model`` its fused LM head: puts the stand-in in place of TRL's function and
+    returns it with the undo, or warns and returns (None, None) where the installed TRL is not a version whose
+    code path this matches. A model without it: (None, None)."""
+    if not _has_trl_fused_head(model):
+        return None, None
+    import trl
+    import trl.trainer.utils as trl_utils
+
+    original = getattr(trl_utils, "_ChunkedLogProbFunction", None)
+    forward = getattr(original, "forward", None)
+    matches = (
+        trl.__version__.startswith(_TESTED_VERSIONS)
+        and callable(forward)
+        and tuple(inspect.signature(forward).parameters) == _ARGUMENTS
+    )
+    if not matches:
+        warnings.warn(
+            f"{caller}: TRL {trl.__version__}'s fused LM head is left as it is (it goes through token_logprobs in "
+            f"TRL {', '.join(v + 'x' for v in _TESTED_VERSIONS)} only)",
+            UserWarning,
+            stacklevel=3,
+        )
+        return None, None
+    head = TokenLogprobsHead(original)
+    trl_utils._ChunkedLogProbFunction = head
+
+    def undo():
+        if trl_utils._ChunkedLogProbFunction is head:
+            trl_utils._ChunkedLogProbFunction = original
+
+    return head, undo
