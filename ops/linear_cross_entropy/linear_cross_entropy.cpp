@@ -67,6 +67,21 @@ std::vector<int64_t> linear_cross_entropy_tile_kernel(int64_t tokens, int64_t vo
   return {tile_tokens, even_split(vocab, budget_vocab)};
 }
 
+void check_lm_head(const char* op, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias) {
+  check_defined(hidden, op, "hidden");
+  const auto dtype = hidden.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              ": hidden has dtype ", dtype, "; expected float32, float64, bfloat16 or float16");
+  TORCH_CHECK(hidden.dim() >= 1, op, ": hidden is a 0-d tensor; expected [..., h]");
+  check_defined(weight, op, "weight");
+  TORCH_CHECK(weight.dim() == 2, op, ": weight has shape ", weight.sym_sizes(), "; expected [V, h]");
+  const c10::SymInt vocab = weight.sym_size(0);
+  check_tensor(op, "weight", weight, hidden, "hidden", dtype, {vocab, hidden.sym_size(-1)}, "[V, h]");
+  if (bias.defined()) {
+    check_tensor(op, "bias", bias, hidden, "hidden", dtype, {vocab}, "[V]");
+  }
+}
+
 namespace {
 
 enum class Reduction { kMean, kSum, kNone };
@@ -87,19 +102,7 @@ Reduction check_arguments(const char* op, const at::Tensor& hidden, const at::Te
                           const at::Tensor& target, double label_smoothing, double softcap, double z_loss,
                           std::string_view reduction) {
   const Reduction parsed = parse_reduction(reduction, op);
-  check_defined(hidden, op, "hidden");
-  const auto dtype = hidden.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf, op,
-              ": hidden has dtype ", dtype, "; expected float32, float64, bfloat16 or float16");
-  TORCH_CHECK(hidden.dim() >= 1, op, ": hidden is a 0-d tensor; expected [..., h]");
-  check_defined(weight, op, "weight");
-  TORCH_CHECK(weight.dim() == 2, op, ": weight has shape ", weight.sym_sizes(), "; expected [V, h]");
-  const c10::SymInt h = hidden.sym_size(-1);
-  const c10::SymInt vocab = weight.sym_size(0);
-  check_tensor(op, "weight", weight, hidden, "hidden", dtype, {vocab, h}, "[V, h]");
-  if (bias.defined()) {
-    check_tensor(op, "bias", bias, hidden, "hidden", dtype, {vocab}, "[V]");
-  }
+  check_lm_head(op, hidden, weight, bias);
   check_defined(target, op, "target");
   TORCH_CHECK(target.scalar_type() == at::kLong || target.scalar_type() == at::kInt, op, ": target has dtype ",
               target.scalar_type(), "; expected int64 (or int32) class indices");

@@ -80,6 +80,11 @@ bool gradients_in_forward_by_default(const char* op, const at::Tensor& hidden, d
 // smoothing, whose gradient reaches every logit. Errors name the argument.
 void check_filter_eps(const char* op, double filter_eps, double label_smoothing);
 
+// hidden [..., h] (float32, float64, bfloat16 or float16), weight [V, h] and bias [V] (undefined: none) alike,
+// on one device: the LM head's arguments, as linear_cross_entropy and token_logprobs take them. Works on
+// symbolic shapes; errors name `op` and the argument.
+void check_lm_head(const char* op, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias);
+
 // The automatic tile ([tokens, vocabulary]) for `tokens` tokens, a vocabulary of
 // `vocab` and `dtype`: a pure function of these, so every rank agrees on it.
 std::vector<int64_t> linear_cross_entropy_tile_kernel(int64_t tokens, int64_t vocab, c10::ScalarType dtype);

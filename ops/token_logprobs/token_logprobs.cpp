@@ -36,18 +36,7 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // Every argument against hidden [..., h] and weight [V, h]; works on symbolic shapes.
 void check_arguments(const char* op, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids,
                      const at::Tensor& bias, double temperature) {
-  check_defined(hidden, op, "hidden");
-  const auto dtype = hidden.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf, op,
-              ": hidden has dtype ", dtype, "; expected float32, float64, bfloat16 or float16");
-  TORCH_CHECK(hidden.dim() >= 1, op, ": hidden is a 0-d tensor; expected [..., h]");
-  check_defined(weight, op, "weight");
-  TORCH_CHECK(weight.dim() == 2, op, ": weight has shape ", weight.sym_sizes(), "; expected [V, h]");
-  const c10::SymInt vocab = weight.sym_size(0);
-  check_tensor(op, "weight", weight, hidden, "hidden", dtype, {vocab, hidden.sym_size(-1)}, "[V, h]");
-  if (bias.defined()) {
-    check_tensor(op, "bias", bias, hidden, "hidden", dtype, {vocab}, "[V]");
-  }
+  check_lm_head(op, hidden, weight, bias);
   check_defined(ids, op, "ids");
   TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, op, ": ids has dtype ",
               ids.scalar_type(), "; expected int64 (or int32) token ids");
