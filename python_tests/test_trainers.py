@@ -395,3 +395,21 @@ def test_fused_head_of_an_untested_trl_is_left_alone_with_a_warning(monkeypatch)
     assert trl.trainer.utils._ChunkedLogProbFunction is head
     undo()
     assert trl.trainer.utils._ChunkedLogProbFunction is original
+
+
+def test_fused_head_cast_to_float32_keeps_trls_kernel():
+    # GRPOConfig(cast_lm_head_to_fp32=True): float32 hidden states against a bf16 head, which the op (one dtype)
+    # would refuse; TRL's kernel serves those calls, with the same result.
+    from torch_offload import trl_fused_head
+
+    model = tiny_model().to(torch.bfloat16)
+    trl.trainer.utils.add_fused_lm_head(model, temperature=0.7, cast_lm_head_to_fp32=True, outputs=("log_probs",))
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    want = model(input_ids=ids, labels=ids, fused_lm_head=True).log_probs
+    head, undo = trl_fused_head.install(model, "caller")
+    try:
+        got = model(input_ids=ids, labels=ids, fused_lm_head=True).log_probs
+    finally:
+        undo()
+    assert head.calls == 0
+    torch.testing.assert_close(got, want)

@@ -3,7 +3,8 @@
 TRL 1.16's trainers (GRPO, DPO, RLOO, KTO, SFT) patch the model with ``add_fused_lm_head``: a call with
 ``fused_lm_head=True`` runs the backbone and scores the positions with ``ChunkedLogProbFunction``, which holds
 tiles of 4096 tokens x 32768 vocabulary rows of logits (512 MiB in bf16) and float32 accumulators. Where a call
-asks for what the op computes (log-probabilities, entropies; no soft-capping, no logit scale), it goes through
+asks for what the op computes (log-probabilities, entropies; no soft-capping, no logit scale, the head in the hidden
+states' dtype), it goes through
 ``token_logprobs`` instead (8 MiB tiles, float64 kept in float64); other calls (DPO's metrics: mean logits, top-1)
 keep TRL's. The stand-in is put in ``trl.trainer.utils`` for the time of training and taken out after.
 """
@@ -52,7 +53,10 @@ class TokenLogprobsHead:
         logit_scale=1.0,
         outputs=("log_probs",),
     ):
-        if final_logit_softcapping is not None or logit_scale != 1.0 or not set(outputs) <= _OURS:
+        # TRL's cast_lm_head_to_fp32 hands a float32 hidden to a bf16/fp16 head, which the op refuses (one dtype):
+        # TRL's kernel casts each tile.
+        mixed = weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype)
+        if final_logit_softcapping is not None or logit_scale != 1.0 or mixed or not set(outputs) <= _OURS:
             return self.original.apply(
                 hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs
             )
