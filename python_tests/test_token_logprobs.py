@@ -348,3 +348,37 @@ def test_bad_arguments_are_refused_by_name(change, message):
     keywords = {k: arguments.pop(k) for k in ("bias", "temperature") if k in arguments}
     with pytest.raises(RuntimeError, match=message):
         torch_offload.token_logprobs(arguments["hidden"], arguments["weight"], arguments["ids"], **keywords)
+
+
+@pytest.mark.parametrize("shape, vocab", SHAPES, ids=["one_tile", "many_tiles"])
+def test_summaries_match_eager_and_carry_no_gradient(shape, vocab):
+    hidden, weight, b, ids = make_inputs(shape, vocab, bias=True)
+    with torch.no_grad():  # half the ids the argmax, so that top-1 is true and false
+        best = F.linear(hidden, weight, b).argmax(-1)
+    ids = torch.where(torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)) < 0.5, best, ids)
+    mean, top1, log_sum_sq = torch_offload.token_logprob_summaries(hidden, weight, ids, bias=b, temperature=0.7)
+    logits = F.linear(hidden, weight, b) / 0.7
+    p = logits.softmax(-1)
+    torch.testing.assert_close(mean, logits.mean(-1))
+    assert torch.equal(top1, logits.argmax(-1) == ids) and 0 < top1.float().mean() < 1
+    torch.testing.assert_close(log_sum_sq, (p * p).sum(-1).log())
+    assert not (mean.requires_grad or log_sum_sq.requires_grad) and top1.dtype == torch.bool
+
+
+def test_summaries_count_a_tie_as_top1_for_the_first_maximum_only():
+    hidden, weight = torch.zeros(2, 4), torch.zeros(6, 4)  # every logit equal: argmax is column 0
+    _, top1, _ = torch_offload.token_logprob_summaries(hidden, weight, torch.tensor([0, 3]))
+    assert top1.tolist() == [True, False]
+
+
+def test_summaries_opcheck_and_meta():
+    hidden, weight, b, ids = make_inputs((2, 7, 16), 19, bias=True, dtype=torch.float32)
+    opcheck(torch.ops.offload.token_logprob_summaries.default, (hidden, weight, ids), dict(bias=b, temperature=0.7))
+    meta = [torch.empty(2, 5, 16, device="meta", dtype=torch.bfloat16), torch.empty(30, 16, device="meta")]
+    meta[1] = meta[1].bfloat16()
+    outputs = torch.ops.offload.token_logprob_summaries(*meta, torch.empty(2, 5, dtype=torch.long, device="meta"))
+    assert [(o.shape, o.dtype) for o in outputs] == [
+        ((2, 5), torch.float32),
+        ((2, 5), torch.bool),
+        ((2, 5), torch.float32),
+    ]

@@ -82,3 +82,14 @@ def test_cuda_bad_id_is_an_error_not_a_crash():
     ids[2] = 10
     with pytest.raises(RuntimeError, match=r"token_logprobs: ids holds 10 at \(flattened\) index 2"):
         torch_offload.token_logprobs(hidden.cuda(), weight.cuda(), ids.cuda())
+
+
+def test_cuda_summaries_match_the_cpu_op():
+    hidden, weight, b, ids = make_inputs((1030, 8), 4099, bias=True)
+    want = torch_offload.token_logprob_summaries(hidden, weight, ids, bias=b, temperature=0.7)
+    got = torch_offload.token_logprob_summaries(
+        hidden.cuda(), weight.cuda(), ids.cuda(), bias=b.cuda(), temperature=0.7
+    )
+    for g, w in zip(got, want):
+        assert g.is_cuda
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-10, atol=1e-12)

@@ -304,8 +304,14 @@ class Gradients(transformers.TrainerCallback):
         self.steps.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
 
 
+def logged_metrics(trainer):
+    """Every step's logged figures but timings."""
+    timing = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+    return [{k: v for k, v in entry.items() if k not in timing} for entry in trainer.state.log_history]
+
+
 def rl_losses_and_gradients(make_trainer):
-    """(losses, gradients per step) without and with TorchOffloadCallback, and the callback."""
+    """Losses, metrics and gradients per step without and with TorchOffloadCallback, equal; the callback."""
     runs = []
     original = trl.trainer.utils._ChunkedLogProbFunction
     for applied in (False, True):
@@ -313,11 +319,13 @@ def rl_losses_and_gradients(make_trainer):
         gradients = Gradients()
         callback = torch_offload.TorchOffloadCallback(num_shards=2)
         trainer = make_trainer(tiny_model(), [gradients, callback] if applied else [gradients])
-        runs.append((losses(trainer), gradients.steps))
+        runs.append((losses(trainer), gradients.steps, logged_metrics(trainer)))
         assert trl.trainer.utils._ChunkedLogProbFunction is original  # TRL's own again after training
-    (plain, plain_gradients), (applied, applied_gradients) = runs
+    (plain, plain_gradients, plain_metrics), (applied, applied_gradients, applied_metrics) = runs
     assert len(plain) == 3 and len(plain_gradients) == 3
     torch.testing.assert_close(applied, plain, rtol=1e-4, atol=1e-5)
+    # The metrics too (entropy, DPO's mean logits and accuracies): the same keys, the same values.
+    torch.testing.assert_close(applied_metrics, plain_metrics, rtol=1e-4, atol=1e-5)
     for got, want in zip(applied_gradients, plain_gradients):
         assert got.keys() == want.keys()
         for name in want:
@@ -374,9 +382,8 @@ def test_dpo_trainer_callback_losses_and_gradients_equal(tmp_path):
         )
 
     callback = rl_losses_and_gradients(make_trainer)
-    # The policy's calls ask for DPO's metrics too (mean logits, top-1): TRL's own kernel serves them. The
-    # reference model's ask for log-probabilities alone: the op.
-    assert callback.fused_head.calls >= 3
+    # The policy's calls (with DPO's metrics: mean logits, top-1) and the reference model's, each step.
+    assert callback.fused_head.calls >= 6
 
 
 def test_fused_head_of_an_untested_trl_is_left_alone_with_a_warning(monkeypatch):

@@ -312,6 +312,14 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs_autograd(const at::Tensor& hid
   return {outputs[0], outputs[1]};
 }
 
+// Summaries carry no gradient: computed below autograd, their outputs never require one.
+TokenLogprobSummaries token_logprob_summaries_autograd(const at::Tensor& hidden, const at::Tensor& weight,
+                                                       const at::Tensor& ids, const std::optional<at::Tensor>& bias,
+                                                       double temperature) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return token_logprob_summaries(hidden, weight, ids, bias, temperature);
+}
+
 }  // namespace
 }  // namespace torch_offload
 
@@ -319,6 +327,7 @@ TORCH_LIBRARY_IMPL(offload, Autograd, m) {
   m.impl("token_logprobs", &torch_offload::token_logprobs_autograd);
   m.impl("token_logprobs_forward", torch::autograd::autogradNotImplementedFallback());
   m.impl("token_logprobs_backward", torch::autograd::autogradNotImplementedFallback());
+  m.impl("token_logprob_summaries", &torch_offload::token_logprob_summaries_autograd);
   m.impl("linear_cross_entropy", &torch_offload::linear_cross_entropy_autograd);
   // Called by the formula above below autograd; gradients of gradients are not supported.
   m.impl("linear_cross_entropy_forward", torch::autograd::autogradNotImplementedFallback());

@@ -34,4 +34,5 @@ TORCH_LIBRARY_IMPL(offload, CUDA, m) {
   m.impl("token_logprobs", &torch_offload::token_logprobs_kernel);
   m.impl("token_logprobs_forward", &torch_offload::token_logprobs_forward_kernel);
   m.impl("token_logprobs_backward", &torch_offload::token_logprobs_backward_kernel);
+  m.impl("token_logprob_summaries", &torch_offload::token_logprob_summaries_kernel);
 }

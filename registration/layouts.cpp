@@ -68,6 +68,7 @@ constexpr const char* kOpsTakingTensors[] = {
     "token_logprobs",
     "token_logprobs_forward",
     "token_logprobs_backward",
+    "token_logprob_summaries",
     "attention_block",
     "attention_block_backward",
     "segment_attention",

@@ -42,4 +42,5 @@ TORCH_LIBRARY_IMPL(offload, Meta, m) {
   m.impl("token_logprobs", &torch_offload::token_logprobs_meta);
   m.impl("token_logprobs_forward", &torch_offload::token_logprobs_forward_meta);
   m.impl("token_logprobs_backward", &torch_offload::token_logprobs_backward_meta);
+  m.impl("token_logprob_summaries", &torch_offload::token_logprob_summaries_meta);
 }

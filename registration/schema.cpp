@@ -100,6 +100,11 @@ TORCH_LIBRARY(offload, m) {
       "token_logprobs_backward(Tensor? grad_logprobs, Tensor? grad_entropy, Tensor hidden, Tensor weight, "
       "Tensor ids, Tensor? bias, Tensor lse, Tensor? entropy, float temperature, bool[3] output_mask) "
       "-> (Tensor, Tensor, Tensor)");
+  // Per token, without gradients: the mean of logits / temperature, whether the id is the first maximum, and
+  // log sum p^2 (float32 for bf16/fp16; the second bool).
+  m.def(
+      "token_logprob_summaries(Tensor hidden, Tensor weight, Tensor ids, *, Tensor? bias=None, "
+      "float temperature=1.0) -> (Tensor, Tensor, Tensor)");
   // The automatic tile [tokens, vocabulary columns]; takes no tensor, so one kernel serves every backend.
   m.def("linear_cross_entropy_tile(int tokens, int vocab, ScalarType dtype) -> int[]",
         &torch_offload::linear_cross_entropy_tile_kernel);

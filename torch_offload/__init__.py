@@ -37,6 +37,7 @@ __all__ = [
     "shard_batch",
     "pinned_arena_stats",
     "TiledMLP",
+    "token_logprob_summaries",
     "token_logprobs",
     "TorchOffloadCallback",
     "tiled_apply",
@@ -153,7 +154,7 @@ from .integrations import OffloadHandle, apply  # noqa: E402
 from .linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_tile  # noqa: E402
 from .sequence_parallel import shard_batch, ulysses_attention  # noqa: E402
 from .tiled_mlp import TiledMLP, tiled_apply, tiled_mlp, tiled_mlp_num_shards  # noqa: E402  (uses _require_tensor above)
-from .token_logprobs import token_logprobs  # noqa: E402
+from .token_logprobs import token_logprob_summaries, token_logprobs  # noqa: E402
 
 
 def __getattr__(name: str):

@@ -7,7 +7,7 @@ import torch
 
 from . import _require_tensor
 
-__all__ = ["token_logprobs"]
+__all__ = ["token_logprob_summaries", "token_logprobs"]
 
 
 def token_logprobs(
@@ -41,3 +41,20 @@ def token_logprobs(
         hidden, weight, ids, bias=bias, temperature=float(temperature), entropy=entropy
     )
     return (logprobs, entropies) if entropy else logprobs
+
+
+def token_logprob_summaries(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per token, what RL trainers log from the LM head, without the logits and without gradients:
+    ``(mean of logits / temperature over the vocabulary, whether the id is the first maximum as argmax
+    counts ties, log sum_j p_j^2)``, ``ids``' shape (float32 for bf16/fp16 inputs; the second bool). One
+    pass over the vocabulary in ``token_logprobs``' tiles."""
+    for value, arg in ((hidden, "hidden"), (weight, "weight"), (ids, "ids")):
+        _require_tensor(value, "token_logprob_summaries", arg)
+    return torch.ops.offload.token_logprob_summaries(hidden, weight, ids, bias=bias, temperature=float(temperature))

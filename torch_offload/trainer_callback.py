@@ -25,9 +25,8 @@ class TorchOffloadCallback(transformers.TrainerCallback):
     Unknown options are a TypeError here, at construction; options the model's configuration would
     ignore (e.g. ``min_bytes`` without a tier) are apply()'s ValueError when training begins.
 
-    Under TRL 1.16's trainers (GRPO, DPO, ...), whose fused LM head scores the tokens, the calls asking for
-    log-probabilities and entropies alone go through the ``token_logprobs`` op while training
-    (``callback.fused_head.calls`` counts them); the others keep TRL's (torch_offload/trl_fused_head.py).
+    Under TRL 1.16's trainers (GRPO, DPO, ...), whose fused LM head scores the tokens, its calls go through the
+    ``token_logprobs`` op while training (``callback.fused_head.calls`` counts them; torch_offload/trl_fused_head.py).
 
     ``sequence_parallel`` is a ValueError here: a Trainer hands every rank whole batches, never
     ``torch_offload.shard_batch``'s share of their tokens.

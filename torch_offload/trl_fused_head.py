@@ -2,11 +2,10 @@
 
 TRL 1.16's trainers (GRPO, DPO, RLOO, KTO, SFT) patch the model with ``add_fused_lm_head``: a call with
 ``fused_lm_head=True`` runs the backbone and scores the positions with ``ChunkedLogProbFunction``, which holds
-tiles of 4096 tokens x 32768 vocabulary rows of logits (512 MiB in bf16) and float32 accumulators. Where a call
-asks for what the op computes (log-probabilities, entropies; no soft-capping, no logit scale, the head in the hidden
-states' dtype), it goes through
-``token_logprobs`` instead (8 MiB tiles, float64 kept in float64); other calls (DPO's metrics: mean logits, top-1)
-keep TRL's. The stand-in is put in ``trl.trainer.utils`` for the time of training and taken out after.
+tiles of 4096 tokens x 32768 vocabulary rows of logits (512 MiB in bf16) and float32 accumulators. Calls without
+soft-capping or a logit scale, with the head in the hidden states' dtype, go through ``token_logprobs`` instead (8 MiB tiles, float64 kept in float64), and the
+metrics they ask for (mean logits, top-1, log sum of squared probabilities) through ``token_logprob_summaries``; the
+others keep TRL's. The stand-in is put in ``trl.trainer.utils`` for the time of training and taken out after.
 """
 
 from __future__ import annotations
@@ -30,7 +29,8 @@ _ARGUMENTS = (
     "logit_scale",
     "outputs",
 )
-_OURS = {"log_probs", "entropy"}
+_SUMMARIES = ("log_sum_sq_probs", "mean_logits", "is_top1")
+_OURS = {"log_probs", "entropy", *_SUMMARIES}
 
 
 class TokenLogprobsHead:
@@ -65,8 +65,18 @@ class TokenLogprobsHead:
         logprobs, entropies = torch.ops.offload.token_logprobs(
             hidden, weight, targets, bias=bias, temperature=float(temperature), entropy=entropy
         )
+        summaries = {}
+        if any(name in outputs for name in _SUMMARIES):
+            mean_logits, is_top1, log_sum_sq_probs = torch.ops.offload.token_logprob_summaries(
+                hidden, weight, targets, bias=bias, temperature=float(temperature)
+            )
+            summaries = {"log_sum_sq_probs": log_sum_sq_probs, "mean_logits": mean_logits, "is_top1": is_top1}
         # TRL's fields: log-probabilities, entropy, log sum of squared probabilities, mean logit, top-1.
-        return logprobs, entropies if entropy else None, None, None, None
+        return (
+            logprobs,
+            entropies if entropy else None,
+            *(summaries[name] if name in outputs else None for name in _SUMMARIES),
+        )
 
 
 def _has_trl_fused_head(model) -> bool:

@@ -248,6 +248,21 @@ inline TokenLogprobs token_logprobs(const at::Tensor& hidden, const at::Tensor& 
   return handle.call(hidden, weight, ids, bias, temperature, entropy);
 }
 
+// Per token, summaries of softmax(logits / temperature) that carry no gradient, as RL trainers log them: the
+// mean of logits / temperature over the vocabulary, whether the id is the first maximum (argmax), and
+// log sum_j p_j^2; ids' shape (the second bool), in tiles as token_logprobs.
+using TokenLogprobSummaries = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+inline TokenLogprobSummaries token_logprob_summaries(const at::Tensor& hidden, const at::Tensor& weight,
+                                                     const at::Tensor& ids,
+                                                     const std::optional<at::Tensor>& bias = std::nullopt,
+                                                     double temperature = 1.0) {
+  TORCH_CHECK(hidden.defined(), "token_logprob_summaries: hidden is an undefined tensor; expected a defined tensor");
+  static const auto handle =
+      detail::op<TokenLogprobSummaries(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                       const std::optional<at::Tensor>&, double)>("offload::token_logprob_summaries");
+  return handle.call(hidden, weight, ids, bias, temperature);
+}
+
 // The forward token_logprobs' autograd formula runs: (log-probabilities, entropies, and each token's
 // log-sum-exp of logits / temperature, [tokens], which the backward reuses).
 using TokenLogprobsForward = std::tuple<at::Tensor, at::Tensor, at::Tensor>;

@@ -13,6 +13,7 @@
 
 #include <ATen/OpMathType.h>
 #include <ATen/TensorOperators.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/exp.h>
 #include <ATen/ops/full.h>
@@ -91,27 +92,37 @@ std::pair<at::Tensor, at::Tensor> ids_in_tile(const at::Tensor& ids, int64_t col
   return {in_tile, (ids - col0).clamp(0, cols - 1).unsqueeze(1)};
 }
 
-}  // namespace
+// What a pass over the vocabulary folds per token besides max, S and the id's s, each where asked.
+struct Wanted {
+  bool entropy = false, mean = false, top1 = false, squares = false;
+};
 
-TokenLogprobsForward token_logprobs_forward_kernel(TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS) {
-  const char* op = "token_logprobs";
-  const at::Tensor b = value_or_undefined(bias);
+// Per token, folded tile by tile: max m, S = sum exp(s - m), the id's s, and where asked Q = sum exp(s - m)(s - m)
+// (entropy), sum s (mean logit), the max of s before the id's column (top-1: the first maximum, as argmax), and
+// sum exp(2 (s - m)) (log sum p^2).
+struct VocabularyFold {
+  at::Tensor max, sum_exp, picked, shifted_sum, sum_s, max_before, sum_exp2;
+};
+
+VocabularyFold fold_vocabulary(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
+                               const at::Tensor& ids, const at::Tensor& b, double temperature, Wanted wanted) {
   check_arguments(op, hidden, weight, ids, b, temperature);
   const Tiles t(hidden, weight, ids);
   check_id_values(op, t.ids, t.vocab);
   const auto acc_type = at::toOpMathType(hidden.scalar_type());
   const auto acc = hidden.options().dtype(acc_type);
-
-  at::Tensor max = at::full({t.tokens}, -kInf, acc), sum_exp = at::zeros({t.tokens}, acc);
-  at::Tensor shifted_sum = entropy ? at::zeros({t.tokens}, acc) : at::Tensor();  // Q
-  at::Tensor picked = at::zeros({t.tokens}, acc);                                // s of the id
+  const auto optional = [&](bool want, double value) { return want ? at::full({t.tokens}, value, acc) : at::Tensor(); };
+  VocabularyFold f{at::full({t.tokens}, -kInf, acc), at::zeros({t.tokens}, acc), at::zeros({t.tokens}, acc),
+                   optional(wanted.entropy, 0.0),    optional(wanted.mean, 0.0), optional(wanted.top1, -kInf),
+                   optional(wanted.squares, 0.0)};
   if (t.tokens > 0 && t.vocab > 0) {
     const at::Tensor buffer = at::empty({t.rows * t.cols}, hidden.options());
     const at::Tensor zero = at::zeros({}, acc);
     for (int64_t start = 0; start < t.tokens; start += t.rows) {
       const int64_t rows = std::min(t.rows, t.tokens - start);
       const at::Tensor hidden_tile = t.hidden.narrow(0, start, rows), ids_tile = t.ids.narrow(0, start, rows);
-      at::Tensor m = max.narrow(0, start, rows), s_sum = sum_exp.narrow(0, start, rows);
+      const auto part = [&](const at::Tensor& x) { return x.narrow(0, start, rows); };
+      at::Tensor m = part(f.max), s_sum = part(f.sum_exp);
       for (int64_t col0 = 0; col0 < t.vocab; col0 += t.cols) {
         const int64_t cols = std::min(t.cols, t.vocab - col0);
         const at::Tensor s = scaled_logits(buffer, hidden_tile, weight, b, col0, cols, temperature, acc_type);
@@ -121,25 +132,55 @@ TokenLogprobsForward token_logprobs_forward_kernel(TORCH_OFFLOAD_TOKEN_LOGPROBS_
         const at::Tensor rescale = at::exp(m - reference);
         const at::Tensor shifted = s - reference.unsqueeze(1);
         const at::Tensor e = at::exp(shifted);
-        if (entropy) {
+        if (wanted.entropy) {
           // Q relative to the new max: exp(m - m') (Q + S (m - m')); nothing where S is still 0.
-          at::Tensor q = shifted_sum.narrow(0, start, rows);
+          at::Tensor q = part(f.shifted_sum);
           const at::Tensor carried = at::where(s_sum.gt(0), rescale * (q + s_sum * (m - reference)), zero);
           q.copy_(carried + at::where(e.gt(0), e * shifted, zero).sum(1));
         }
+        if (wanted.squares) {
+          at::Tensor q2 = part(f.sum_exp2);
+          q2.copy_(q2 * rescale * rescale + (e * e).sum(1));
+        }
+        if (wanted.mean) {
+          part(f.sum_s).add_(s.sum(1));
+        }
+        const auto [in_tile, column] = ids_in_tile(ids_tile, col0, cols);
+        if (wanted.top1) {
+          const at::Tensor before = at::arange(cols, t.ids.options()).unsqueeze(0).lt((ids_tile - col0).unsqueeze(1));
+          at::Tensor before_max = part(f.max_before);
+          before_max.copy_(at::maximum(before_max, s.masked_fill(before.logical_not(), -kInf).amax(1)));
+        }
         s_sum.copy_(s_sum * rescale + e.sum(1));
         m.copy_(new_max);
-        const auto [in_tile, column] = ids_in_tile(ids_tile, col0, cols);
-        at::Tensor p = picked.narrow(0, start, rows);
+        at::Tensor p = part(f.picked);
         p.copy_(at::where(in_tile, s.gather(1, column).squeeze(1), p));
       }
     }
   }
-  const at::Tensor log_sum = at::log(sum_exp);
-  const at::Tensor lse = max + log_sum;
-  const at::Tensor logprobs = (picked - lse).view(ids.sizes());
-  const at::Tensor entropies = entropy ? (log_sum - shifted_sum / sum_exp).view(ids.sizes()) : at::empty({0}, acc);
+  return f;
+}
+
+}  // namespace
+
+TokenLogprobsForward token_logprobs_forward_kernel(TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS) {
+  const VocabularyFold f =
+      fold_vocabulary("token_logprobs", hidden, weight, ids, value_or_undefined(bias), temperature, {entropy});
+  const at::Tensor log_sum = at::log(f.sum_exp);
+  const at::Tensor lse = f.max + log_sum;
+  const at::Tensor logprobs = (f.picked - lse).view(ids.sizes());
+  const at::Tensor entropies =
+      entropy ? (log_sum - f.shifted_sum / f.sum_exp).view(ids.sizes()) : at::empty({0}, lse.options());
   return {logprobs, entropies, lse};
+}
+
+TokenLogprobSummaries token_logprob_summaries_kernel(TORCH_OFFLOAD_TOKEN_LOGPROB_SUMMARIES_ARGS) {
+  const VocabularyFold f = fold_vocabulary("token_logprob_summaries", hidden, weight, ids, value_or_undefined(bias),
+                                           temperature, {false, true, true, true});
+  const int64_t vocab = weight.size(0);
+  return {(f.sum_s / static_cast<double>(vocab)).view(ids.sizes()),
+          f.picked.ge(f.max).logical_and(f.picked.gt(f.max_before)).view(ids.sizes()),
+          (at::log(f.sum_exp2) - 2 * at::log(f.sum_exp)).view(ids.sizes())};
 }
 
 TokenLogprobs token_logprobs_kernel(TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS) {
@@ -243,6 +284,13 @@ TokenLogprobsForward token_logprobs_forward_meta(TORCH_OFFLOAD_TOKEN_LOGPROBS_AR
 TokenLogprobs token_logprobs_meta(TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS) {
   auto [logprobs, entropies, lse] = token_logprobs_forward_meta(hidden, weight, ids, bias, temperature, entropy);
   return {logprobs, entropies};
+}
+
+TokenLogprobSummaries token_logprob_summaries_meta(TORCH_OFFLOAD_TOKEN_LOGPROB_SUMMARIES_ARGS) {
+  check_arguments("token_logprob_summaries", hidden, weight, ids, value_or_undefined(bias), temperature);
+  const auto acc = hidden.options().dtype(at::toOpMathType(hidden.scalar_type()));
+  return {at::empty_symint(ids.sym_sizes(), acc), at::empty_symint(ids.sym_sizes(), acc.dtype(at::kBool)),
+          at::empty_symint(ids.sym_sizes(), acc)};
 }
 
 TokenLogprobsGradients token_logprobs_backward_meta(TORCH_OFFLOAD_TOKEN_LOGPROBS_BACKWARD_ARGS) {

@@ -22,10 +22,16 @@ namespace torch_offload {
       const at::Tensor &lse, const std::optional<at::Tensor>&entropy, double temperature,                              \
       std::array<bool, 3> output_mask
 
+#define TORCH_OFFLOAD_TOKEN_LOGPROB_SUMMARIES_ARGS                                                                 \
+  const at::Tensor &hidden, const at::Tensor &weight, const at::Tensor &ids, const std::optional<at::Tensor>&bias, \
+      double temperature
+
 // The kernels of every dense device (CPU and CUDA: ATen on tiles) and the shapes for Meta.
 TokenLogprobs token_logprobs_kernel(TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS);
 TokenLogprobsForward token_logprobs_forward_kernel(TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS);
 TokenLogprobsGradients token_logprobs_backward_kernel(TORCH_OFFLOAD_TOKEN_LOGPROBS_BACKWARD_ARGS);
+TokenLogprobSummaries token_logprob_summaries_kernel(TORCH_OFFLOAD_TOKEN_LOGPROB_SUMMARIES_ARGS);
+TokenLogprobSummaries token_logprob_summaries_meta(TORCH_OFFLOAD_TOKEN_LOGPROB_SUMMARIES_ARGS);
 TokenLogprobs token_logprobs_meta(TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS);
 TokenLogprobsForward token_logprobs_forward_meta(TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS);
 TokenLogprobsGradients token_logprobs_backward_meta(TORCH_OFFLOAD_TOKEN_LOGPROBS_BACKWARD_ARGS);
