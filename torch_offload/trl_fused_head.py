@@ -3,9 +3,10 @@
 TRL 1.16's trainers (GRPO, DPO, RLOO, KTO, SFT) patch the model with ``add_fused_lm_head``: a call with
 ``fused_lm_head=True`` runs the backbone and scores the positions with ``ChunkedLogProbFunction``, which holds
 tiles of 4096 tokens x 32768 vocabulary rows of logits (512 MiB in bf16) and float32 accumulators. Calls without
-soft-capping or a logit scale, with the head in the hidden states' dtype, go through ``token_logprobs`` instead (8 MiB tiles, float64 kept in float64), and the
-metrics they ask for (mean logits, top-1, log sum of squared probabilities) through ``token_logprob_summaries``; the
-others keep TRL's. The stand-in is put in ``trl.trainer.utils`` for the time of training and taken out after.
+soft-capping or a logit scale, with the head in the hidden states' dtype, go through ``token_logprobs`` instead
+(8 MiB tiles, float64 kept in float64), and the metrics they ask for (mean logits, top-1, log sum of squared
+probabilities) through ``token_logprob_summaries``; the others keep TRL's. The stand-in is put in
+``trl.trainer.utils`` for the time of training and taken out after.
 """
 
 from __future__ import annotations
