@@ -3,7 +3,9 @@
 un-applied model's; the same through TorchOffloadCallback, and TRL's GRPOTrainer and DPOTrainer with it
 (3 steps: losses and every gradient)."""
 
+import contextlib
 import copy
+import warnings
 
 import datasets
 import pytest
@@ -310,17 +312,25 @@ def logged_metrics(trainer):
     return [{k: v for k, v in entry.items() if k not in timing} for entry in trainer.state.log_history]
 
 
+# TRL 1.16's fused LM head, which the callback's stand-in replaces while training; TRL 1.9 (axolotl's venv, which
+# runs the GRPO and DPO tests too) has none: its trainers score tokens from the whole logits, which the callback
+# leaves alone with a warning.
+FUSED_HEAD = hasattr(trl.trainer.utils, "add_fused_lm_head")
+
+
 def rl_losses_and_gradients(make_trainer):
     """Losses, metrics and gradients per step without and with TorchOffloadCallback, equal; the callback."""
     runs = []
-    original = trl.trainer.utils._ChunkedLogProbFunction
+    original = getattr(trl.trainer.utils, "_ChunkedLogProbFunction", None)
     for applied in (False, True):
         torch.manual_seed(0)
         gradients = Gradients()
         callback = torch_offload.TorchOffloadCallback(num_shards=2)
         trainer = make_trainer(tiny_model(), [gradients, callback] if applied else [gradients])
-        runs.append((losses(trainer), gradients.steps, logged_metrics(trainer)))
-        assert trl.trainer.utils._ChunkedLogProbFunction is original  # TRL's own again after training
+        said = pytest.warns(UserWarning, match="no fused LM head") if applied and not FUSED_HEAD else None
+        with said or contextlib.nullcontext():
+            runs.append((losses(trainer), gradients.steps, logged_metrics(trainer)))
+        assert getattr(trl.trainer.utils, "_ChunkedLogProbFunction", None) is original  # TRL's own after training
     (plain, plain_gradients, plain_metrics), (applied, applied_gradients, applied_metrics) = runs
     assert len(plain) == 3 and len(plain_gradients) == 3
     torch.testing.assert_close(applied, plain, rtol=1e-4, atol=1e-5)
@@ -339,7 +349,7 @@ def rl_arguments(tmp_path, cls, **kwargs):
     return config
 
 
-def test_grpo_trainer_callback_scores_tokens_through_the_op_with_equal_losses_and_gradients(tmp_path):
+def test_grpo_trainer_callback_losses_and_gradients_equal(tmp_path):
     tok = tokenizer()
     dataset = datasets.Dataset.from_dict({"prompt": texts(8)})
 
@@ -362,7 +372,7 @@ def test_grpo_trainer_callback_scores_tokens_through_the_op_with_equal_losses_an
     callback = rl_losses_and_gradients(make_trainer)
     # Each step scores its completions with gradients (and the old policy's without): every call went through
     # the op.
-    assert callback.fused_head.calls >= 3
+    assert_scored_through_the_op(callback, calls=3)
 
 
 def test_dpo_trainer_callback_losses_and_gradients_equal(tmp_path):
@@ -383,7 +393,15 @@ def test_dpo_trainer_callback_losses_and_gradients_equal(tmp_path):
 
     callback = rl_losses_and_gradients(make_trainer)
     # The policy's calls (with DPO's metrics: mean logits, top-1) and the reference model's, each step.
-    assert callback.fused_head.calls >= 6
+    assert_scored_through_the_op(callback, calls=6)
+
+
+def assert_scored_through_the_op(callback, calls):
+    """At least ``calls`` calls of TRL's fused head went through the op; none where TRL has no fused head."""
+    if not FUSED_HEAD:
+        assert callback.fused_head is None
+    else:
+        assert callback.fused_head.calls >= calls
 
 
 def test_fused_head_of_an_untested_trl_is_left_alone_with_a_warning(monkeypatch):
@@ -420,3 +438,45 @@ def test_fused_head_cast_to_float32_keeps_trls_kernel():
         undo()
     assert head.calls == 0
     torch.testing.assert_close(got, want)
+
+
+def test_fused_head_on_a_peft_models_base_model_goes_through_the_op():
+    # TRL patches a PEFT model's base model (get_base_model()), the callback is handed the PEFT model.
+    import peft
+
+    from torch_offload import trl_fused_head
+
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(tiny_model(), config)
+    trl.trainer.utils.add_fused_lm_head(model.get_base_model(), temperature=0.7, outputs=("log_probs", "entropy"))
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    want = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    head, undo = trl_fused_head.install(model, "caller")
+    try:
+        got = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    finally:
+        undo()
+    assert head.calls == 1
+    torch.testing.assert_close(got.log_probs, want.log_probs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.entropy, want.entropy, rtol=1e-5, atol=1e-5)
+
+
+def test_rl_trainer_scoring_from_whole_logits_is_warned_about(tmp_path):
+    # TRL before 1.16 (axolotl's 1.9) scores GRPO's and DPO's tokens from the model's logits, with no fused head to
+    # stand in for: said under an RL trainer's configuration, silent under others.
+    from torch_offload import trl_fused_head
+
+    grpo = rl_arguments(tmp_path, trl.GRPOConfig, num_generations=2)
+    with pytest.warns(UserWarning, match=r"caller: under TRL \S+'s GRPOConfig the model has no fused LM head"):
+        assert trl_fused_head.install(tiny_model(), "caller", grpo) == (None, None)
+
+    class MyDPOConfig(trl.DPOConfig):  # a user's subclass is still DPO
+        pass
+
+    with pytest.warns(UserWarning, match=r"under TRL \S+'s DPOConfig"):
+        trl_fused_head.install(tiny_model(), "caller", rl_arguments(tmp_path, MyDPOConfig))
+    others = (arguments(tmp_path), arguments(tmp_path, trl.SFTConfig, bf16=False), None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for args in others:
+            assert trl_fused_head.install(tiny_model(), "caller", args) == (None, None)

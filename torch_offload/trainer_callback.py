@@ -27,6 +27,7 @@ class TorchOffloadCallback(transformers.TrainerCallback):
 
     Under TRL 1.16's trainers (GRPO, DPO, ...), whose fused LM head scores the tokens, its calls go through the
     ``token_logprobs`` op while training (``callback.fused_head.calls`` counts them; torch_offload/trl_fused_head.py).
+    Under an RL trainer of an older TRL (1.9), which scores tokens from the whole logits, a warning says so.
 
     ``sequence_parallel`` is a ValueError here: a Trainer hands every rank whole batches, never
     ``torch_offload.shard_batch``'s share of their tokens.
@@ -62,7 +63,7 @@ class TorchOffloadCallback(transformers.TrainerCallback):
         if model is None:
             raise ValueError(f"{_CALLER}: the trainer passed no model to on_train_begin")
         self._remove_stale(model)
-        self.fused_head, self._undo_fused_head = trl_fused_head.install(model, _CALLER)
+        self.fused_head, self._undo_fused_head = trl_fused_head.install(model, _CALLER, args)
         try:
             self.handle = apply(model, **self.apply_options)
         except BaseException:

@@ -30,6 +30,20 @@ _ARGUMENTS = (
     "logit_scale",
     "outputs",
 )
+# TRL's trainers that score tokens with per-token log-probabilities (their configurations' class names).
+_RL_CONFIGS = {
+    "BCOConfig",
+    "CPOConfig",
+    "DPOConfig",
+    "GRPOConfig",
+    "KTOConfig",
+    "NashMDConfig",
+    "OnlineDPOConfig",
+    "ORPOConfig",
+    "PPOConfig",
+    "RLOOConfig",
+    "XPOConfig",
+}
 _SUMMARIES = ("log_sum_sq_probs", "mean_logits", "is_top1")
 _OURS = {"log_probs", "entropy", *_SUMMARIES}
 
@@ -81,17 +95,43 @@ class TokenLogprobsHead:
 
 
 def _has_trl_fused_head(model) -> bool:
-    """Whether model.forward is TRL's add_fused_lm_head forward (it takes ``fused_lm_head``)."""
-    forward = getattr(model.forward, "__func__", model.forward)
-    code = getattr(forward, "__code__", None)
-    return code is not None and "fused_lm_head" in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    """Whether model.forward, or a PEFT model's base model's (which TRL patches), is TRL's add_fused_lm_head forward
+    (it takes ``fused_lm_head``)."""
+    get_base_model = getattr(model, "get_base_model", None)
+    for candidate in (model, get_base_model() if callable(get_base_model) else None):
+        forward = getattr(candidate, "forward", None)
+        code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+        if code is not None and "fused_lm_head" in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]:
+            return True
+    return False
 
 
-def install(model, caller: str):
+def _rl_trainer_config(args) -> str | None:
+    """The name of TRL's configuration class of a trainer that scores tokens with log-probabilities, if ``args``
+    is one (or derives from one)."""
+    for cls in type(args).__mro__:
+        if cls.__module__.startswith("trl.") and cls.__name__ in _RL_CONFIGS:
+            return cls.__name__
+    return None
+
+
+def install(model, caller: str, args=None):
     """Where a TRL trainer gave ``model`` its fused LM head: puts the stand-in in place of TRL's function and
     returns it with the undo, or warns and returns (None, None) where the installed TRL is not a version whose
-    code path this matches. A model without it: (None, None)."""
+    code path this matches. A model without it: (None, None), with a warning under an RL trainer's ``args``
+    (TRL before 1.16 scores tokens from the whole logits, which the callback does not reach)."""
     if not _has_trl_fused_head(model):
+        config = _rl_trainer_config(args)
+        if config is not None:
+            import trl
+
+            warnings.warn(
+                f"{caller}: under TRL {trl.__version__}'s {config} the model has no fused LM head, so the trainer "
+                "scores tokens from the model's whole [tokens, vocabulary] logits, which is left as it is "
+                f"(token_logprobs serves TRL {', '.join(v + 'x' for v in _TESTED_VERSIONS)}'s fused head only)",
+                UserWarning,
+                stacklevel=3,
+            )
         return None, None
     import trl
     import trl.trainer.utils as trl_utils
