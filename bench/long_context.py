@@ -102,9 +102,8 @@ def table(applied, plain, apply_options):
         "time beyond the lengths it ran at is the quadratic through its points.\n\n"
         + "\n".join(rows)
         + f"\n\nResident growth per token from 16K up (least squares): **{per_token:.1f} KiB**, "
-        f"{plain_per_token / per_token:.0f}x less than plain training. Where those bytes live at the step's peak "
-        "with the defaults (the backward of the last layer, kept and recomputed whole): [Live tensors at the peak of "
-        "an applied step](#live-tensors-at-the-peak-of-an-applied-step).\n"
+        f"{plain_per_token / per_token:.0f}x less than plain training. Where such bytes live at a step's peak, "
+        "traced: [Live tensors at the peak of an applied step](#live-tensors-at-the-peak-of-an-applied-step).\n"
     )
 
 

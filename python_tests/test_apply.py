@@ -105,8 +105,8 @@ def test_apply_matches_unpatched_and_remove_restores(name, tmp_path):
     want = loss_and_grads(model, ids)
     handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0, num_shards=3)
     assert getattr(handle, EXPECTED_PATH.get(name, "tiled_mlps")) == 3
-    # With the disk tier, backward recomputes attention alone, but the last layer (kept) whole.
-    assert list(handle.checkpointing.values()) == ["attention", "attention", "layer"]
+    # With the disk tier, backward recomputes attention alone, in the last layer too (keep_last's default is 0 there).
+    assert list(handle.checkpointing.values()) == ["attention", "attention", "attention"]
     assert list(model.state_dict()) == keys  # same parameters under the same names
     assert handle.loss == "linear_cross_entropy"
     got = loss_and_grads(model, ids)
@@ -125,10 +125,11 @@ def test_apply_matches_unpatched_and_remove_restores(name, tmp_path):
         dict(offload=None),
         dict(offload=None, checkpoint=False),
         dict(tiled_mlp=False, offload="disk", min_bytes=0, keep_last=0),
+        dict(offload="disk", min_bytes=0, keep_last=1),
         dict(offload="disk", min_bytes=0, keep_last=3),
         dict(offload="disk", min_bytes=0, checkpoint="layer"),
     ],
-    ids=["checkpoint_only", "tiled_only", "offload_only", "keep_all", "disk_layer_checkpoint"],
+    ids=["checkpoint_only", "tiled_only", "offload_only", "keep_one", "keep_all", "disk_layer_checkpoint"],
 )
 def test_apply_options_keep_results(options, tmp_path):
     if options.get("offload") == "disk":
@@ -256,7 +257,7 @@ FAMILIES = {
         ["tiled_apply", "tiled_apply", "tiled_mlp"],
     ),
     # Mixture-of-experts blocks (router logits recorded for the aux loss) stay whole: streamed from the tier where
-    # offloaded and not recomputed, else their experts in shards (the last layer, checkpointed whole).
+    # offloaded and not recomputed, else their experts in shards (the last layer, kept and checkpointed whole).
     "qwen2_moe": (
         lambda: transformers.Qwen2MoeForCausalLM(
             transformers.Qwen2MoeConfig(
@@ -421,7 +422,10 @@ def test_apply_on_moe_vlm_and_custom_mlps_matches_unpatched(name, tmp_path):
     want = loss_and_grads(model, ids)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0, num_shards=3)
+        # keep_last=1: the last layer checkpointed whole, where a mixture of experts goes in shards.
+        handle = torch_offload.apply(
+            model, offload="disk", spill_directory=str(tmp_path), min_bytes=0, num_shards=3, keep_last=1
+        )
     assert_close_runs(want, loss_and_grads(model, ids))
     assert handle.stats()["disk_bytes"] > 0
     assert handle.layer_path == layer_path and handle.layers is model.get_submodule(layer_path)
@@ -1058,15 +1062,16 @@ def test_attention_block_runs_for_plain_causal_calls_and_the_module_for_the_othe
     )
     assert handle.attention_blocks == 3
     got = {}
-    # One op per layer in forward, and once more where a whole layer is recomputed (the last one always).
+    # One op per layer in forward, and once more where a whole layer is recomputed (every one under "layer"; none
+    # under "attention", where keep_last's default is 0).
     calls = op_calls(lambda: got.__setitem__("none", loss_and_grads(model, ids)))
-    assert calls == ((4, 3) if checkpoint == "attention" else (6, 3))
+    assert calls == ((3, 3) if checkpoint == "attention" else (6, 3))
     calls = op_calls(
         lambda: got.__setitem__(
             "padded", loss_and_grads(model, ids, run=lambda **kw: model(**kw, attention_mask=padded))
         )
     )
-    assert calls == ((4, 3) if checkpoint == "attention" else (6, 3))
+    assert calls == ((3, 3) if checkpoint == "attention" else (6, 3))
     for mask in want:
         assert_close_runs(want[mask], got[mask])
     with torch.no_grad():  # inference: the module's own forward
@@ -1083,8 +1088,8 @@ def test_attention_block_leaves_bidirectional_calls_to_the_module(tmp_path):
     assert op_calls(lambda: got.append(loss_and_grads(model, ids, run=bidirectional))) == (0, 0)
     assert_close_runs(want, got[0])
     model.model.layers[0].self_attn.is_causal = False  # a module made bidirectional after apply
-    # Layers 1 and 2 still use it; the last one, recomputed whole, calls it again in backward.
-    assert op_calls(lambda: loss_and_grads(model, ids)) == (3, 2)
+    # Layers 1 and 2 still use it.
+    assert op_calls(lambda: loss_and_grads(model, ids)) == (2, 2)
     handle.remove()
 
 
@@ -1101,7 +1106,8 @@ def test_checkpointed_layers_train_without_a_cache_and_infer_with_it(name, tmp_p
     want = loss_and_grads(model, ids, run=caching)
     with torch.no_grad():
         inferred = model(input_ids=ids, use_cache=True)
-    handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0)
+    # keep_last=1: the last layer recomputed whole, whose recomputation would append to the cache.
+    handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0, keep_last=1)
     outputs = []
     with pytest.warns(
         UserWarning, match="checkpointed layers in training mode run with use_cache=False and no key/value cache"
@@ -1114,7 +1120,7 @@ def test_checkpointed_layers_train_without_a_cache_and_infer_with_it(name, tmp_p
     assert cache_length(applied) == cache_length(inferred) == ids.shape[1]
     torch.testing.assert_close(applied.logits, inferred.logits)
     if name == "llama":  # and the attention op runs in training calls that asked for a cache
-        assert op_calls(lambda: loss_and_grads(model, ids, run=caching)) == (4, 3)
+        assert op_calls(lambda: loss_and_grads(model, ids, run=caching)) == (4, 3)  # 4: the last layer recomputes
     handle.remove()
 
 
@@ -1214,8 +1220,8 @@ def test_accelerate_hooks_put_on_projections_after_apply_are_honoured(tmp_path):
         for projection in (layer.mlp.down_proj, layer.self_attn.k_proj):
             accelerate.hooks.remove_hook_from_module(projection)
     with CountCalls(tiled_mlp_op) as mode:
-        assert op_calls(lambda: loss_and_grads(model, ids)) == (4, 3)  # the ops again (4: the last layer recomputes)
-    assert mode.counts[tiled_mlp_op] == 4
+        assert op_calls(lambda: loss_and_grads(model, ids)) == (3, 3)  # the ops again
+    assert mode.counts[tiled_mlp_op] == 3
     handle.remove()
     hook_projections(model)
     assert_close_runs(want, loss_and_grads(model, ids))
@@ -1291,7 +1297,7 @@ def test_attention_block_leaves_projections_wrapped_or_hooked_after_apply_to_the
     handle = torch_offload.apply(plain, offload="disk", spill_directory=str(tmp_path), min_bytes=0)
     calls = []
     plain.model.layers[1].self_attn.k_proj.register_forward_hook(lambda *_: calls.append(1))
-    assert op_calls(lambda: loss_and_grads(plain, ids)) == (3, 2)  # layer 1 runs its module: the hook fires
+    assert op_calls(lambda: loss_and_grads(plain, ids)) == (2, 2)  # layer 1 runs its module: the hook fires
     assert calls
     handle.remove()
     assert not any("forward" in vars(m) or "__getstate__" in vars(m) for m in model.modules())

@@ -232,6 +232,14 @@ def test_rows_and_reasons_follow_the_options(tmp_path, caplog):
     assert text[4:6] == ["  [1] tiled_mlp=False", f"  [2] {rows[1]['why']['saved']}"]
     handle.remove()
 
+    # keep_last's default: none kept under attention-only recompute (a last layer recomputed whole would be the
+    # step's peak), one where whole layers are recomputed anyway.
+    for checkpoint, kept in (("attention", []), (True, []), ("layer", [2])):
+        handle = torch_offload.apply(model, offload="disk", checkpoint=checkpoint, spill_directory=str(tmp_path))
+        in_place = [i for r in handle.report()["layers"] if r["saved"] == "in place" for i in r["layers"]]
+        assert in_place == kept, checkpoint
+        handle.remove()
+
 
 def test_a_model_without_segment_masks_says_why(tmp_path):
     config = transformers.LlamaConfig(

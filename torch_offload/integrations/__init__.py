@@ -32,6 +32,7 @@ from .options import (
     _offload_context,
     _on_accelerator,
     _resolve_checkpoint,
+    _resolve_keep_last,
     _resolve_offload,
     check_option_names,
 )
@@ -56,7 +57,7 @@ def apply(
     checkpoint: bool | str = True,
     offload: str | None = "auto",
     num_shards: int = 0,
-    keep_last: int = 1,
+    keep_last: int | None = None,
     layers: str | None = None,
     loss: bool = True,
     attention_block: bool = True,
@@ -93,7 +94,8 @@ def apply(
       directory is on a RAM file system and ``allow_tmpfs`` is not set. The last ``keep_last``
       layers keep theirs on the device, recomputed whole: backward needs them first; but a layer
       whose MLP stays untiled is offloaded too, as a recomputed layer would hold all of its MLP's
-      activations at once.
+      activations at once. ``keep_last=None`` (the default) is 0 where ``checkpoint`` resolves to
+      ``"attention"`` (a last layer recomputed whole would be the step's peak), 1 otherwise.
     - ``loss``: a call with ``labels`` and gradients computes the loss with the
       ``linear_cross_entropy`` op from the final hidden states, never materializing the
       ``[tokens, vocab]`` logits (the output's ``logits`` is None then; calls without
@@ -169,6 +171,7 @@ def apply(
     requested, offload = offload, _resolve_offload(model, offload, offload_options)
     _check_offload_options(offload_options, offload, requested, _on_accelerator(model))
     recompute = _resolve_checkpoint(checkpoint, offload)
+    keep_last = _resolve_keep_last(keep_last, recompute)
     handle = OffloadHandle(layer_path, layer_list, offload, _offload_context(model, offload, offload_options))
     if group is not None:
         handle.sequence_parallel, handle._sequence_parallel_ranks = group.group_name, group.size()

@@ -30,7 +30,8 @@ def _check_arguments(offload: Any, flags: dict[str, Any], keep_last: Any, num_sh
         raise ValueError(f"torch_offload.apply: offload must be one of {_OFFLOAD_TIERS}, got {offload!r}")
     for name, value in flags.items():
         check_bool(value, name, "torch_offload.apply")
-    check_int(keep_last, "keep_last", "torch_offload.apply")
+    if keep_last is not None:
+        check_int(keep_last, "keep_last", "torch_offload.apply")
     check_int(num_shards, "num_shards", "torch_offload.apply")
 
 
@@ -133,6 +134,15 @@ def _resolve_checkpoint(checkpoint: bool | str, offload: str | None) -> str | No
             "tier, what the rest of each layer saves stays in memory); use checkpoint='layer'"
         )
     return checkpoint
+
+
+def _resolve_keep_last(keep_last: int | None, recompute: str | None) -> int:
+    if keep_last is not None:
+        return keep_last
+    # A last layer recomputed whole holds all of its activations at once: with attention-only recompute elsewhere that
+    # is the step's peak (BENCHMARKS.md, "Long context"), so it goes through the same recompute as the others. With
+    # whole layers recomputed anyway, keeping the last in place saves its round trip through the tier.
+    return 0 if recompute == "attention" else 1
 
 
 def _offload_context(
