@@ -49,7 +49,10 @@ test: lint build $(AXOLOTL_VENV)/.ready
 # sources and the library `build` made (the same torch), with the packed and padded batch tests on that transformers.
 # Nothing may reach the Hugging Face hub, and axolotl's telemetry is opt-out. TRL 1.9's GRPO and DPO trainers score
 # tokens from the whole logits (no fused LM head): their tests there check the callback leaves that alone, saying so.
+# Its SFTTrainer patches the model's forward with a chunked loss of its own: its tests there check both orders.
 AXOLOTL_VENV_TESTS := python_tests/test_axolotl.py python_tests/test_real_batches.py \
+	python_tests/test_trainers.py::test_sft_trainer_losses_equal_step_by_step \
+	python_tests/test_trainers.py::test_sft_trainer_callback_losses_equal \
 	python_tests/test_trainers.py::test_grpo_trainer_callback_losses_and_gradients_equal \
 	python_tests/test_trainers.py::test_dpo_trainer_callback_losses_and_gradients_equal \
 	python_tests/test_trainers.py::test_rl_trainer_scoring_from_whole_logits_is_warned_about

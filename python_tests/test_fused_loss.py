@@ -2,12 +2,16 @@
 eager models, and the op's path for calls that are not training steps."""
 
 import copy
+import dataclasses
+import inspect
+import types
 
 import pytest
 import torch
 import torch.distributed as dist
 from op_recording import CountCalls
 from test_apply import assert_close_runs, batch, loss_and_grads, make_model
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import torch_offload
 
@@ -151,3 +155,55 @@ def test_the_gradients_are_computed_in_forward_only_in_training_mode():
         assert dict(zip(paths, mode.counts.values())) == dict(zip(paths, calls))
         assert_close_runs(want[training], got)
     handle.remove()
+
+
+@dataclasses.dataclass
+class CountedOutput(CausalLMOutputWithPast):
+    """What a forward patched as TRL 1.9's SFTTrainer patches it returns with labels: its loss and more."""
+
+    num_valid_tokens: torch.Tensor | None = None
+
+
+def test_a_forward_that_returns_more_with_labels_keeps_the_models_loss():
+    # The fused path calls the model's forward without labels: it would return no num_valid_tokens.
+    model, ids = make_model("llama"), batch()
+    own = model.forward
+
+    def counting_forward(self, input_ids=None, labels=None, **kwargs):
+        output = own(input_ids=input_ids, labels=labels, **kwargs)
+        return output if labels is None else CountedOutput(**output, num_valid_tokens=(labels != -100).sum())
+
+    model.forward = types.MethodType(counting_forward, model)
+    want = loss_and_grads(model, ids)
+    with pytest.warns(UserWarning, match="the loss stays the model's own"):
+        handle = torch_offload.apply(model, offload=None)
+    assert (
+        handle.loss
+        == "unfused: its forward returns num_valid_tokens with labels, which the fused loss's output would lack"
+    )
+    assert model(input_ids=ids, labels=ids, use_cache=False).num_valid_tokens == ids.numel()
+    assert_close_runs(want, loss_and_grads(model, ids))
+    handle.remove()
+
+
+def test_a_forward_patched_through_its_function_after_apply_keeps_the_fused_loss():
+    # TRL 1.9's SFTTrainer patches model.forward.__func__ with the same signature: apply's forward is a method.
+    model, ids = make_model("llama").double(), batch()
+    want, signature = loss_and_grads(model, ids), inspect.signature(model.forward)
+    handle = torch_offload.apply(model, offload=None)
+    applied = model.forward
+    assert inspect.signature(applied) == signature
+
+    def patched(self, input_ids=None, labels=None, **kwargs):
+        return applied(input_ids=input_ids, labels=labels, **kwargs)
+
+    patched.__signature__ = inspect.signature(applied.__func__)
+    model.forward = types.MethodType(patched, model)
+    assert inspect.signature(model.forward) == signature
+    with CountCalls(torch.ops.offload.linear_cross_entropy_with_gradients.default) as mode:
+        got = loss_and_grads(model, ids)
+    assert list(mode.counts.values()) == [1]
+    assert_close_runs(want, got)
+    model.forward = applied
+    handle.remove()
+    assert "forward" not in vars(model)

@@ -348,11 +348,17 @@ def _probe_problem(owner: nn.Module, head: nn.Linear, original, fused) -> str | 
     for call in calls:
         try:
             with _eval_without_grad(owner):
-                want = original(**call).loss
-                got = fused(**call).loss
+                want_output = original(**call)
+                got_output = fused(**call)
+            want, got = want_output.loss, got_output.loss
         except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as error:
             return f"its forward cannot be probed ({type(error).__name__}: {error})"
         given = ", ".join(sorted(set(call) - {"input_ids", "labels", "use_cache"})) or "no mask"
+        # A forward patched to return more with labels (TRL 1.9's SFTTrainer: its chunked loss's token counts,
+        # which its compute_loss reads) would lose it: the fused path calls that forward without labels.
+        dropped = sorted(set(want_output.keys()) - set(got_output.keys()) - {"logits"})
+        if dropped:
+            return f"its forward returns {', '.join(dropped)} with labels, which the fused loss's output would lack"
         if call is calls[0] and not torch.isfinite(want):
             return f"the model's own loss is {want.item()} on a probe batch with {given}: nothing to compare with"
         # A NaN in both is the same result: eager attention softmaxes in float32, where a float64 model's mask

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ..compiled_offload import graph_hooks
-
-if TYPE_CHECKING:
-    from .handle import OffloadHandle
-
+from .handle import OffloadHandle, bound_forward
 
 _LAYER = "torch_offload_layer"  # the index of the decoder layer a compiled graph's node belongs to
 
@@ -52,4 +48,4 @@ def _offload_in_compiled_graphs(handle: OffloadHandle, model: nn.Module, offload
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             return original(*args, **kwargs)
 
-    handle._patch("forward", model, "forward", forward)
+    handle._patch("forward", model, "forward", bound_forward(model, forward, dynamo_skips=True))

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import collections
+import functools
+import inspect
+import types
 import weakref
 from typing import Any
 
+import torch
 from torch import nn
 
 from .. import masking
@@ -37,6 +41,25 @@ def _put(store: dict, key: str, value: Any) -> None:
         store.pop(key, None)
     else:
         store[key] = value
+
+
+def bound_forward(owner: nn.Module, forward, dynamo_skips: bool = False) -> types.MethodType:
+    """``forward`` (a closure that takes the call's arguments) bound to ``owner`` as its class's forward is, with
+    that signature: code that patches ``module.forward.__func__`` after apply (TRL 1.9's SFTTrainer) finds one.
+    ``dynamo_skips``: ``forward`` is ``torch._dynamo.disable(recursive=False)``'d, and so is the method."""
+
+    @functools.wraps(forward, updated=())  # not forward's attributes: torch._dynamo.disable's are its own
+    def method(self, *args, **kwargs):
+        return forward(*args, **kwargs)
+
+    # A forward that wraps a bound one (functools.wraps) has that method's signature, without self; inspect would
+    # give it self where the method's function carries a __signature__ (ours below, TRL's), so it asks the method.
+    signature = inspect.signature(inspect.unwrap(forward, stop=lambda f: isinstance(f, types.MethodType)))
+    self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    method.__signature__ = signature.replace(parameters=[self_parameter, *signature.parameters.values()])
+    if dynamo_skips:
+        method = torch._dynamo.disable(method, recursive=False)
+    return types.MethodType(method, owner)
 
 
 class _Patch:
@@ -174,6 +197,8 @@ class OffloadHandle:
         return self.context.stats() if self.context is not None else {}
 
     def _patch(self, name: str, owner: nn.Module, key: str, value: Any) -> None:
+        if key == "forward" and not isinstance(value, types.MethodType):
+            value = bound_forward(owner, value)
         store = owner._modules if key in owner._modules else vars(owner)
         self._patches.append(_Patch(name, owner, store, key, value))
         if owner not in _PATCHED:
