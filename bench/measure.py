@@ -85,7 +85,7 @@ def worker_env():
 
 
 def write_section(title, text):
-    """Replace (or append) BENCHMARKS.md's section `## {title}` by `text`."""
+    """Replace BENCHMARKS.md's section `## {title}` by `text`, where it stands; else append it."""
     path = ROOT / "BENCHMARKS.md"
     doc = (
         path.read_text()
@@ -96,10 +96,12 @@ def write_section(title, text):
         )
     )
     start = doc.find(f"\n## {title}\n")
-    if start >= 0:
-        end = doc.find("\n## ", start + 1)
-        doc = doc[:start] + doc[end if end >= 0 else len(doc) :]
-    path.write_text(doc.rstrip("\n") + "\n\n" + text)
+    if start < 0:
+        path.write_text(doc.rstrip("\n") + "\n\n" + text)
+        return
+    end = doc.find("\n## ", start + 1)
+    after = doc[end + 1 :] if end >= 0 else ""
+    path.write_text(doc[: start + 1] + text.rstrip("\n") + "\n" + ("\n" + after if after else ""))
 
 
 def machine():
