@@ -299,6 +299,7 @@ def test_tensors_that_are_not_dense_get_an_error_naming_the_op_and_argument(case
         ("token_logprobs", "hidden"): lambda t: torch_offload.token_logprobs(t, weight, target),
         ("token_logprobs", "weight"): lambda t: torch_offload.token_logprobs(x, t, target),
         ("token_logprob_summaries", "hidden"): lambda t: torch_offload.token_logprob_summaries(t, weight, target),
+        ("rms_norm", "x"): lambda t: torch_offload.rms_norm(t, torch.ones(8)),
         ("attention_block", "x"): lambda t: torch_offload.attention_block(
             t, w_down.t(), w_down.t(), w_down.t(), w_down.t(), rope, rope
         ),

@@ -145,7 +145,7 @@ void without_autocast(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
 void register_backward_ops_without_autocast(torch::Library& m) {
   for (const char* op : {"tiled_mlp_backward", "linear_cross_entropy_backward", "token_logprobs_backward",
-                         "attention_block_backward", "segment_attention_backward"}) {
+                         "rms_norm_backward", "attention_block_backward", "segment_attention_backward"}) {
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&without_autocast>());
   }
 }

@@ -305,6 +305,28 @@ class TokenLogprobsFunction : public torch::autograd::Function<TokenLogprobsFunc
   }
 };
 
+// rms_norm saves x and weight; backward recomputes each row's scale from x. No double backward.
+class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["eps"] = eps;
+    return rms_norm(x, weight, eps);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const auto [grad_x, grad_weight] =
+        rms_norm_backward(grads[0], saved[0], saved[1], ctx->saved_data.at("eps").toDouble(),
+                          {ctx->needs_input_grad(0), ctx->needs_input_grad(1)});
+    return {grad_x, grad_weight, at::Tensor()};
+  }
+};
+
+at::Tensor rms_norm_autograd(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return RmsNormFunction::apply(x, weight, eps);
+}
+
 std::tuple<at::Tensor, at::Tensor> token_logprobs_autograd(const at::Tensor& hidden, const at::Tensor& weight,
                                                            const at::Tensor& ids, const std::optional<at::Tensor>& bias,
                                                            double temperature, bool entropy) {
@@ -324,6 +346,8 @@ TokenLogprobSummaries token_logprob_summaries_autograd(const at::Tensor& hidden,
 }  // namespace torch_offload
 
 TORCH_LIBRARY_IMPL(offload, Autograd, m) {
+  m.impl("rms_norm", &torch_offload::rms_norm_autograd);
+  m.impl("rms_norm_backward", torch::autograd::autogradNotImplementedFallback());
   m.impl("token_logprobs", &torch_offload::token_logprobs_autograd);
   m.impl("token_logprobs_forward", torch::autograd::autogradNotImplementedFallback());
   m.impl("token_logprobs_backward", torch::autograd::autogradNotImplementedFallback());

@@ -65,6 +65,8 @@ constexpr const char* kOpsTakingTensors[] = {
     "linear_cross_entropy",
     "linear_cross_entropy_forward",
     "linear_cross_entropy_backward",
+    "rms_norm",
+    "rms_norm_backward",
     "token_logprobs",
     "token_logprobs_forward",
     "token_logprobs_backward",

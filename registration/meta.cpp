@@ -5,6 +5,7 @@
 #include "ops/disk_spill/disk_spill.h"
 #include "ops/linear_cross_entropy/linear_cross_entropy.h"
 #include "ops/offload/offload.h"
+#include "ops/rms_norm/rms_norm.h"
 #include "ops/tiled_mlp/tiled_mlp.h"
 #include "ops/token_logprobs/token_logprobs.h"
 
@@ -43,4 +44,9 @@ TORCH_LIBRARY_IMPL(offload, Meta, m) {
   m.impl("token_logprobs_forward", &torch_offload::token_logprobs_forward_meta);
   m.impl("token_logprobs_backward", &torch_offload::token_logprobs_backward_meta);
   m.impl("token_logprob_summaries", &torch_offload::token_logprob_summaries_meta);
+}
+
+TORCH_LIBRARY_IMPL(offload, Meta, m) {
+  m.impl("rms_norm", &torch_offload::rms_norm_meta);
+  m.impl("rms_norm_backward", &torch_offload::rms_norm_backward_meta);
 }

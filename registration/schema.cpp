@@ -105,6 +105,11 @@ TORCH_LIBRARY(offload, m) {
   m.def(
       "token_logprob_summaries(Tensor hidden, Tensor weight, Tensor ids, *, Tensor? bias=None, "
       "float temperature=1.0) -> (Tensor, Tensor, Tensor)");
+  // transformers' RMSNorm over x's last dimension: weight * round(x / sqrt(mean(x^2) + eps)), in float32 for
+  // bf16/fp16 and rounded to x's dtype before the weight's product; weight [h] in x's dtype. The backward op
+  // returns the gradients output_mask asks for (x, weight), recomputing each row's scale from x.
+  m.def("rms_norm(Tensor x, Tensor weight, float eps=1e-06) -> Tensor");
+  m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps, bool[2] output_mask) -> (Tensor, Tensor)");
   // The automatic tile [tokens, vocabulary columns]; takes no tensor, so one kernel serves every backend.
   m.def("linear_cross_entropy_tile(int tokens, int vocab, ScalarType dtype) -> int[]",
         &torch_offload::linear_cross_entropy_tile_kernel);

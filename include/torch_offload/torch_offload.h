@@ -295,6 +295,26 @@ inline TokenLogprobsGradients token_logprobs_backward(const std::optional<at::Te
   return handle.call(grad_logprobs, grad_entropy, hidden, weight, ids, bias, lse, entropy, temperature, output_mask);
 }
 
+// transformers' RMSNorm over x's last dimension: weight * round(x / sqrt(mean(x^2) + eps)), in float32 for
+// bf16/fp16, the normalized rows rounded to x's dtype before the weight's product (weight [h], x's dtype).
+// Differentiable in x and weight; backward holds only the gradients it returns beside its inputs.
+inline at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps = 1e-6) {
+  TORCH_CHECK(x.defined(), "rms_norm: x is an undefined tensor; expected a defined tensor");
+  static const auto handle = detail::op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("offload::rms_norm");
+  return handle.call(x, weight, eps);
+}
+
+// The gradients of rms_norm with respect to (x, weight) for the output's gradient grad, each computed only
+// where output_mask asks for it (undefined otherwise).
+using RmsNormGradients = std::tuple<at::Tensor, at::Tensor>;
+inline RmsNormGradients rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
+                                          double eps, std::array<bool, 2> output_mask) {
+  TORCH_CHECK(grad.defined(), "rms_norm_backward: grad is an undefined tensor; expected a defined tensor");
+  static const auto handle = detail::op<RmsNormGradients(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                         double, std::array<bool, 2>)>("offload::rms_norm_backward");
+  return handle.call(grad, x, weight, eps, output_mask);
+}
+
 // A decoder layer's attention from its normalized input x [batch, tokens, h] to its
 // output: q = rope(x w_q^T + b_q), k = rope(x w_k^T + b_k), v = x w_v^T + b_v, causal
 // softmax(q k^T * scale) v per head (grouped-query when w_k has fewer heads than w_q),

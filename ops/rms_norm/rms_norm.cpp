@@ -1,0 +1,108 @@
+// rms_norm over x's last dimension, per row, in the op-math type (float32 for bf16/fp16):
+//   rstd = 1 / sqrt(mean(x^2) + eps),   y = weight * round(x * rstd)
+// where round is to x's dtype, as transformers' RMSNorm computes it (the normalized row rounded before the
+// weight multiplies it). Backward recomputes rstd from x (one reduction per row) rather than saving it;
+// with d = grad * weight in the op-math type,
+//   grad_x = rstd * d - x * rstd^3 * mean(d * x),   grad_weight = sum over rows of grad * round(x * rstd).
+// Both run over chunks of rows: apart from the results, nothing larger than a chunk exists.
+#include "ops/rms_norm/rms_norm.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <ATen/OpMathType.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/rsqrt.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include "ops/common/checks.h"
+#include "ops/common/gemm.h"
+
+namespace torch_offload {
+namespace {
+
+constexpr int64_t kChunkElements = int64_t{1} << 20;  // 4 MiB of float32 per chunk's temporaries
+
+void check_arguments(const char* op, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_defined(x, op, "x");
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), op, ": x has dtype ", x.scalar_type(),
+              "; expected a floating-point tensor");
+  TORCH_CHECK(x.dim() >= 1, op, ": x is a 0-dimensional tensor; expected [..., h]");
+  check_tensor(op, "weight", weight, x, "x", x.scalar_type(), {x.sym_size(-1)}, "[h], x's last dimension");
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, op, ": eps is ", eps, "; expected a finite value >= 0");
+}
+
+int64_t chunk_rows(int64_t h) {
+  return std::max<int64_t>(1, kChunkElements / std::max<int64_t>(h, 1));
+}
+
+// x's rows [rows, h] in the op-math type, and each row's rstd [rows, 1].
+std::tuple<at::Tensor, at::Tensor> rows_and_rstd(const at::Tensor& rows, double eps) {
+  const at::Tensor xf = rows.to(at::toOpMathType(rows.scalar_type()));
+  return {xf, at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true).add_(eps))};
+}
+
+}  // namespace
+
+at::Tensor rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_arguments("rms_norm", x, weight, eps);
+  const at::Tensor rows = token_rows(x);
+  const int64_t tokens = rows.size(0), step = chunk_rows(rows.size(1));
+  at::Tensor out = at::empty_like(rows);
+  for (int64_t start = 0; start < tokens; start += step) {
+    const int64_t n = std::min(step, tokens - start);
+    const auto [xf, rstd] = rows_and_rstd(rows.narrow(0, start, n), eps);
+    out.narrow(0, start, n).copy_(weight * (xf * rstd).to(x.scalar_type()));
+  }
+  return out.view(x.sizes());
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_kernel(const at::Tensor& grad, const at::Tensor& x,
+                                                            const at::Tensor& weight, double eps,
+                                                            std::array<bool, 2> output_mask) {
+  const char* op = "rms_norm_backward";
+  check_arguments(op, x, weight, eps);
+  check_tensor(op, "grad", grad, x, "x", x.scalar_type(), x.sym_sizes(), "x's shape");
+  const at::Tensor rows = token_rows(x), grads = token_rows(grad);
+  const int64_t tokens = rows.size(0), step = chunk_rows(rows.size(1));
+  const auto acc_type = at::toOpMathType(x.scalar_type());
+  at::Tensor grad_x = output_mask[0] ? at::empty_like(rows) : at::Tensor();
+  at::Tensor grad_weight = output_mask[1] ? at::zeros(weight.sizes(), weight.options().dtype(acc_type)) : at::Tensor();
+  const at::Tensor weight_acc = weight.to(acc_type);
+  for (int64_t start = 0; start < tokens && (output_mask[0] || output_mask[1]); start += step) {
+    const int64_t n = std::min(step, tokens - start);
+    const auto [xf, rstd] = rows_and_rstd(rows.narrow(0, start, n), eps);
+    const at::Tensor g = grads.narrow(0, start, n);
+    if (output_mask[1]) {
+      grad_weight.add_((g.to(acc_type) * (xf * rstd).to(x.scalar_type()).to(acc_type)).sum(0));
+    }
+    if (output_mask[0]) {
+      // The eager module's order: the weight's product in x's dtype, then the op-math type.
+      const at::Tensor d = (g * weight).to(acc_type);
+      const at::Tensor dot = (d * xf).mean(-1, /*keepdim=*/true);
+      grad_x.narrow(0, start, n).copy_(d.mul_(rstd).sub_(xf * (rstd * rstd * rstd * dot)));
+    }
+  }
+  return {output_mask[0] ? grad_x.view(x.sizes()) : grad_x,
+          output_mask[1] ? grad_weight.to(weight.scalar_type()) : grad_weight};
+}
+
+// Meta: the same checks (on symbolic shapes), then results shaped like the real ones (contiguous).
+at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_arguments("rms_norm", x, weight, eps);
+  return at::empty_symint(x.sym_sizes(), x.options());
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_meta(const at::Tensor& grad, const at::Tensor& x,
+                                                          const at::Tensor& weight, double eps,
+                                                          std::array<bool, 2> output_mask) {
+  const char* op = "rms_norm_backward";
+  check_arguments(op, x, weight, eps);
+  check_tensor(op, "grad", grad, x, "x", x.scalar_type(), x.sym_sizes(), "x's shape");
+  return {output_mask[0] ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor(),
+          output_mask[1] ? at::empty_symint(weight.sym_sizes(), weight.options()) : at::Tensor()};
+}
+
+}  // namespace torch_offload

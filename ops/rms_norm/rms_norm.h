@@ -1,0 +1,22 @@
+#pragma once
+// rms_norm: transformers' RMSNorm (LlamaRMSNorm and the families that copy it) as one op whose backward
+// holds, beside its inputs, only the gradients it returns; the eager module's autograd holds five
+// [tokens, h] float32 gradients at once. The rows' arithmetic is ATen's, in chunks of rows, so every device
+// runs the same code. Registration lives in registration/.
+#include <array>
+#include <tuple>
+
+#include <ATen/core/Tensor.h>
+
+namespace torch_offload {
+
+at::Tensor rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_kernel(const at::Tensor& grad, const at::Tensor& x,
+                                                            const at::Tensor& weight, double eps,
+                                                            std::array<bool, 2> output_mask);
+at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_meta(const at::Tensor& grad, const at::Tensor& x,
+                                                          const at::Tensor& weight, double eps,
+                                                          std::array<bool, 2> output_mask);
+
+}  // namespace torch_offload
