@@ -214,6 +214,7 @@ def test_rows_and_reasons_follow_the_options(tmp_path, caplog):
             "layers 0-2: mlp tiled_mlp, attention own (attention_block=False), recompute none, "
             "saved in place (neither checkpointed nor offloaded)",
             "loss: off",
+            "norms: 7 of 7 through rms_norm",
             "masks: the model's own (attention_block=False)",
         ]
     )

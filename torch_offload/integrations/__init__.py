@@ -26,6 +26,7 @@ from .implementations import _use_segment_masks
 from .layer_wrapping import _wrap_layer
 from .layers import _find_layers, _mlp_name
 from .mlp import _recorded_outputs, _tile_mlp
+from .norms import fuse_norms
 from .options import (
     _check_arguments,
     _check_offload_options,
@@ -61,6 +62,7 @@ def apply(
     layers: str | None = None,
     loss: bool = True,
     attention_block: bool = True,
+    rms_norm: bool = True,
     sequence_parallel: Any = None,
     **offload_options,
 ) -> OffloadHandle:
@@ -122,6 +124,11 @@ def apply(
       modules it does not replace run the ``segment_attention`` op. Masks it cannot describe (a
       sliding window within reach, overlays, a cache) are built dense as before and counted in
       ``handle.mask_fallbacks`` (uncounted under compile).
+    - ``rms_norm``: each layer's RMSNorms and the one after the layers run through the ``rms_norm`` op
+      where a probe at apply time shows the module's own forward gives the op's output bit for bit
+      (transformers' ``LlamaRMSNorm`` and its copies; not Gemma's ``1 + weight``, nor a float64 model's,
+      which transformers computes in float32): backward then holds the input's gradient alone, where
+      autograd through the module holds five of its size (``handle.norms`` says which and why not).
     - ``sequence_parallel``: a ``torch.distributed`` ProcessGroup (or a 1-D DeviceMesh, or a
       mesh's dimension ``mesh["sp"]``) whose ranks each hold a contiguous chunk of every row's
       tokens, as ``torch_offload.shard_batch(batch, group)`` gives them; call the model with
@@ -161,7 +168,10 @@ def apply(
     INFO level by the ``torch_offload`` logger too). Applying twice to the same layers is refused.
     """
     _check_arguments(
-        offload, {"tiled_mlp": tiled_mlp, "loss": loss, "attention_block": attention_block}, keep_last, num_shards
+        offload,
+        {"tiled_mlp": tiled_mlp, "loss": loss, "attention_block": attention_block, "rms_norm": rms_norm},
+        keep_last,
+        num_shards,
     )
     # The layers, then the options resolved and checked against each other.
     layer_path, layer_list = _find_layers(model, layers)
@@ -179,9 +189,16 @@ def apply(
     # says, and with a tier, all but the last keep_last layers offloaded. Installed, or nothing is.
     offloaded = set(range(len(layer_list) - keep_last)) if handle.context is not None else set()
     handle._model_name, handle._offloaded = type(model).__name__, offloaded
-    handle._options = {"tiled_mlp": tiled_mlp, "attention_block": attention_block, "keep_last": keep_last}
+    handle._options = {
+        "tiled_mlp": tiled_mlp,
+        "attention_block": attention_block,
+        "keep_last": keep_last,
+        "rms_norm": rms_norm,
+    }
     try:
         _install_layers(handle, model, names, layer_list, recompute, offloaded, tiled_mlp, num_shards, attention_block)
+        if rms_norm:
+            fuse_norms(handle, model, names, layer_list)
         _install_above_layers(handle, model, names, layer_list, group, offloaded, attention_block, loss)
         if not handle._patches:
             raise ValueError(

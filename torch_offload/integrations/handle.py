@@ -130,6 +130,8 @@ class OffloadHandle:
       where a call allows it; with ``sequence_parallel``, over the group), ``"ulysses_attention"``
       (with ``sequence_parallel``: the module's own forward, its core attention through that op) or
       ``"module: <why not>"``.
+    - ``norms``: each RMSNorm apply found (each layer's, the one after the layers), by name: ``"rms_norm"``
+      (the op) or ``"module: <why not>"``.
     - ``mask_fallbacks``: calls for which transformers built its dense ``[batch, 1, T, T]`` mask
       although the model's masks are apply's segment ids (``torch_offload.masking``), by reason.
 
@@ -148,6 +150,7 @@ class OffloadHandle:
         self.checkpointing: dict[str, str] = {}
         self.attention: dict[str, str] = {}
         self.loss = "off"
+        self.norms: dict[str, str] = {}
         self.sequence_parallel: str | None = None  # the name of apply()'s sequence-parallel group
         self._sequence_parallel_ranks = 1
         # For the report: the model's class, apply's options, the offloaded layers' indices, what the masks are.

@@ -54,6 +54,16 @@ def _saved(handle: OffloadHandle, index: int, recompute: str) -> tuple[str, str 
     return ("in place", "offload=None") if recompute != "none" else ("in place", "neither checkpointed nor offloaded")
 
 
+def _norms(handle: OffloadHandle) -> str:
+    if not handle._options["rms_norm"]:
+        return "the model's own (rms_norm=False)"
+    if not handle.norms:
+        return "the model's own (no RMSNorm found)"
+    kept = {name: how.removeprefix("module: ") for name, how in handle.norms.items() if how != "rms_norm"}
+    fused = f"{len(handle.norms) - len(kept)} of {len(handle.norms)} through rms_norm"
+    return fused + "".join(f" ({name}: {why})" for name, why in list(kept.items())[:1])
+
+
 def report(handle: OffloadHandle) -> dict[str, Any]:
     """The handle's report as data; ``format_report`` prints it."""
     rows = []
@@ -74,6 +84,7 @@ def report(handle: OffloadHandle) -> dict[str, Any]:
         "layer_path": handle.layer_path,
         "layers": rows,
         "loss": handle.loss,
+        "norms": _norms(handle),
         "masks": handle._masks,
         "sequence_parallel": handle.sequence_parallel,
         "removed": handle._removed,
@@ -95,7 +106,7 @@ def _heading(data: dict[str, Any]) -> str:
 
 
 def _model_lines(data: dict[str, Any]) -> list[str]:
-    lines = [f"loss: {data['loss']}", f"masks: {data['masks']}"]
+    lines = [f"loss: {data['loss']}", f"norms: {data['norms']}", f"masks: {data['masks']}"]
     if data["sequence_parallel"] is not None:
         lines.append(f"sequence_parallel: group {data['sequence_parallel']}")
     return lines
