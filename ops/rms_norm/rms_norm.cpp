@@ -34,6 +34,12 @@ void check_arguments(const char* op, const at::Tensor& x, const at::Tensor& weig
   TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, op, ": eps is ", eps, "; expected a finite value >= 0");
 }
 
+void check_backward_arguments(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const char* op = "rms_norm_backward";
+  check_arguments(op, x, weight, eps);
+  check_tensor(op, "grad", grad, x, "x", x.scalar_type(), x.sym_sizes(), "x's shape");
+}
+
 int64_t chunk_rows(int64_t h) {
   return std::max<int64_t>(1, kChunkElements / std::max<int64_t>(h, 1));
 }
@@ -62,9 +68,7 @@ at::Tensor rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, double
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_kernel(const at::Tensor& grad, const at::Tensor& x,
                                                             const at::Tensor& weight, double eps,
                                                             std::array<bool, 2> output_mask) {
-  const char* op = "rms_norm_backward";
-  check_arguments(op, x, weight, eps);
-  check_tensor(op, "grad", grad, x, "x", x.scalar_type(), x.sym_sizes(), "x's shape");
+  check_backward_arguments(grad, x, weight, eps);
   const at::Tensor rows = token_rows(x), grads = token_rows(grad);
   const int64_t tokens = rows.size(0), step = chunk_rows(rows.size(1));
   const auto acc_type = at::toOpMathType(x.scalar_type());
@@ -98,9 +102,7 @@ at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor& weight, double e
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_meta(const at::Tensor& grad, const at::Tensor& x,
                                                           const at::Tensor& weight, double eps,
                                                           std::array<bool, 2> output_mask) {
-  const char* op = "rms_norm_backward";
-  check_arguments(op, x, weight, eps);
-  check_tensor(op, "grad", grad, x, "x", x.scalar_type(), x.sym_sizes(), "x's shape");
+  check_backward_arguments(grad, x, weight, eps);
   return {output_mask[0] ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor(),
           output_mask[1] ? at::empty_symint(weight.sym_sizes(), weight.options()) : at::Tensor()};
 }
