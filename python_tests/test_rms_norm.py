@@ -1,7 +1,8 @@
 """rms_norm against transformers' LlamaRMSNorm (the module itself) in float32 and its formula in float64 (the
 module computes float64 in float32): outputs and gradients over several chunks of rows, gradcheck in float64,
 bf16/fp16 against float64 with the module's error as the scale, odd layouts, opcheck, torch.compile, meta tensors,
-bad arguments, a saved x changed in place, and what its backward holds against the module's."""
+bad arguments, a saved x changed in place, what its backward holds against the module's, and its backward writing x's
+gradient over an incoming gradient only autograd holds (and leaving one held elsewhere alone)."""
 
 import pytest
 import torch
@@ -146,6 +147,68 @@ def test_backward_holds_little_beyond_its_gradients():
     ours_peak = peak_allocated_bytes(lambda: torch.autograd.grad(ours, [x, weight], upstream))
     assert eager_peak > 3 * size, (eager_peak, size)
     assert ours_peak < 1.7 * size, (ours_peak, size)
+
+
+def allocations_of_at_least(nbytes, fn):
+    """How many allocations of at least nbytes fn makes (CPU allocator, as the profiler records it)."""
+    with torch.profiler.profile(profile_memory=True) as prof:
+        fn()
+    return sum(1 for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() >= nbytes)
+
+
+@pytest.mark.parametrize("frozen_weight", [False, True], ids=["weight", "frozen_weight"])
+def test_backward_writes_over_an_incoming_gradient_nothing_else_holds(frozen_weight):
+    # The usual case in a model: the norm's output feeds one module, whose backward hands over a gradient no one
+    # else holds. x's gradient is written over it, so backward allocates no x-sized tensor beyond that module's,
+    # and the result is the op's, bit for bit.
+    x, weight = make_inputs((16384, 512), torch.float32)  # x: 32 MiB, 8 chunks of rows
+    weight.requires_grad_(not frozen_weight)
+    upstream = torch.randn(x.shape)
+    loss = (torch_offload.rms_norm(x, weight) * upstream).sum()  # MulBackward0 hands over upstream * 1
+    leaves = [x] if frozen_weight else [x, weight]
+    grads = []
+    assert allocations_of_at_least(x.numel() * 4, lambda: grads.extend(torch.autograd.grad(loss, leaves))) == 1
+    want = torch.ops.offload.rms_norm_backward(upstream, x.detach(), weight.detach(), 1e-6, [True, True])
+    for got, expected in zip(grads, want):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("holder", ["hook", "retain_grad", "grad_outputs", "residual"])
+def test_an_incoming_gradient_held_elsewhere_is_left_as_it_was(holder):
+    x, weight = make_inputs((300, 4096), torch.float32)  # two chunks of rows
+    upstream = torch.randn(x.shape)
+    out = torch_offload.rms_norm(x, weight)
+    seen = []
+    if holder == "hook":
+        out.register_hook(seen.append)
+    elif holder == "retain_grad":
+        out.retain_grad()
+    if holder == "grad_outputs":
+        incoming = upstream.clone()
+        torch.autograd.backward(out, incoming)
+        seen.append(incoming)
+    elif holder == "residual":  # a sum's backward hands the same gradient to the norm and to the residual
+        residual = torch.zeros(x.shape, requires_grad=True)
+        ((out + residual) * upstream).sum().backward()
+        seen.append(residual.grad)
+    else:
+        (out * upstream).sum().backward()
+        seen.append(out.grad if holder == "retain_grad" else seen[0])
+    assert torch.equal(seen[-1], upstream)  # the holder's gradient was not overwritten
+    want = torch.ops.offload.rms_norm_backward(upstream, x.detach(), weight.detach(), 1e-6, [True, True])
+    assert torch.equal(x.grad, want[0]) and torch.equal(weight.grad, want[1])
+
+
+def test_create_graph_takes_the_op_path_with_its_missing_double_backward():
+    # The incoming gradient (upstream * 1) needs no gradient itself, but with create_graph a graph is being recorded:
+    # x's gradient comes from rms_norm_backward, whose own backward is refused, not from operations traced over it.
+    x, weight = make_inputs((5, 8))
+    upstream = torch.randn(x.shape, dtype=torch.float64)
+    (grad_x,) = torch.autograd.grad((torch_offload.rms_norm(x, weight) * upstream).sum(), [x], create_graph=True)
+    want = torch.ops.offload.rms_norm_backward(upstream, x.detach(), weight.detach(), 1e-6, [True, False])[0]
+    assert torch.equal(grad_x, want)
+    with pytest.raises(RuntimeError, match="not implemented"):
+        grad_x.sum().backward()
 
 
 def test_opcheck():

@@ -1,5 +1,6 @@
 """rms_norm on a GPU: against the CPU op in float64, bf16/fp16 against float64 with transformers' module's
-error as the scale, opcheck, what its backward holds. Skipped without a GPU."""
+error as the scale, opcheck, what its backward holds (also written over the incoming gradient). Skipped without a
+GPU."""
 
 import pytest
 import torch
@@ -58,3 +59,18 @@ def test_cuda_backward_holds_little_beyond_its_gradients():
     before = torch.cuda.memory_allocated()
     torch.autograd.grad(out, [x, weight], upstream)
     assert torch.cuda.max_memory_allocated() - before < 1.7 * x.numel() * 4
+
+
+def test_cuda_backward_writes_over_an_incoming_gradient_nothing_else_holds():
+    x, weight = (t.detach().cuda().float().requires_grad_() for t in make_inputs((65536, 512)))  # x: 128 MiB
+    upstream = torch.randn_like(x)
+    loss = (torch_offload.rms_norm(x, weight, 1e-6) * upstream).sum()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    grads = torch.autograd.grad(loss, [x, weight])
+    # MulBackward0's gradient, x's written over it, and a few 4 MiB chunks; the op would add a second x-sized tensor.
+    assert torch.cuda.max_memory_allocated() - before < 1.5 * x.numel() * 4
+    want = torch.ops.offload.rms_norm_backward(upstream, x.detach(), weight.detach(), 1e-6, [True, True])
+    for got, expected in zip(grads, want):
+        assert torch.equal(got, expected)

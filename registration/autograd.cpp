@@ -1,6 +1,9 @@
 // Autograd formulas, registered in C++ so that C++ callers get gradients too.
 // Each forward re-dispatches below autograd; each backward calls the ops again,
 // so higher-order gradients work as well.
+#include <ATen/core/grad_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -8,6 +11,7 @@
 
 #include "ops/attention_block/attention_block.h"
 #include "ops/linear_cross_entropy/linear_cross_entropy.h"
+#include "ops/rms_norm/rms_norm.h"
 #include "torch_offload/torch_offload.h"
 
 namespace torch_offload {
@@ -305,7 +309,25 @@ class TokenLogprobsFunction : public torch::autograd::Function<TokenLogprobsFunc
   }
 };
 
-// rms_norm saves x and weight; backward recomputes each row's scale from x. No double backward.
+// Whether x's gradient may be written over `grad`, the gradient coming in: nothing else can see it (this is
+// its only reference and its memory's), it is a plain dense tensor shaped as x, no graph is being recorded
+// (create_graph), and no dispatch mode, tensor subclass or functionalization (torch.compile's tracing) would
+// have to see the write.
+bool can_overwrite(const at::Tensor& grad, const at::Tensor& x) {
+  constexpr c10::DispatchKeySet kTraced(
+      {c10::DispatchKey::Python, c10::DispatchKey::Functionalize, c10::DispatchKey::PythonTLSSnapshot});
+  return !at::GradMode::is_enabled() && grad.defined() && grad.layout() == at::kStrided && grad.use_count() == 1 &&
+         grad.storage().use_count() == 1 && !grad.is_view() && !grad.requires_grad() && !grad.is_inference() &&
+         !grad.is_neg() && !grad._is_zerotensor() && grad.is_contiguous() && grad.sizes() == x.sizes() &&
+         grad.scalar_type() == x.scalar_type() && grad.device() == x.device() && !grad.key_set().has_any(kTraced) &&
+         !c10::impl::dispatch_mode_enabled() && !c10::impl::tls_local_dispatch_key_set().included_.has_any(kTraced);
+}
+
+// rms_norm saves x and weight; backward recomputes each row's scale from x. No double backward. Where the
+// incoming gradient is the autograd engine's alone (the usual case: the norm's output feeds one module),
+// x's gradient is written over it, so the backward allocates no [tokens, h] tensor: at a decoder layer's
+// norm, that is one hidden vector per token less at the step's peak (BENCHMARKS.md, "Live tensors at the
+// peak"). `grads` by reference: a copy would hold a second reference.
 class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -314,11 +336,18 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     ctx->saved_data["eps"] = eps;
     return rms_norm(x, weight, eps);
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  static variable_list backward(AutogradContext* ctx, variable_list& grads) {
     const variable_list saved = ctx->get_saved_variables();
+    const double eps = ctx->saved_data.at("eps").toDouble();
+    at::Tensor grad = std::move(grads[0]);
+    if (ctx->needs_input_grad(0) && can_overwrite(grad, saved[0])) {
+      // The kernel's own code, called directly: with the dispatcher's autocast keys it would recast its steps.
+      const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+      at::Tensor grad_weight = rms_norm_backward_into_grad(grad, saved[0], saved[1], eps, ctx->needs_input_grad(1));
+      return {std::move(grad), std::move(grad_weight), at::Tensor()};
+    }
     const auto [grad_x, grad_weight] =
-        rms_norm_backward(grads[0], saved[0], saved[1], ctx->saved_data.at("eps").toDouble(),
-                          {ctx->needs_input_grad(0), ctx->needs_input_grad(1)});
+        rms_norm_backward(grad, saved[0], saved[1], eps, {ctx->needs_input_grad(0), ctx->needs_input_grad(1)});
     return {grad_x, grad_weight, at::Tensor()};
   }
 };

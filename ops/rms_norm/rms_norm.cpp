@@ -65,32 +65,52 @@ at::Tensor rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, double
   return out.view(x.sizes());
 }
 
+namespace {
+
+// The backward over rows [tokens, h]: the weight's gradient (if asked), and x's written to grad_x_rows (if
+// defined), which may be grads itself: each chunk of grads is read whole before its rows are written.
+at::Tensor backward_rows(const at::Tensor& grads, const at::Tensor& rows, const at::Tensor& weight, double eps,
+                         const at::Tensor& grad_x_rows, bool weight_grad) {
+  const int64_t tokens = rows.size(0), step = chunk_rows(rows.size(1));
+  const auto dtype = rows.scalar_type(), acc_type = at::toOpMathType(dtype);
+  at::Tensor grad_weight = weight_grad ? at::zeros(weight.sizes(), weight.options().dtype(acc_type)) : at::Tensor();
+  for (int64_t start = 0; start < tokens && (grad_x_rows.defined() || weight_grad); start += step) {
+    const int64_t n = std::min(step, tokens - start);
+    const auto [xf, rstd] = rows_and_rstd(rows.narrow(0, start, n), eps);
+    const at::Tensor g = grads.narrow(0, start, n);
+    if (weight_grad) {
+      grad_weight.add_((g.to(acc_type) * (xf * rstd).to(dtype).to(acc_type)).sum(0));
+    }
+    if (grad_x_rows.defined()) {
+      // The eager module's order: the weight's product in x's dtype, then the op-math type.
+      const at::Tensor d = (g * weight).to(acc_type);
+      const at::Tensor dot = (d * xf).mean(-1, /*keepdim=*/true);
+      grad_x_rows.narrow(0, start, n).copy_(d.mul_(rstd).sub_(xf * (rstd * rstd * rstd * dot)));
+    }
+  }
+  return weight_grad ? grad_weight.to(weight.scalar_type()) : grad_weight;
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_kernel(const at::Tensor& grad, const at::Tensor& x,
                                                             const at::Tensor& weight, double eps,
                                                             std::array<bool, 2> output_mask) {
   check_backward_arguments(grad, x, weight, eps);
-  const at::Tensor rows = token_rows(x), grads = token_rows(grad);
-  const int64_t tokens = rows.size(0), step = chunk_rows(rows.size(1));
-  const auto acc_type = at::toOpMathType(x.scalar_type());
-  at::Tensor grad_x = output_mask[0] ? at::empty_like(rows) : at::Tensor();
-  at::Tensor grad_weight = output_mask[1] ? at::zeros(weight.sizes(), weight.options().dtype(acc_type)) : at::Tensor();
-  const at::Tensor weight_acc = weight.to(acc_type);
-  for (int64_t start = 0; start < tokens && (output_mask[0] || output_mask[1]); start += step) {
-    const int64_t n = std::min(step, tokens - start);
-    const auto [xf, rstd] = rows_and_rstd(rows.narrow(0, start, n), eps);
-    const at::Tensor g = grads.narrow(0, start, n);
-    if (output_mask[1]) {
-      grad_weight.add_((g.to(acc_type) * (xf * rstd).to(x.scalar_type()).to(acc_type)).sum(0));
-    }
-    if (output_mask[0]) {
-      // The eager module's order: the weight's product in x's dtype, then the op-math type.
-      const at::Tensor d = (g * weight).to(acc_type);
-      const at::Tensor dot = (d * xf).mean(-1, /*keepdim=*/true);
-      grad_x.narrow(0, start, n).copy_(d.mul_(rstd).sub_(xf * (rstd * rstd * rstd * dot)));
-    }
-  }
-  return {output_mask[0] ? grad_x.view(x.sizes()) : grad_x,
-          output_mask[1] ? grad_weight.to(weight.scalar_type()) : grad_weight};
+  const at::Tensor rows = token_rows(x);
+  const at::Tensor grad_x = output_mask[0] ? at::empty_like(rows) : at::Tensor();
+  at::Tensor grad_weight = backward_rows(token_rows(grad), rows, weight, eps, grad_x, output_mask[1]);
+  return {output_mask[0] ? grad_x.view(x.sizes()) : grad_x, std::move(grad_weight)};
+}
+
+at::Tensor rms_norm_backward_into_grad(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
+                                       double eps, bool weight_grad) {
+  check_backward_arguments(grad, x, weight, eps);
+  TORCH_CHECK(grad.is_contiguous(),
+              "rms_norm_backward_into_grad: grad is not contiguous; expected a tensor whose "
+              "rows it can overwrite");
+  const at::Tensor grad_rows = token_rows(grad);  // a view: grad is contiguous
+  return backward_rows(grad_rows, token_rows(x), weight, eps, grad_rows, weight_grad);
 }
 
 // Meta: the same checks (on symbolic shapes), then results shaped like the real ones (contiguous).

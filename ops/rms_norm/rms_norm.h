@@ -14,6 +14,11 @@ at::Tensor rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, double
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_kernel(const at::Tensor& grad, const at::Tensor& x,
                                                             const at::Tensor& weight, double eps,
                                                             std::array<bool, 2> output_mask);
+// rms_norm_backward with x's gradient written over `grad` (contiguous, x's shape), chunk by chunk; returns
+// the weight's gradient if `weight_grad`. Not an op: the autograd kernel calls it, in eager mode, when it holds
+// the only reference to the incoming gradient, which then costs no second [tokens, h] tensor.
+at::Tensor rms_norm_backward_into_grad(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
+                                       double eps, bool weight_grad);
 at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_meta(const at::Tensor& grad, const at::Tensor& x,
                                                           const at::Tensor& weight, double eps,
