@@ -156,18 +156,20 @@ def allocations_of_at_least(nbytes, fn):
     return sum(1 for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() >= nbytes)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("frozen_weight", [False, True], ids=["weight", "frozen_weight"])
-def test_backward_writes_over_an_incoming_gradient_nothing_else_holds(frozen_weight):
+def test_backward_writes_over_an_incoming_gradient_nothing_else_holds(frozen_weight, dtype):
     # The usual case in a model: the norm's output feeds one module, whose backward hands over a gradient no one
     # else holds. x's gradient is written over it, so backward allocates no x-sized tensor beyond that module's,
     # and the result is the op's, bit for bit.
-    x, weight = make_inputs((16384, 512), torch.float32)  # x: 32 MiB, 8 chunks of rows
+    x, weight = make_inputs((16384, 512), dtype)  # x: 32 MiB in float32, 8 chunks of rows
     weight.requires_grad_(not frozen_weight)
-    upstream = torch.randn(x.shape)
+    upstream = torch.randn(x.shape).to(dtype)
     loss = (torch_offload.rms_norm(x, weight) * upstream).sum()  # MulBackward0 hands over upstream * 1
     leaves = [x] if frozen_weight else [x, weight]
     grads = []
-    assert allocations_of_at_least(x.numel() * 4, lambda: grads.extend(torch.autograd.grad(loss, leaves))) == 1
+    x_bytes = x.numel() * x.element_size()
+    assert allocations_of_at_least(x_bytes, lambda: grads.extend(torch.autograd.grad(loss, leaves))) == 1
     want = torch.ops.offload.rms_norm_backward(upstream, x.detach(), weight.detach(), 1e-6, [True, True])
     for got, expected in zip(grads, want):
         assert torch.equal(got, expected)

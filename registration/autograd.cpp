@@ -325,9 +325,9 @@ bool can_overwrite(const at::Tensor& grad, const at::Tensor& x) {
 
 // rms_norm saves x and weight; backward recomputes each row's scale from x. No double backward. Where the
 // incoming gradient is the autograd engine's alone (the usual case: the norm's output feeds one module),
-// x's gradient is written over it, so the backward allocates no [tokens, h] tensor: at a decoder layer's
-// norm, that is one hidden vector per token less at the step's peak (BENCHMARKS.md, "Live tensors at the
-// peak"). `grads` by reference: a copy would hold a second reference.
+// x's gradient is written over it, so the backward allocates no [tokens, h] tensor: one hidden vector per
+// token less while a decoder layer's norm runs backward (not yet at an applied step's peak, the MLP's
+// backward: BENCHMARKS.md, "Live tensors at the peak"). `grads` by reference: a copy would hold a second one.
 class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps) {
