@@ -137,7 +137,7 @@ cuda-check: $(VENV)/.ready $(CUDA_VENV)/.ready gtest
 OP_TESTS := test_offload_ops.py test_tiled_mlp.py test_linear_cross_entropy.py test_token_logprobs.py \
   test_attention_block.py test_attention_block_norms.py test_segment_attention.py test_segment_attention_score_mods.py \
   test_segment_attention_value_head_dim.py test_attention_block_row_norms.py test_autocast_backward.py \
-  test_disk_spill.py test_activations.py test_compile.py test_apply.py
+  test_disk_spill.py test_activations.py test_compile.py test_apply.py test_rms_norm_tiled_mlp.py
 # Sequence parallelism's file spawns Gloo ranks that share one xdist worker: about 10 minutes of CI per torch, so it
 # runs on $(TORCH_VERSION) (make test) and on the lent GPU machines' torch, the range's oldest end, only.
 GPU_TORCH := 2.11.0

@@ -156,6 +156,28 @@ TEST(TiledMlp, BadInputsRaiseErrorsNamingTheArgument) {
                "tiled_mlp: w_up is a sparse COO tensor; expected a dense (strided) tensor");
 }
 
+TEST(RmsNormTiledMlp, IsRmsNormThenTiledMlpWithGradientsFromCpp) {
+  const Mlp m = make_mlp(true, true);
+  const at::Tensor weight = (1 + at::randn({8}, at::kDouble) / 2).requires_grad_(true);
+  const at::Tensor fused = torch_offload::rms_norm_tiled_mlp(m.x, weight, 1e-5, m.w_gate, m.w_up, m.w_down, m.b_gate,
+                                                             m.b_up, m.b_down, "silu", 3);
+  const at::Tensor separate = torch_offload::tiled_mlp(torch_offload::rms_norm(m.x, weight, 1e-5), m.w_gate, m.w_up,
+                                                       m.w_down, m.b_gate, m.b_up, m.b_down, "silu", 3);
+  EXPECT_TRUE(at::equal(fused, separate));
+  const auto got = torch::autograd::grad({fused.sum()}, {m.x, weight, m.w_gate});
+  const auto want = torch::autograd::grad({separate.sum()}, {m.x, weight, m.w_gate});
+  for (size_t i = 0; i < got.size(); ++i) {
+    expect_close(got[i], want[i]);
+  }
+  expect_error(
+      [&] {
+        torch_offload::rms_norm_tiled_mlp(m.x.detach(), at::ones({7}, at::kDouble), 1e-5, m.w_gate, m.w_up, m.w_down);
+      },
+      "rms_norm_tiled_mlp: norm_weight has shape [7]; expected [h], x's last dimension = [8]");
+  expect_error([&] { torch_offload::rms_norm_tiled_mlp(m.x.detach(), at::Tensor(), 1e-5, m.w_gate, m.w_up, m.w_down); },
+               "rms_norm_tiled_mlp: norm_weight is an undefined tensor");
+}
+
 // GPU path: runs wherever a GPU is present; skipped (and reported as such) here.
 TEST(TiledMlpCuda, MatchesTheCpuOpWithGradients) {
   if (!at::hasCUDA()) {

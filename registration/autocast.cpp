@@ -134,6 +134,8 @@ TORCH_LIBRARY_IMPL(offload, AutocastCUDA, m) {
 namespace torch_offload {
 namespace {
 
+// rms_norm_tiled_mlp runs in its inputs' dtypes, as rms_norm does: apply() fuses a norm with its MLP only
+// outside autocast, where the two would run in different dtypes.
 // The backward ops run in the dtypes their forward chose. Gradients asked for inside an
 // autocast region (`loss.backward()` under `with torch.autocast(...)`) run them with autocast
 // on, which recast the formulas' own operations: CUDA's autocast sums in float32 and CPU's
@@ -144,8 +146,9 @@ void without_autocast(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 void register_backward_ops_without_autocast(torch::Library& m) {
-  for (const char* op : {"tiled_mlp_backward", "linear_cross_entropy_backward", "token_logprobs_backward",
-                         "rms_norm_backward", "attention_block_backward", "segment_attention_backward"}) {
+  for (const char* op :
+       {"rms_norm_tiled_mlp", "tiled_mlp_backward", "rms_norm_tiled_mlp_backward", "linear_cross_entropy_backward",
+        "token_logprobs_backward", "rms_norm_backward", "attention_block_backward", "segment_attention_backward"}) {
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&without_autocast>());
   }
 }

@@ -62,6 +62,24 @@ at::Tensor offload_unpack_autograd(const at::Tensor& packed, c10::Device device)
   return UnpackFunction::apply(packed, device);
 }
 
+std::optional<at::Tensor> or_nullopt(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+// The output mask of a backward whose saved tensors are its forward's tensor inputs in order, undefined where
+// an optional one was absent: absent inputs have no autograd edge, so count the edges of those given.
+template <size_t N>
+std::array<bool, N> mask_of_given(AutogradContext* ctx, const variable_list& saved) {
+  std::array<bool, N> output_mask{};
+  size_t edge = 0;
+  for (size_t i = 0; i < N; ++i) {
+    if (saved[i].defined()) {
+      output_mask[i] = ctx->needs_input_grad(edge++);
+    }
+  }
+  return output_mask;
+}
+
 // tiled_mlp saves x and the weights only. Its backward is one node that returns
 // each gradient once (what DDP's and FSDP's hooks expect), computed by the
 // tiled_mlp_backward op, which AOTAutograd traces like any other op. Gradients
@@ -83,24 +101,51 @@ class TiledMlpFunction : public torch::autograd::Function<TiledMlpFunction> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
-    // Absent optional inputs have no autograd edge: count the edges of those given.
-    std::array<bool, 7> output_mask{};
-    size_t edge = 0;
-    for (size_t i = 0; i < output_mask.size(); ++i) {
-      if (saved[i].defined()) {
-        output_mask[i] = ctx->needs_input_grad(edge++);
-      }
-    }
-    const auto or_nullopt = [](const at::Tensor& t) {
-      return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-    };
     const std::string activation = ctx->saved_data["activation"].toStringRef();
     const auto [x, w_gate, w_up, w_down, b_gate, b_up, b_down] = tiled_mlp_backward(
         grads[0], saved[0], saved[1], or_nullopt(saved[2]), saved[3], or_nullopt(saved[4]), or_nullopt(saved[5]),
-        or_nullopt(saved[6]), activation, ctx->saved_data["num_shards"].toSymInt(), output_mask);
+        or_nullopt(saved[6]), activation, ctx->saved_data["num_shards"].toSymInt(), mask_of_given<7>(ctx, saved));
     return {x, w_gate, w_up, w_down, b_gate, b_up, b_down, at::Tensor(), at::Tensor()};
   }
 };
+
+// rms_norm_tiled_mlp likewise: it saves x (the norm's input) and the weights, never the norm's output.
+class RmsNormTiledMlpFunction : public torch::autograd::Function<RmsNormTiledMlpFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& norm_weight, double norm_eps,
+                            const at::Tensor& w_gate, const std::optional<at::Tensor>& w_up, const at::Tensor& w_down,
+                            const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& b_up,
+                            const std::optional<at::Tensor>& b_down, c10::string_view activation,
+                            c10::SymInt num_shards) {
+    const auto or_undefined = [](const std::optional<at::Tensor>& t) { return t.value_or(at::Tensor()); };
+    ctx->save_for_backward({x, norm_weight, w_gate, or_undefined(w_up), w_down, or_undefined(b_gate),
+                            or_undefined(b_up), or_undefined(b_down)});
+    ctx->saved_data["norm_eps"] = norm_eps;
+    ctx->saved_data["activation"] = std::string(activation);
+    ctx->saved_data["num_shards"] = num_shards;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return rms_norm_tiled_mlp(x, norm_weight, norm_eps, w_gate, w_up, w_down, b_gate, b_up, b_down, activation,
+                              num_shards);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const std::string activation = ctx->saved_data["activation"].toStringRef();
+    const auto [x, norm_weight, w_gate, w_up, w_down, b_gate, b_up, b_down] = rms_norm_tiled_mlp_backward(
+        grads[0], saved[0], saved[1], ctx->saved_data["norm_eps"].toDouble(), saved[2], or_nullopt(saved[3]), saved[4],
+        or_nullopt(saved[5]), or_nullopt(saved[6]), or_nullopt(saved[7]), activation,
+        ctx->saved_data["num_shards"].toSymInt(), mask_of_given<8>(ctx, saved));
+    return {x, norm_weight, at::Tensor(), w_gate, w_up, w_down, b_gate, b_up, b_down, at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor rms_norm_tiled_mlp_autograd(const at::Tensor& x, const at::Tensor& norm_weight, double norm_eps,
+                                       const at::Tensor& w_gate, const std::optional<at::Tensor>& w_up,
+                                       const at::Tensor& w_down, const std::optional<at::Tensor>& b_gate,
+                                       const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& b_down,
+                                       c10::string_view activation, c10::SymInt num_shards) {
+  return RmsNormTiledMlpFunction::apply(x, norm_weight, norm_eps, w_gate, w_up, w_down, b_gate, b_up, b_down,
+                                        activation, std::move(num_shards));
+}
 
 at::Tensor tiled_mlp_autograd(const at::Tensor& x, const at::Tensor& w_gate, const std::optional<at::Tensor>& w_up,
                               const at::Tensor& w_down, const std::optional<at::Tensor>& b_gate,
@@ -121,6 +166,8 @@ TORCH_LIBRARY_IMPL(offload, Autograd, m) {
   m.impl("tiled_mlp", &torch_offload::tiled_mlp_autograd);
   // Computing gradients of gradients is not supported: an error if backward reaches it.
   m.impl("tiled_mlp_backward", torch::autograd::autogradNotImplementedFallback());
+  m.impl("rms_norm_tiled_mlp", &torch_offload::rms_norm_tiled_mlp_autograd);
+  m.impl("rms_norm_tiled_mlp_backward", torch::autograd::autogradNotImplementedFallback());
 }
 
 namespace torch_offload {
@@ -435,9 +482,6 @@ class AttentionBlockFunction : public torch::autograd::Function<AttentionBlockFu
         output_mask[i] = ctx->needs_input_grad(edge++);
       }
     }
-    const auto or_nullopt = [](const at::Tensor& t) {
-      return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-    };
     const auto scale = ctx->saved_data["scale"].toOptional<double>();
     const c10::IValue& group = ctx->saved_data["group_name"];
     const auto group_name = group.isNone() ? std::nullopt : std::optional<c10::string_view>(group.toStringRef());

@@ -18,6 +18,8 @@ TORCH_LIBRARY_IMPL(offload, CPU, m) {
   m.impl("_disk_ticket_location", &torch_offload::disk_ticket_location_cpu);
   m.impl("tiled_mlp", &torch_offload::tiled_mlp_cpu);
   m.impl("tiled_mlp_backward", &torch_offload::tiled_mlp_backward_cpu);
+  m.impl("rms_norm_tiled_mlp", &torch_offload::rms_norm_tiled_mlp_cpu);
+  m.impl("rms_norm_tiled_mlp_backward", &torch_offload::rms_norm_tiled_mlp_backward_cpu);
 }
 
 TORCH_LIBRARY_IMPL(offload, CPU, m) {

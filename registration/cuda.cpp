@@ -14,6 +14,8 @@ TORCH_LIBRARY_IMPL(offload, CUDA, m) {
   m.impl("disk_spill", &torch_offload::disk_spill_cuda);
   m.impl("tiled_mlp", &torch_offload::tiled_mlp_cuda);
   m.impl("tiled_mlp_backward", &torch_offload::tiled_mlp_backward_cuda);
+  m.impl("rms_norm_tiled_mlp", &torch_offload::rms_norm_tiled_mlp_cuda);
+  m.impl("rms_norm_tiled_mlp_backward", &torch_offload::rms_norm_tiled_mlp_backward_cuda);
 }
 
 TORCH_LIBRARY_IMPL(offload, CUDA, m) {

@@ -57,6 +57,8 @@ constexpr const char* kOpsTakingTensors[] = {
     "offload_unpack",
     "tiled_mlp",
     "tiled_mlp_backward",
+    "rms_norm_tiled_mlp",
+    "rms_norm_tiled_mlp_backward",
     "disk_spill",
     "disk_restore",
     "disk_prefetch",

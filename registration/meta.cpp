@@ -22,6 +22,8 @@ TORCH_LIBRARY_IMPL(offload, Meta, m) {
   // tiled_mlp's results live on x's device, which FakeTensor derives by itself.
   m.impl("tiled_mlp", &torch_offload::tiled_mlp_meta);
   m.impl("tiled_mlp_backward", &torch_offload::tiled_mlp_backward_meta);
+  m.impl("rms_norm_tiled_mlp", &torch_offload::rms_norm_tiled_mlp_meta);
+  m.impl("rms_norm_tiled_mlp_backward", &torch_offload::rms_norm_tiled_mlp_backward_meta);
   m.impl("_assert_all", &torch_offload::assert_all_meta);
 }
 

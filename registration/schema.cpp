@@ -26,6 +26,17 @@ TORCH_LIBRARY(offload, m) {
       "tiled_mlp_backward(Tensor grad_out, Tensor x, Tensor w_gate, Tensor? w_up, Tensor w_down, Tensor? b_gate, "
       "Tensor? b_up, Tensor? b_down, str activation, SymInt num_shards, bool[7] output_mask) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // tiled_mlp of rms_norm(x, norm_weight, norm_eps), the norm computed per shard: the norm's output is never
+  // whole nor saved. The backward's output_mask and results: (x, norm_weight, w_gate, w_up, w_down, b_gate, b_up,
+  // b_down).
+  m.def(
+      "rms_norm_tiled_mlp(Tensor x, Tensor norm_weight, float norm_eps, Tensor w_gate, Tensor? w_up, Tensor w_down, "
+      "Tensor? b_gate=None, Tensor? b_up=None, Tensor? b_down=None, str activation=\"silu\", SymInt num_shards=0) "
+      "-> Tensor");
+  m.def(
+      "rms_norm_tiled_mlp_backward(Tensor grad_out, Tensor x, Tensor norm_weight, float norm_eps, Tensor w_gate, "
+      "Tensor? w_up, Tensor w_down, Tensor? b_gate, Tensor? b_up, Tensor? b_down, str activation, SymInt num_shards, "
+      "bool[8] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // tiled_mlp's automatic shard count for these shapes; takes no tensor, so one kernel serves every backend.
   m.def("tiled_mlp_num_shards(int tokens, int intermediate, bool gated, ScalarType dtype) -> int",
         &torch_offload::tiled_mlp_num_shards_kernel);

@@ -1,5 +1,5 @@
 """transformers' RMSNorm as one op (``torch.ops.offload.rms_norm``), whose backward holds only the gradients
-it returns: ``rms_norm``."""
+it returns: ``rms_norm``; and with the MLP after it, in shards of tokens: ``rms_norm_tiled_mlp``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from . import _require_tensor
 
-__all__ = ["rms_norm"]
+__all__ = ["rms_norm", "rms_norm_tiled_mlp"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -25,3 +25,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     if x.is_nested:  # a jagged tensor's own rms_norm handler answers before the op's refusal (registration/layouts)
         raise RuntimeError("rms_norm: x is a nested tensor; expected a dense (strided) tensor")
     return torch.ops.offload.rms_norm(x, weight, float(eps))
+
+
+def rms_norm_tiled_mlp(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor | None,
+    w_down: torch.Tensor,
+    *,
+    norm_eps: float = 1e-6,
+    activation: str = "silu",
+    num_shards: int = 0,
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``tiled_mlp(rms_norm(x, norm_weight, norm_eps), w_gate, w_up, w_down, ...)`` with the norm computed shard by
+    shard: forward saves ``x`` and the weights, not the norm's output, and backward takes the norm's gradient one
+    shard at a time, so neither the norm's output nor its gradient ever exists as a ``[tokens, h]`` tensor. The
+    result is the two ops' bit for bit (the same rows' arithmetic); the gradients equal theirs up to the order
+    in which the norm weight's gradient adds up. Runs in its inputs' dtypes, under autocast too. Arguments as
+    ``rms_norm`` and ``tiled_mlp`` take them.
+    """
+    for value, arg in ((x, "x"), (norm_weight, "norm_weight"), (w_gate, "w_gate"), (w_down, "w_down")):
+        _require_tensor(value, "rms_norm_tiled_mlp", arg)
+    return torch.ops.offload.rms_norm_tiled_mlp(
+        x, norm_weight, float(norm_eps), w_gate, w_up, w_down, b_gate, b_up, b_down, activation, num_shards
+    )

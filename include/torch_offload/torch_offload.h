@@ -130,6 +130,48 @@ inline TiledMlpGradients tiled_mlp_backward(const at::Tensor& grad_out, const at
                      output_mask);
 }
 
+// tiled_mlp(rms_norm(x, norm_weight, norm_eps), ...), the norm computed shard by shard: forward
+// saves x, not the norm's output, and backward takes the norm's gradient shard by shard. Runs in
+// its inputs' dtypes, under autocast too.
+inline at::Tensor rms_norm_tiled_mlp(const at::Tensor& x, const at::Tensor& norm_weight, double norm_eps,
+                                     const at::Tensor& w_gate, const std::optional<at::Tensor>& w_up,
+                                     const at::Tensor& w_down, const std::optional<at::Tensor>& b_gate = std::nullopt,
+                                     const std::optional<at::Tensor>& b_up = std::nullopt,
+                                     const std::optional<at::Tensor>& b_down = std::nullopt,
+                                     std::string_view activation = "silu", c10::SymInt num_shards = 0) {
+  TORCH_CHECK(x.defined(), "rms_norm_tiled_mlp: x is an undefined tensor; expected a defined tensor");
+  TORCH_CHECK(norm_weight.defined(),
+              "rms_norm_tiled_mlp: norm_weight is an undefined tensor; expected a defined tensor");
+  static const auto handle = detail::op<at::Tensor(
+      const at::Tensor&, const at::Tensor&, double, const at::Tensor&, const std::optional<at::Tensor>&,
+      const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+      const std::optional<at::Tensor>&, std::string_view, c10::SymInt)>("offload::rms_norm_tiled_mlp");
+  return handle.call(x, norm_weight, norm_eps, w_gate, w_up, w_down, b_gate, b_up, b_down, activation,
+                     std::move(num_shards));
+}
+
+// The gradients of rms_norm_tiled_mlp with respect to (x, norm_weight, w_gate, w_up, w_down,
+// b_gate, b_up, b_down), as output_mask asks, undefined elsewhere.
+using RmsNormTiledMlpGradients =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+inline RmsNormTiledMlpGradients rms_norm_tiled_mlp_backward(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& norm_weight, double norm_eps,
+    const at::Tensor& w_gate, const std::optional<at::Tensor>& w_up, const at::Tensor& w_down,
+    const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& b_up,
+    const std::optional<at::Tensor>& b_down, std::string_view activation, c10::SymInt num_shards,
+    std::array<bool, 8> output_mask) {
+  TORCH_CHECK(grad_out.defined(),
+              "rms_norm_tiled_mlp_backward: grad_out is an undefined tensor; expected a defined tensor");
+  TORCH_CHECK(x.defined(), "rms_norm_tiled_mlp_backward: x is an undefined tensor; expected a defined tensor");
+  static const auto handle = detail::op<RmsNormTiledMlpGradients(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, double, const at::Tensor&,
+      const std::optional<at::Tensor>&, const at::Tensor&, const std::optional<at::Tensor>&,
+      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::string_view, c10::SymInt,
+      std::array<bool, 8>)>("offload::rms_norm_tiled_mlp_backward");
+  return handle.call(grad_out, x, norm_weight, norm_eps, w_gate, w_up, w_down, b_gate, b_up, b_down, activation,
+                     std::move(num_shards), output_mask);
+}
+
 // The shard count tiled_mlp picks when num_shards <= 0, for `tokens` tokens of an MLP
 // with `intermediate` (I) hidden units, gated (with w_up) or not, in `dtype`. It
 // depends on these only, so every rank with the same shapes picks the same.

@@ -52,34 +52,34 @@ std::tuple<at::Tensor, at::Tensor> rows_and_rstd(const at::Tensor& rows, double 
 
 }  // namespace
 
-at::Tensor rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_arguments("rms_norm", x, weight, eps);
-  const at::Tensor rows = token_rows(x);
+void rms_norm_rows_into(const at::Tensor& out, const at::Tensor& rows, const at::Tensor& weight, double eps) {
   const int64_t tokens = rows.size(0), step = chunk_rows(rows.size(1));
-  at::Tensor out = at::empty_like(rows);
   for (int64_t start = 0; start < tokens; start += step) {
     const int64_t n = std::min(step, tokens - start);
     const auto [xf, rstd] = rows_and_rstd(rows.narrow(0, start, n), eps);
-    out.narrow(0, start, n).copy_(weight * (xf * rstd).to(x.scalar_type()));
+    out.narrow(0, start, n).copy_(weight * (xf * rstd).to(rows.scalar_type()));
   }
+}
+
+at::Tensor rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_arguments("rms_norm", x, weight, eps);
+  const at::Tensor rows = token_rows(x);
+  at::Tensor out = at::empty_like(rows);
+  rms_norm_rows_into(out, rows, weight, eps);
   return out.view(x.sizes());
 }
 
-namespace {
-
-// The backward over rows [tokens, h]: the weight's gradient (if asked), and x's written to grad_x_rows (if
-// defined), which may be grads itself: each chunk of grads is read whole before its rows are written.
-at::Tensor backward_rows(const at::Tensor& grads, const at::Tensor& rows, const at::Tensor& weight, double eps,
-                         const at::Tensor& grad_x_rows, bool weight_grad) {
+void rms_norm_backward_rows(const at::Tensor& grads, const at::Tensor& rows, const at::Tensor& weight, double eps,
+                            const at::Tensor& grad_x_rows, const at::Tensor& grad_weight_sum) {
   const int64_t tokens = rows.size(0), step = chunk_rows(rows.size(1));
   const auto dtype = rows.scalar_type(), acc_type = at::toOpMathType(dtype);
-  at::Tensor grad_weight = weight_grad ? at::zeros(weight.sizes(), weight.options().dtype(acc_type)) : at::Tensor();
+  const bool weight_grad = grad_weight_sum.defined();
   for (int64_t start = 0; start < tokens && (grad_x_rows.defined() || weight_grad); start += step) {
     const int64_t n = std::min(step, tokens - start);
     const auto [xf, rstd] = rows_and_rstd(rows.narrow(0, start, n), eps);
     const at::Tensor g = grads.narrow(0, start, n);
     if (weight_grad) {
-      grad_weight.add_((g.to(acc_type) * (xf * rstd).to(dtype).to(acc_type)).sum(0));
+      grad_weight_sum.add_((g.to(acc_type) * (xf * rstd).to(dtype).to(acc_type)).sum(0));
     }
     if (grad_x_rows.defined()) {
       // The eager module's order: the weight's product in x's dtype, then the op-math type.
@@ -88,6 +88,18 @@ at::Tensor backward_rows(const at::Tensor& grads, const at::Tensor& rows, const 
       grad_x_rows.narrow(0, start, n).copy_(d.mul_(rstd).sub_(xf * (rstd * rstd * rstd * dot)));
     }
   }
+}
+
+namespace {
+
+// The backward over rows [tokens, h], as rms_norm_backward_rows, with the weight's gradient (if asked) returned in
+// the weight's dtype, added up in the op-math type.
+at::Tensor backward_rows(const at::Tensor& grads, const at::Tensor& rows, const at::Tensor& weight, double eps,
+                         const at::Tensor& grad_x_rows, bool weight_grad) {
+  const at::Tensor grad_weight =
+      weight_grad ? at::zeros(weight.sizes(), weight.options().dtype(at::toOpMathType(rows.scalar_type())))
+                  : at::Tensor();
+  rms_norm_backward_rows(grads, rows, weight, eps, grad_x_rows, grad_weight);
   return weight_grad ? grad_weight.to(weight.scalar_type()) : grad_weight;
 }
 

@@ -19,6 +19,13 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_kernel(const at::Tensor& gr
 // the only reference to the incoming gradient, which then costs no second [tokens, h] tensor.
 at::Tensor rms_norm_backward_into_grad(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
                                        double eps, bool weight_grad);
+// The rows' arithmetic, for callers that own the buffers (tiled_mlp's shards, rms_norm_tiled_mlp): `rows` and
+// `out` are [n, h]. The backward writes x's gradient to grad_x_rows where defined (it may be `grads` itself: each
+// chunk of grads is read whole before its rows are written) and adds the weight's to grad_weight_sum (op-math
+// type) where defined.
+void rms_norm_rows_into(const at::Tensor& out, const at::Tensor& rows, const at::Tensor& weight, double eps);
+void rms_norm_backward_rows(const at::Tensor& grads, const at::Tensor& rows, const at::Tensor& weight, double eps,
+                            const at::Tensor& grad_x_rows, const at::Tensor& grad_weight_sum);
 at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_meta(const at::Tensor& grad, const at::Tensor& x,
                                                           const at::Tensor& weight, double eps,

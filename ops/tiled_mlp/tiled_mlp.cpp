@@ -3,6 +3,7 @@
 #include "ops/tiled_mlp/tiled_mlp.h"
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 #include <ATen/OpMathType.h>
@@ -18,6 +19,7 @@
 
 #include "ops/common/checks.h"
 #include "ops/common/gemm.h"
+#include "ops/rms_norm/rms_norm.h"
 #include "ops/tiled_mlp/tiled_mlp_cpu_kernel.h"
 
 namespace torch_offload {
@@ -131,8 +133,29 @@ const HiddenKernels& cpu_hidden_kernels() {
 #endif
 }
 
-at::Tensor tiled_mlp_impl(const HiddenKernels& kernels, const at::Tensor& x, const at::Tensor& w_gate,
-                          const std::optional<at::Tensor>& w_up_opt, const at::Tensor& w_down,
+namespace {
+
+void check_norm(const char* op, const ShardNorm& norm, const at::Tensor& x) {
+  if (norm.weight.defined()) {
+    check_like_x(op, "norm_weight", norm.weight, x, {x.sym_size(-1)}, "[h], x's last dimension");
+    TORCH_CHECK(std::isfinite(norm.eps) && norm.eps >= 0.0, op, ": norm_eps is ", norm.eps,
+                "; expected a finite value >= 0");
+  }
+}
+
+// The shard's MLP input: x's rows, or their RMSNorm written to `normed` (a [rows, h] buffer).
+at::Tensor mlp_input(const at::Tensor& x_rows, const ShardNorm& norm, const at::Tensor& normed) {
+  if (!norm.weight.defined()) {
+    return x_rows;
+  }
+  rms_norm_rows_into(normed, x_rows, norm.weight, norm.eps);
+  return normed;
+}
+
+}  // namespace
+
+at::Tensor tiled_mlp_impl(const char* op, const HiddenKernels& kernels, const at::Tensor& x, const ShardNorm& norm,
+                          const at::Tensor& w_gate, const std::optional<at::Tensor>& w_up_opt, const at::Tensor& w_down,
                           const std::optional<at::Tensor>& b_gate_opt, const std::optional<at::Tensor>& b_up_opt,
                           const std::optional<at::Tensor>& b_down_opt, std::string_view activation,
                           const c10::SymInt& num_shards) {
@@ -140,8 +163,9 @@ at::Tensor tiled_mlp_impl(const HiddenKernels& kernels, const at::Tensor& x, con
   const at::Tensor b_gate = value_or_undefined(b_gate_opt);
   const at::Tensor b_up = value_or_undefined(b_up_opt);
   const at::Tensor b_down = value_or_undefined(b_down_opt);
-  const Activation act = parse_activation(activation, "tiled_mlp");
-  check_mlp("tiled_mlp", x, w_gate, w_up, w_down, b_gate, b_up, b_down);
+  const Activation act = parse_activation(activation, op);
+  check_mlp(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down);
+  check_norm(op, norm, x);
 
   const int64_t h = x.size(-1);
   const int64_t intermediate = w_gate.size(0);
@@ -156,9 +180,11 @@ at::Tensor tiled_mlp_impl(const HiddenKernels& kernels, const at::Tensor& x, con
   // One set of shard buffers serves every shard; the last shard uses their top rows.
   const at::Tensor gate_buffer = at::empty({rows_per_shard, intermediate}, x.options());
   const at::Tensor up_buffer = w_up.defined() ? at::empty_like(gate_buffer) : at::Tensor();
+  const at::Tensor normed_buffer = norm.weight.defined() ? at::empty({rows_per_shard, h}, x.options()) : at::Tensor();
   for (int64_t start = 0; start < tokens; start += rows_per_shard) {
     const int64_t rows = std::min(rows_per_shard, tokens - start);
-    const at::Tensor x_shard = tokens_x.narrow(0, start, rows);
+    const at::Tensor x_shard = mlp_input(tokens_x.narrow(0, start, rows), norm,
+                                         norm.weight.defined() ? normed_buffer.narrow(0, 0, rows) : at::Tensor());
     const at::Tensor gate = gate_buffer.narrow(0, 0, rows);
     const at::Tensor up = w_up.defined() ? up_buffer.narrow(0, 0, rows) : at::Tensor();
     linear_into(gate, x_shard, w_gate, b_gate);
@@ -171,19 +197,20 @@ at::Tensor tiled_mlp_impl(const HiddenKernels& kernels, const at::Tensor& x, con
   return out.view(x.sizes());
 }
 
-TiledMlpGradients tiled_mlp_backward_impl(const HiddenKernels& kernels, const at::Tensor& grad_out, const at::Tensor& x,
-                                          const at::Tensor& w_gate, const std::optional<at::Tensor>& w_up_opt,
-                                          const at::Tensor& w_down, const std::optional<at::Tensor>& b_gate_opt,
-                                          const std::optional<at::Tensor>& b_up_opt,
-                                          const std::optional<at::Tensor>& b_down_opt, std::string_view activation,
-                                          const c10::SymInt& num_shards, std::array<bool, 7> output_mask) {
+MlpGradientArray tiled_mlp_backward_impl(const char* op, const HiddenKernels& kernels, const at::Tensor& grad_out,
+                                         const at::Tensor& x, const ShardNorm& norm, const at::Tensor& w_gate,
+                                         const std::optional<at::Tensor>& w_up_opt, const at::Tensor& w_down,
+                                         const std::optional<at::Tensor>& b_gate_opt,
+                                         const std::optional<at::Tensor>& b_up_opt,
+                                         const std::optional<at::Tensor>& b_down_opt, std::string_view activation,
+                                         const c10::SymInt& num_shards, std::array<bool, 8> output_mask) {
   const at::Tensor w_up = value_or_undefined(w_up_opt);
   const at::Tensor b_gate = value_or_undefined(b_gate_opt);
   const at::Tensor b_up = value_or_undefined(b_up_opt);
   const at::Tensor b_down = value_or_undefined(b_down_opt);
-  const char* op = "tiled_mlp_backward";
   const Activation act = parse_activation(activation, op);
   check_mlp(op, x, w_gate, w_up, w_down, b_gate, b_up, b_down);
+  check_norm(op, norm, x);
   check_like_x(op, "grad_out", grad_out, x, x.sym_sizes(), "x's shape");
 
   const int64_t h = x.size(-1);
@@ -192,22 +219,27 @@ TiledMlpGradients tiled_mlp_backward_impl(const HiddenKernels& kernels, const at
   const at::Tensor tokens_grad = token_rows(grad_out);
   const int64_t tokens = tokens_x.size(0);
   const bool gated = w_up.defined();
+  const bool normed = norm.weight.defined();
 
   // What is asked for, and present. Nothing else is computed.
   const bool want_x = output_mask[0];
-  const bool want_w_gate = output_mask[1];
-  const bool want_w_up = output_mask[2] && gated;
-  const bool want_w_down = output_mask[3];
-  const bool want_b_gate = output_mask[4] && b_gate.defined();
-  const bool want_b_up = output_mask[5] && b_up.defined();
-  const bool want_b_down = output_mask[6] && b_down.defined();
+  const bool want_norm_weight = output_mask[1] && normed;
+  const bool want_w_gate = output_mask[2];
+  const bool want_w_up = output_mask[3] && gated;
+  const bool want_w_down = output_mask[4];
+  const bool want_b_gate = output_mask[5] && b_gate.defined();
+  const bool want_b_up = output_mask[6] && b_up.defined();
+  const bool want_b_down = output_mask[7] && b_down.defined();
+  // The gradient of the MLP's input: x's, or the norm's output's on the way to x's and the norm weight's.
+  const bool want_input = want_x || want_norm_weight;
   // Every gradient but w_down's and b_down's goes through d_gate / d_up.
-  const bool want_inner = want_x || want_w_gate || want_w_up || want_b_gate || want_b_up;
+  const bool want_inner = want_input || want_w_gate || want_w_up || want_b_gate || want_b_up;
 
   // Weight and bias gradients of bf16/fp16 MLPs add up in float32 and are rounded once.
   const at::ScalarType acc_type = at::toOpMathType(x.scalar_type());
   const auto acc_options = x.options().dtype(acc_type);
   at::Tensor grad_x = want_x ? at::empty({tokens, h}, x.options()) : at::Tensor();
+  at::Tensor grad_norm_weight = want_norm_weight ? at::zeros({h}, acc_options) : at::Tensor();
   at::Tensor grad_w_gate = want_w_gate ? at::zeros({intermediate, h}, acc_options) : at::Tensor();
   at::Tensor grad_w_up = want_w_up ? at::zeros({intermediate, h}, acc_options) : at::Tensor();
   at::Tensor grad_w_down = want_w_down ? at::zeros({h, intermediate}, acc_options) : at::Tensor();
@@ -221,9 +253,13 @@ TiledMlpGradients tiled_mlp_backward_impl(const HiddenKernels& kernels, const at
     const at::Tensor gate_buffer = at::empty({rows_per_shard, intermediate}, x.options());
     const at::Tensor up_buffer = gated ? at::empty_like(gate_buffer) : at::Tensor();
     const at::Tensor d_hidden_buffer = want_inner ? at::empty_like(gate_buffer) : at::Tensor();
+    // With a norm: the shard's normalized rows, and their gradient before the norm's backward takes it to x.
+    const at::Tensor normed_buffer = normed ? at::empty({rows_per_shard, h}, x.options()) : at::Tensor();
+    const at::Tensor d_normed_buffer = normed && want_input ? at::empty_like(normed_buffer) : at::Tensor();
     for (int64_t start = 0; start < tokens; start += rows_per_shard) {
       const int64_t rows = std::min(rows_per_shard, tokens - start);
-      const at::Tensor x_shard = tokens_x.narrow(0, start, rows);
+      const at::Tensor x_rows = tokens_x.narrow(0, start, rows);
+      const at::Tensor x_shard = mlp_input(x_rows, norm, normed ? normed_buffer.narrow(0, 0, rows) : at::Tensor());
       const at::Tensor grad_shard = tokens_grad.narrow(0, start, rows);
       // Recompute the shard's gate and up projections.
       const at::Tensor gate = gate_buffer.narrow(0, 0, rows);
@@ -260,11 +296,15 @@ TiledMlpGradients tiled_mlp_backward_impl(const HiddenKernels& kernels, const at
       if (want_b_up) {
         grad_b_up.add_(at::sum(up, {0}, false, acc_type));
       }
-      if (want_x) {
-        at::Tensor grad_x_shard = grad_x.narrow(0, start, rows);
-        at::mm_out(grad_x_shard, gate, w_gate);
+      if (want_input) {
+        const at::Tensor grad_x_shard = want_x ? grad_x.narrow(0, start, rows) : at::Tensor();
+        at::Tensor grad_input = normed ? d_normed_buffer.narrow(0, 0, rows) : grad_x_shard;
+        at::mm_out(grad_input, gate, w_gate);
         if (gated) {
-          grad_x_shard.addmm_(up, w_up);
+          grad_input.addmm_(up, w_up);
+        }
+        if (normed) {
+          rms_norm_backward_rows(grad_input, x_rows, norm.weight, norm.eps, grad_x_shard, grad_norm_weight);
         }
       }
     }
@@ -272,6 +312,7 @@ TiledMlpGradients tiled_mlp_backward_impl(const HiddenKernels& kernels, const at
 
   const auto to_dtype = [&](const at::Tensor& t) { return t.defined() ? t.to(x.scalar_type()) : t; };
   return {want_x ? grad_x.view(x.sizes()) : grad_x,
+          to_dtype(grad_norm_weight),
           to_dtype(grad_w_gate),
           to_dtype(grad_w_up),
           to_dtype(grad_w_down),
@@ -280,11 +321,20 @@ TiledMlpGradients tiled_mlp_backward_impl(const HiddenKernels& kernels, const at
           to_dtype(grad_b_down)};
 }
 
+std::array<bool, 8> with_norm_mask(std::array<bool, 7> mlp_mask) {
+  return {mlp_mask[0], false, mlp_mask[1], mlp_mask[2], mlp_mask[3], mlp_mask[4], mlp_mask[5], mlp_mask[6]};
+}
+
+TiledMlpGradients without_norm_gradient(const MlpGradientArray& g) {
+  return {g[0], g[2], g[3], g[4], g[5], g[6], g[7]};
+}
+
 at::Tensor tiled_mlp_cpu(const at::Tensor& x, const at::Tensor& w_gate, const std::optional<at::Tensor>& w_up,
                          const at::Tensor& w_down, const std::optional<at::Tensor>& b_gate,
                          const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& b_down,
                          c10::string_view activation, c10::SymInt num_shards) {
-  return tiled_mlp_impl(cpu_hidden_kernels(), x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, num_shards);
+  return tiled_mlp_impl("tiled_mlp", cpu_hidden_kernels(), x, {}, w_gate, w_up, w_down, b_gate, b_up, b_down,
+                        activation, num_shards);
 }
 
 TiledMlpGradients tiled_mlp_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_gate,
@@ -292,19 +342,54 @@ TiledMlpGradients tiled_mlp_backward_cpu(const at::Tensor& grad_out, const at::T
                                          const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& b_up,
                                          const std::optional<at::Tensor>& b_down, c10::string_view activation,
                                          c10::SymInt num_shards, std::array<bool, 7> output_mask) {
-  return tiled_mlp_backward_impl(cpu_hidden_kernels(), grad_out, x, w_gate, w_up, w_down, b_gate, b_up, b_down,
-                                 activation, num_shards, output_mask);
+  return without_norm_gradient(tiled_mlp_backward_impl("tiled_mlp_backward", cpu_hidden_kernels(), grad_out, x, {},
+                                                       w_gate, w_up, w_down, b_gate, b_up, b_down, activation,
+                                                       num_shards, with_norm_mask(output_mask)));
 }
 
 // Meta: the same checks (on symbolic shapes), then results shaped like the real ones.
+at::Tensor tiled_mlp_meta_impl(const char* op, const at::Tensor& x, const ShardNorm& norm, const at::Tensor& w_gate,
+                               const std::optional<at::Tensor>& w_up, const at::Tensor& w_down,
+                               const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& b_up,
+                               const std::optional<at::Tensor>& b_down, std::string_view activation) {
+  parse_activation(activation, op);
+  check_mlp(op, x, w_gate, value_or_undefined(w_up), w_down, value_or_undefined(b_gate), value_or_undefined(b_up),
+            value_or_undefined(b_down));
+  check_norm(op, norm, x);
+  return at::empty_symint(x.sym_sizes(), x.options());
+}
+
+MlpGradientArray tiled_mlp_backward_meta_impl(const char* op, const at::Tensor& grad_out, const at::Tensor& x,
+                                              const ShardNorm& norm, const at::Tensor& w_gate,
+                                              const std::optional<at::Tensor>& w_up, const at::Tensor& w_down,
+                                              const std::optional<at::Tensor>& b_gate,
+                                              const std::optional<at::Tensor>& b_up,
+                                              const std::optional<at::Tensor>& b_down, std::string_view activation,
+                                              std::array<bool, 8> output_mask) {
+  tiled_mlp_meta_impl(op, x, norm, w_gate, w_up, w_down, b_gate, b_up, b_down, activation);
+  check_like_x(op, "grad_out", grad_out, x, x.sym_sizes(), "x's shape");
+  const MlpGradientArray inputs{x,
+                                norm.weight,
+                                w_gate,
+                                value_or_undefined(w_up),
+                                w_down,
+                                value_or_undefined(b_gate),
+                                value_or_undefined(b_up),
+                                value_or_undefined(b_down)};
+  MlpGradientArray grads;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (output_mask[i] && inputs[i].defined()) {
+      grads[i] = at::empty_symint(inputs[i].sym_sizes(), inputs[i].options());
+    }
+  }
+  return grads;
+}
+
 at::Tensor tiled_mlp_meta(const at::Tensor& x, const at::Tensor& w_gate, const std::optional<at::Tensor>& w_up,
                           const at::Tensor& w_down, const std::optional<at::Tensor>& b_gate,
                           const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& b_down,
                           c10::string_view activation, c10::SymInt /*num_shards*/) {
-  parse_activation(activation, "tiled_mlp");
-  check_mlp("tiled_mlp", x, w_gate, value_or_undefined(w_up), w_down, value_or_undefined(b_gate),
-            value_or_undefined(b_up), value_or_undefined(b_down));
-  return at::empty_symint(x.sym_sizes(), x.options());
+  return tiled_mlp_meta_impl("tiled_mlp", x, {}, w_gate, w_up, w_down, b_gate, b_up, b_down, activation);
 }
 
 TiledMlpGradients tiled_mlp_backward_meta(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_gate,
@@ -313,24 +398,9 @@ TiledMlpGradients tiled_mlp_backward_meta(const at::Tensor& grad_out, const at::
                                           const std::optional<at::Tensor>& b_up,
                                           const std::optional<at::Tensor>& b_down, c10::string_view activation,
                                           c10::SymInt /*num_shards*/, std::array<bool, 7> output_mask) {
-  const char* op = "tiled_mlp_backward";
-  parse_activation(activation, op);
-  const std::array<at::Tensor, 7> inputs{x,
-                                         w_gate,
-                                         value_or_undefined(w_up),
-                                         w_down,
-                                         value_or_undefined(b_gate),
-                                         value_or_undefined(b_up),
-                                         value_or_undefined(b_down)};
-  check_mlp(op, x, w_gate, inputs[2], w_down, inputs[4], inputs[5], inputs[6]);
-  check_like_x(op, "grad_out", grad_out, x, x.sym_sizes(), "x's shape");
-  std::array<at::Tensor, 7> grads;
-  for (size_t i = 0; i < grads.size(); ++i) {
-    if (output_mask[i] && inputs[i].defined()) {
-      grads[i] = at::empty_symint(inputs[i].sym_sizes(), inputs[i].options());
-    }
-  }
-  return {grads[0], grads[1], grads[2], grads[3], grads[4], grads[5], grads[6]};
+  return without_norm_gradient(tiled_mlp_backward_meta_impl("tiled_mlp_backward", grad_out, x, {}, w_gate, w_up, w_down,
+                                                            b_gate, b_up, b_down, activation,
+                                                            with_norm_mask(output_mask)));
 }
 
 }  // namespace torch_offload

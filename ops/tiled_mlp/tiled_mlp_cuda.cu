@@ -90,7 +90,8 @@ at::Tensor tiled_mlp_cuda(const at::Tensor& x, const at::Tensor& w_gate, const s
                           const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& b_down,
                           c10::string_view activation, c10::SymInt num_shards) {
   const c10::cuda::CUDAGuard device_guard(x.device());
-  return tiled_mlp_impl(kCudaKernels, x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, num_shards);
+  return tiled_mlp_impl("tiled_mlp", kCudaKernels, x, {}, w_gate, w_up, w_down, b_gate, b_up, b_down, activation,
+                        num_shards);
 }
 
 TiledMlpGradients tiled_mlp_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_gate,
@@ -100,8 +101,31 @@ TiledMlpGradients tiled_mlp_backward_cuda(const at::Tensor& grad_out, const at::
                                           const std::optional<at::Tensor>& b_down, c10::string_view activation,
                                           c10::SymInt num_shards, std::array<bool, 7> output_mask) {
   const c10::cuda::CUDAGuard device_guard(x.device());
-  return tiled_mlp_backward_impl(kCudaKernels, grad_out, x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation,
-                                 num_shards, output_mask);
+  return without_norm_gradient(tiled_mlp_backward_impl("tiled_mlp_backward", kCudaKernels, grad_out, x, {}, w_gate,
+                                                       w_up, w_down, b_gate, b_up, b_down, activation, num_shards,
+                                                       with_norm_mask(output_mask)));
+}
+
+at::Tensor rms_norm_tiled_mlp_cuda(const at::Tensor& x, const at::Tensor& norm_weight, double norm_eps,
+                                   const at::Tensor& w_gate, const std::optional<at::Tensor>& w_up,
+                                   const at::Tensor& w_down, const std::optional<at::Tensor>& b_gate,
+                                   const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& b_down,
+                                   c10::string_view activation, c10::SymInt num_shards) {
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  return tiled_mlp_impl("rms_norm_tiled_mlp", kCudaKernels, x, shard_norm("rms_norm_tiled_mlp", norm_weight, norm_eps),
+                        w_gate, w_up, w_down, b_gate, b_up, b_down, activation, num_shards);
+}
+
+RmsNormTiledMlpGradients rms_norm_tiled_mlp_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& norm_weight, double norm_eps,
+    const at::Tensor& w_gate, const std::optional<at::Tensor>& w_up, const at::Tensor& w_down,
+    const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& b_up,
+    const std::optional<at::Tensor>& b_down, c10::string_view activation, c10::SymInt num_shards,
+    std::array<bool, 8> output_mask) {
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  const char* op = "rms_norm_tiled_mlp_backward";
+  return as_tuple(tiled_mlp_backward_impl(op, kCudaKernels, grad_out, x, shard_norm(op, norm_weight, norm_eps), w_gate,
+                                          w_up, w_down, b_gate, b_up, b_down, activation, num_shards, output_mask));
 }
 
 }  // namespace torch_offload

@@ -1,0 +1,230 @@
+"""rms_norm_tiled_mlp: a norm and the tiled MLP after it as one op, against rms_norm then tiled_mlp (values bit for
+bit, gradients), float64 gradcheck, opcheck, the gradients a mask asks for, bad inputs; and apply() putting a
+layer's norm into its MLP's op only where the MLP is given the norm's output, unchanged."""
+
+import pytest
+import torch
+from op_recording import CountCalls
+from test_apply import assert_close_runs, batch, loss_and_grads, make_model
+from test_tiled_mlp import ACTIVATIONS, SHAPES, mlp_inputs, outputs_and_grads
+from torch.testing._internal.optests import opcheck
+
+import torch_offload
+
+EPS = 1e-5
+FUSED = torch.ops.offload.rms_norm_tiled_mlp.default
+BACKWARD = torch.ops.offload.rms_norm_tiled_mlp_backward.default
+
+
+def norm_weight(h, dtype=torch.float32, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return (1 + 0.5 * torch.randn(h, generator=generator, dtype=torch.float64)).to(dtype).requires_grad_()
+
+
+def fused(x, weight, mlp, activation="silu", num_shards=0):
+    _, w_gate, w_up, w_down, b_gate, b_up, b_down = mlp
+    return torch_offload.rms_norm_tiled_mlp(
+        x,
+        weight,
+        w_gate,
+        w_up,
+        w_down,
+        norm_eps=EPS,
+        activation=activation,
+        num_shards=num_shards,
+        b_gate=b_gate,
+        b_up=b_up,
+        b_down=b_down,
+    )
+
+
+def separate(x, weight, mlp, activation="silu", num_shards=0):
+    _, w_gate, w_up, w_down, b_gate, b_up, b_down = mlp
+    return torch_offload.tiled_mlp(
+        torch_offload.rms_norm(x, weight, EPS),
+        w_gate,
+        w_up,
+        w_down,
+        activation=activation,
+        num_shards=num_shards,
+        b_gate=b_gate,
+        b_up=b_up,
+        b_down=b_down,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize(("shape", "num_shards"), SHAPES)
+def test_values_bit_for_bit_and_gradients_as_the_two_ops(shape, num_shards, gated, dtype):
+    mlp = mlp_inputs(shape, gated=gated, dtype=dtype)
+    x, weight = mlp[0], norm_weight(shape[-1], dtype)
+    leaves = [x, weight, *mlp[1:]]
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    got, got_grads = outputs_and_grads(lambda: fused(x, weight, mlp, num_shards=num_shards), leaves, grad_out)
+    want, want_grads = outputs_and_grads(lambda: separate(x, weight, mlp, num_shards=num_shards), leaves, grad_out)
+    assert torch.equal(got, want)
+    for g, w in zip(got_grads, want_grads):
+        if w is None:
+            assert g is None
+            continue
+        assert g.dtype == dtype
+        # x's gradient and the MLP's are the same rows' arithmetic; the norm weight's adds up shard by shard.
+        scale = max(w.abs().max().item(), 0.1) if w.numel() else 0.0
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(g, w, rtol=tolerance, atol=tolerance * scale)
+
+
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+def test_gradcheck_float64(activation, gated, bias):
+    mlp = mlp_inputs((2, 9, 6), intermediate=10, gated=gated, bias=bias, dtype=torch.float64)
+    x, weight = mlp[0], norm_weight(6, torch.float64)
+    given = [t for t in (x, weight, *mlp[1:]) if t is not None]
+
+    def fn(*tensors):
+        it = iter(tensors)
+        x, weight = next(it), next(it)
+        rest = [next(it) if t is not None else None for t in mlp[1:]]
+        return fused(x, weight, (None, *rest), activation, num_shards=4)
+
+    assert torch.autograd.gradcheck(fn, given)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+def test_opcheck(gated):
+    _, w_gate, w_up, w_down, b_gate, b_up, b_down = mlp_inputs((3, 5, 8), gated=gated)
+    x, weight = torch.randn(3, 5, 8, requires_grad=True), norm_weight(8)
+    args = (x, weight, EPS, w_gate, w_up, w_down, b_gate, b_up if gated else None, b_down, "gelu", 2)
+    opcheck(FUSED, args)
+    grad_out = torch.randn(3, 5, 8)
+    detached = [t.detach() if isinstance(t, torch.Tensor) else t for t in args]
+    opcheck(BACKWARD, (grad_out, *detached, [True] * 8))
+
+
+@pytest.mark.parametrize("asked", [0, 1, 2, 4, 7])
+def test_the_backward_op_computes_what_its_mask_asks(asked):
+    mlp = mlp_inputs((4, 7, 8))
+    x, weight = mlp[0], norm_weight(8)
+    inputs = [x, weight, *mlp[1:]]
+    grad_out = torch.randn(4, 7, 8)
+    want = torch.autograd.grad(fused(x, weight, mlp, num_shards=3), inputs, grad_out)
+    mask = [i == asked for i in range(8)]
+    got = BACKWARD(grad_out, x, weight, EPS, *mlp[1:4], *mlp[4:], "silu", 3, mask)
+    assert [g is not None and g.numel() > 0 for g in got] == mask
+    torch.testing.assert_close(got[asked], want[asked], rtol=1e-5, atol=1e-6)
+
+
+def test_bad_inputs_name_the_argument():
+    mlp = mlp_inputs((2, 3, 8))
+    x = mlp[0]
+    cases = {
+        "norm_weight has shape": norm_weight(7),
+        "norm_weight has dtype": norm_weight(8, torch.float64),
+    }
+    for message, weight in cases.items():
+        with pytest.raises(RuntimeError, match=f"rms_norm_tiled_mlp: {message}"):
+            fused(x, weight, mlp)
+    for eps in (-1.0, float("nan")):
+        with pytest.raises(RuntimeError, match="rms_norm_tiled_mlp: norm_eps is"):
+            torch.ops.offload.rms_norm_tiled_mlp(x, norm_weight(8), eps, *mlp[1:4])
+    with pytest.raises(RuntimeError, match="rms_norm_tiled_mlp: norm_weight is NoneType"):
+        torch_offload.rms_norm_tiled_mlp(x, None, *mlp[1:4])
+    with pytest.raises(RuntimeError, match="rms_norm_tiled_mlp: activation is 'tanh'"):
+        fused(x, norm_weight(8), mlp, activation="tanh")
+
+
+# apply(): the pairing of a layer's norm with its MLP.
+
+
+def counted_step(model, ids):
+    ops = torch.ops.offload.tiled_mlp.default, FUSED
+    with CountCalls(*ops) as mode:
+        step = loss_and_grads(model, ids)
+    return step, list(mode.counts.values())
+
+
+def test_apply_puts_each_layers_norm_into_its_mlp_and_the_step_is_unchanged(tmp_path):
+    ids = batch()
+    want = loss_and_grads(make_model("llama"), ids)
+    model = make_model("llama")
+    handle = torch_offload.apply(model, num_shards=2, spill_directory=str(tmp_path))
+    got, calls = counted_step(model, ids)
+    assert calls == [0, 3]  # one fused call per layer; backward is the backward op, not counted here
+    assert_close_runs(got, want)
+    handle.remove()
+    got, calls = counted_step(model, ids)
+    assert calls == [0, 0]
+    assert_close_runs(got, want)
+
+
+def test_the_norms_output_is_not_saved_for_backward():
+    model = make_model("llama")
+    torch_offload.apply(model, num_shards=2, offload=None, checkpoint=False)
+    layer = model.model.layers[0]
+    outputs = []
+    layer.post_attention_layernorm.register_forward_hook(lambda module, args, out: outputs.append(out))
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    ids = batch()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert outputs and not any(t is outputs[0] or t.data_ptr() == outputs[0].data_ptr() for t in saved)
+
+
+def test_an_mlp_given_something_else_than_the_unchanged_norm_output_runs_as_before(tmp_path):
+    ids = batch()
+    want = {}
+    for change in ("in_place", "other_use", "autocast", "no_grad"):
+        reference, model = make_model("llama"), make_model("llama")
+        torch_offload.apply(model, num_shards=2, spill_directory=str(tmp_path))
+        for m in (reference, model):
+            norm = m.model.layers[0].post_attention_layernorm
+            if change == "in_place":  # the norm's output scaled in place after the norm: the MLP must see that
+                norm.register_forward_hook(lambda module, args, out: out.mul_(1.5))
+            if change == "other_use":  # the norm's output read again beside the MLP: its gradient must count
+                m.model.layers[0].mlp.register_forward_hook(lambda module, args, out: out + args[0])
+        if change == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                want[change] = loss_and_grads(reference, ids)
+                got, calls = counted_step(model, ids)
+            assert calls[1] == 0
+            torch.testing.assert_close(got[0], want[change][0], rtol=2e-2, atol=2e-2)
+            continue
+        if change == "no_grad":
+            with torch.no_grad():
+                want_loss = reference(input_ids=ids, labels=ids, use_cache=False).loss
+                with CountCalls(FUSED) as mode:
+                    got_loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            assert mode.counts[FUSED] == 0
+            torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+            continue
+        want[change] = loss_and_grads(reference, ids)
+        got, calls = counted_step(model, ids)
+        assert calls == ([1, 2] if change == "in_place" else [0, 3]), change
+        assert_close_runs(got, want[change])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_cuda_matches_the_two_ops_and_the_cpu_op(dtype):
+    mlp = [t.detach().cuda().requires_grad_() if t is not None else None for t in mlp_inputs((2, 300, 64), 96)]
+    mlp = [t.to(dtype).detach().requires_grad_() if t is not None else None for t in mlp]
+    x, weight = mlp[0], norm_weight(64, dtype).detach().cuda().requires_grad_()
+    leaves = [x, weight, *mlp[1:]]
+    got, got_grads = outputs_and_grads(lambda: fused(x, weight, mlp, num_shards=3), leaves)
+    want, want_grads = outputs_and_grads(lambda: separate(x, weight, mlp, num_shards=3), leaves)
+    assert got.is_cuda and torch.equal(got, want)
+    cpu = [t.detach().cpu().requires_grad_() for t in leaves]
+    cpu_out, cpu_grads = outputs_and_grads(lambda: fused(cpu[0], cpu[1], [None, *cpu[2:]], num_shards=3), cpu)
+    tolerance = 1e-10 if dtype == torch.float64 else 2e-2
+    torch.testing.assert_close(got.cpu(), cpu_out, rtol=tolerance, atol=tolerance)
+    for g, w, c in zip(got_grads, want_grads, cpu_grads):
+        scale = max(w.abs().max().item(), 0.1)
+        torch.testing.assert_close(g, w, rtol=tolerance, atol=tolerance * scale)
+        torch.testing.assert_close(g.cpu(), c, rtol=tolerance, atol=tolerance * scale)
