@@ -253,9 +253,15 @@ MlpGradientArray tiled_mlp_backward_impl(const char* op, const HiddenKernels& ke
     const at::Tensor gate_buffer = at::empty({rows_per_shard, intermediate}, x.options());
     const at::Tensor up_buffer = gated ? at::empty_like(gate_buffer) : at::Tensor();
     const at::Tensor d_hidden_buffer = want_inner ? at::empty_like(gate_buffer) : at::Tensor();
-    // With a norm: the shard's normalized rows, and their gradient before the norm's backward takes it to x.
+    // With a norm: the shard's normalized rows, and their gradient before the norm's backward takes it to x. That
+    // gradient is computed after the hidden activation's last use, so it takes d_hidden's memory where it fits.
     const at::Tensor normed_buffer = normed ? at::empty({rows_per_shard, h}, x.options()) : at::Tensor();
-    const at::Tensor d_normed_buffer = normed && want_input ? at::empty_like(normed_buffer) : at::Tensor();
+    at::Tensor d_normed_buffer;
+    if (normed && want_input) {
+      d_normed_buffer = h <= intermediate
+                            ? d_hidden_buffer.view(-1).narrow(0, 0, rows_per_shard * h).view({rows_per_shard, h})
+                            : at::empty_like(normed_buffer);
+    }
     for (int64_t start = 0; start < tokens; start += rows_per_shard) {
       const int64_t rows = std::min(rows_per_shard, tokens - start);
       const at::Tensor x_rows = tokens_x.narrow(0, start, rows);
