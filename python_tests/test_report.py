@@ -116,16 +116,11 @@ def run_step(model, handle, ids, attention_mask):
     return seen
 
 
-def mlp_op_calls(seen, phase, index):
-    """tiled_mlp's calls, alone or with the norm before it (rms_norm_tiled_mlp)."""
-    return seen.ops[phase, index, "tiled_mlp"] + seen.ops[phase, index, "rms_norm_tiled_mlp"]
-
-
 def observed_mlp(seen, index):
     if seen.experts_output.get(("forward", index), "").startswith("_TiledApply"):
         return "tiled_experts"
     calls = seen.most_calls("forward", index, "mlp")
-    if mlp_op_calls(seen, "forward", index) == 1 and calls == 0:
+    if seen.ops["forward", index, "tiled_mlp"] == 1 and calls == 0:
         return "tiled_mlp"
     return {SHARDS: "tiled_apply", 1: "own"}.get(calls, f"{calls} calls")
 
@@ -139,7 +134,7 @@ def observed_attention(seen, index):
 def observed_recompute(seen, index, mlp):
     """What backward ran of the layer's forward again: its MLP ("layer"), its attention alone, or nothing."""
     own_recompute = SHARDS if mlp == "tiled_apply" else 0  # tiled_apply recomputes its shards in its backward
-    mlp_again = mlp_op_calls(seen, "backward", index) or seen.most_calls("backward", index, "mlp") > own_recompute
+    mlp_again = seen.ops["backward", index, "tiled_mlp"] or seen.most_calls("backward", index, "mlp") > own_recompute
     if mlp == "tiled_experts":  # its experts' module is called again only where the layer is recomputed
         mlp_again = ("backward", index) in seen.experts_output
     attention_again = seen.ops["backward", index, "attention_block"] or seen.most_calls("backward", index, "attention")

@@ -1,11 +1,8 @@
 """rms_norm_tiled_mlp: a norm and the tiled MLP after it as one op, against rms_norm then tiled_mlp (values bit for
-bit, gradients), float64 gradcheck, opcheck, the gradients a mask asks for, bad inputs; and apply() putting a
-layer's norm into its MLP's op only where the MLP is given the norm's output, unchanged."""
+bit, gradients), float64 gradcheck, opcheck, the gradients a mask asks for, bad inputs."""
 
 import pytest
 import torch
-from op_recording import CountCalls
-from test_apply import assert_close_runs, batch, loss_and_grads, make_model
 from test_tiled_mlp import ACTIVATIONS, SHAPES, mlp_inputs, outputs_and_grads
 from torch.testing._internal.optests import opcheck
 
@@ -133,81 +130,6 @@ def test_bad_inputs_name_the_argument():
         torch_offload.rms_norm_tiled_mlp(x, None, *mlp[1:4])
     with pytest.raises(RuntimeError, match="rms_norm_tiled_mlp: activation is 'tanh'"):
         fused(x, norm_weight(8), mlp, activation="tanh")
-
-
-# apply(): the pairing of a layer's norm with its MLP.
-
-
-def counted_step(model, ids):
-    ops = torch.ops.offload.tiled_mlp.default, FUSED
-    with CountCalls(*ops) as mode:
-        step = loss_and_grads(model, ids)
-    return step, list(mode.counts.values())
-
-
-def test_apply_puts_each_layers_norm_into_its_mlp_and_the_step_is_unchanged(tmp_path):
-    ids = batch()
-    want = loss_and_grads(make_model("llama"), ids)
-    model = make_model("llama")
-    handle = torch_offload.apply(model, num_shards=2, spill_directory=str(tmp_path))
-    got, calls = counted_step(model, ids)
-    assert calls == [0, 3]  # one fused call per layer; backward is the backward op, not counted here
-    assert_close_runs(got, want)
-    handle.remove()
-    got, calls = counted_step(model, ids)
-    assert calls == [0, 0]
-    assert_close_runs(got, want)
-
-
-def test_the_norms_output_is_not_saved_for_backward():
-    model = make_model("llama")
-    torch_offload.apply(model, num_shards=2, offload=None, checkpoint=False)
-    layer = model.model.layers[0]
-    outputs = []
-    layer.post_attention_layernorm.register_forward_hook(lambda module, args, out: outputs.append(out))
-    saved = []
-
-    def pack(t):
-        saved.append(t)
-        return t
-
-    ids = batch()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    assert outputs and not any(t is outputs[0] or t.data_ptr() == outputs[0].data_ptr() for t in saved)
-
-
-def test_an_mlp_given_something_else_than_the_unchanged_norm_output_runs_as_before(tmp_path):
-    ids = batch()
-    want = {}
-    for change in ("in_place", "other_use", "autocast", "no_grad"):
-        reference, model = make_model("llama"), make_model("llama")
-        torch_offload.apply(model, num_shards=2, spill_directory=str(tmp_path))
-        for m in (reference, model):
-            norm = m.model.layers[0].post_attention_layernorm
-            if change == "in_place":  # the norm's output scaled in place after the norm: the MLP must see that
-                norm.register_forward_hook(lambda module, args, out: out.mul_(1.5))
-            if change == "other_use":  # the norm's output read again beside the MLP: its gradient must count
-                m.model.layers[0].mlp.register_forward_hook(lambda module, args, out: out + args[0])
-        if change == "autocast":
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                want[change] = loss_and_grads(reference, ids)
-                got, calls = counted_step(model, ids)
-            assert calls[1] == 0
-            torch.testing.assert_close(got[0], want[change][0], rtol=2e-2, atol=2e-2)
-            continue
-        if change == "no_grad":
-            with torch.no_grad():
-                want_loss = reference(input_ids=ids, labels=ids, use_cache=False).loss
-                with CountCalls(FUSED) as mode:
-                    got_loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            assert mode.counts[FUSED] == 0
-            torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
-            continue
-        want[change] = loss_and_grads(reference, ids)
-        got, calls = counted_step(model, ids)
-        assert calls == ([1, 2] if change == "in_place" else [0, 3]), change
-        assert_close_runs(got, want[change])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -18,7 +18,6 @@ import torch.utils.checkpoint
 from torch import nn
 
 from . import _require_tensor
-from .rms_norm import rms_norm, rms_norm_tiled_mlp
 
 __all__ = ["TiledMLP", "tiled_apply", "tiled_mlp", "tiled_mlp_num_shards"]
 
@@ -220,58 +219,28 @@ class TiledMLP(nn.Module):
             raise TypeError(
                 f"TiledMLP.forward() takes one argument, {self.input_name!r}; got {1 + len(args) + len(kwargs)}"
             )
-        weights = self._op_weights()
-        if weights is None:
-            return _module_in_shards(self._wrapped, self, x, self.num_shards)
-        w_gate, w_up, w_down, b_gate, b_up, b_down = weights
-        return tiled_mlp(
-            x,
-            w_gate,
-            w_up,
-            w_down,
-            activation=self.activation,
-            num_shards=self.num_shards,
-            b_gate=b_gate,
-            b_up=b_up,
-            b_down=b_down,
-        )
-
-    def forward_after_norm(self, x: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float) -> torch.Tensor:
-        """``self(rms_norm(x, norm_weight, norm_eps))`` through ``rms_norm_tiled_mlp``: the norm's output is never
-        whole nor saved for backward. The same result, bit for bit."""
-        weights = self._op_weights()
-        if weights is None:
-            return self(rms_norm(x, norm_weight, norm_eps))
-        w_gate, w_up, w_down, b_gate, b_up, b_down = weights
-        return rms_norm_tiled_mlp(
-            x,
-            norm_weight,
-            w_gate,
-            w_up,
-            w_down,
-            norm_eps=norm_eps,
-            activation=self.activation,
-            num_shards=self.num_shards,
-            b_gate=b_gate,
-            b_up=b_up,
-            b_down=b_down,
-        )
-
-    def _op_weights(self) -> tuple | None:
-        """(w_gate, w_up, w_down, b_gate, b_up, b_down) for the op; None where a layer or the activation was
-        replaced since (the op's computation is not the module's then)."""
         gate, up, down = layers = [getattr(self, attr) if attr else None for attr in self._layout]
         if (
             not all(_is_plain_linear(layer) for layer in layers if layer is not None)
             or _activation_of(self._wrapped) is not self._activation_fn
-        ):
-            return None
+        ):  # replaced since: the op's is not it
+            return _module_in_shards(self._wrapped, self, x, self.num_shards)
         w_gate, b_gate = gate.weight, gate.bias
         w_up, b_up = (up.weight, up.bias) if up is not None else (None, None)
         if self._layout[0] == "gate_up_proj":
             w_gate, w_up = w_gate.chunk(2)
             b_gate, b_up = b_gate.chunk(2) if b_gate is not None else (None, None)
-        return w_gate, w_up, down.weight, b_gate, b_up, down.bias
+        return tiled_mlp(
+            x,
+            w_gate,
+            w_up,
+            down.weight,
+            activation=self.activation,
+            num_shards=self.num_shards,
+            b_gate=b_gate,
+            b_up=b_up,
+            b_down=down.bias,
+        )
 
     def train(self, mode: bool = True) -> TiledMLP:
         self._wrapped.training = mode  # not our child: model.train()/eval() would miss it (copies restore it)

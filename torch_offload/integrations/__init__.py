@@ -26,7 +26,6 @@ from .implementations import _use_segment_masks
 from .layer_wrapping import _wrap_layer
 from .layers import _find_layers, _mlp_name
 from .mlp import _recorded_outputs, _tile_mlp
-from .norm_mlp import pair_norms_with_mlps
 from .norms import fuse_norms
 from .options import (
     _check_arguments,
@@ -200,7 +199,6 @@ def apply(
         _install_layers(handle, model, names, layer_list, recompute, offloaded, tiled_mlp, num_shards, attention_block)
         if rms_norm:
             fuse_norms(handle, model, names, layer_list)
-            pair_norms_with_mlps(handle, model)
         _install_above_layers(handle, model, names, layer_list, group, offloaded, attention_block, loss)
         if not handle._patches:
             raise ValueError(

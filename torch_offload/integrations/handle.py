@@ -118,8 +118,7 @@ class OffloadHandle:
     - ``loss``: ``"linear_cross_entropy"`` when a call with labels computes the loss with that op
       (no logits), ``"unfused: <why>"`` when the model keeps its own, ``"no output layer: ..."``
       for a model that has no LM head, ``"off"`` with ``loss=False``.
-    - ``mlp_tiling``: for each layer's MLP, by name: ``"tiled_mlp"`` (the op; with ``rms_norm``, the norm before
-      it too, as ``rms_norm_tiled_mlp``, in the calls that hand it a norm's output), ``"tiled_apply"``
+    - ``mlp_tiling``: for each layer's MLP, by name: ``"tiled_mlp"`` (the op), ``"tiled_apply"``
       (its own forward in shards), ``"tiled_experts"`` (a mixture of experts: its experts in shards),
       ``"tiled_block"`` (a mixture of experts whose experts take no shards: the whole block in shards of
       tokens, its router logits returned whole),

@@ -12,7 +12,6 @@ from torch import nn
 from torch.func import functional_call
 
 from ..rms_norm import rms_norm
-from .norm_mlp import mark_normed
 from .probes import _PROBE_ERRORS, _PROBE_SCALES
 
 if TYPE_CHECKING:
@@ -79,10 +78,7 @@ def _fuse_norm(handle: OffloadHandle, name: str, norm: nn.Module) -> None:
         x = args[0] if len(args) == 1 and not kwargs else None
         if not isinstance(x, torch.Tensor) or x.dtype != norm.weight.dtype:
             return original(*args, **kwargs)  # another call than the probe's (a bf16 x against float32 weights)
-        eps = getattr(norm, eps_name)
-        y = rms_norm(x, norm.weight, eps)
-        mark_normed(y, x, norm.weight, eps)  # a tiled MLP given y may compute it again from x (norm_mlp.py)
-        return y
+        return rms_norm(x, norm.weight, getattr(norm, eps_name))
 
     handle._patch(f"{name}.forward", norm, "forward", forward)
     handle.norms[name] = "rms_norm"
