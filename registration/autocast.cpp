@@ -134,8 +134,8 @@ TORCH_LIBRARY_IMPL(offload, AutocastCUDA, m) {
 namespace torch_offload {
 namespace {
 
-// rms_norm_tiled_mlp runs in its inputs' dtypes, as rms_norm does: apply() fuses a norm with its MLP only
-// outside autocast, where the two would run in different dtypes.
+// rms_norm_tiled_mlp runs in its inputs' dtypes under autocast, as rms_norm does (where rms_norm then
+// tiled_mlp would run the MLP in the autocast dtype): its norm is not a matrix product to cast.
 // The backward ops run in the dtypes their forward chose. Gradients asked for inside an
 // autocast region (`loss.backward()` under `with torch.autocast(...)`) run them with autocast
 // on, which recast the formulas' own operations: CUDA's autocast sums in float32 and CPU's
@@ -145,7 +145,7 @@ void without_autocast(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   op.callBoxed(stack);
 }
 
-void register_backward_ops_without_autocast(torch::Library& m) {
+void register_ops_without_autocast(torch::Library& m) {
   for (const char* op :
        {"rms_norm_tiled_mlp", "tiled_mlp_backward", "rms_norm_tiled_mlp_backward", "linear_cross_entropy_backward",
         "token_logprobs_backward", "rms_norm_backward", "attention_block_backward", "segment_attention_backward"}) {
@@ -157,9 +157,9 @@ void register_backward_ops_without_autocast(torch::Library& m) {
 }  // namespace torch_offload
 
 TORCH_LIBRARY_IMPL(offload, AutocastCPU, m) {
-  torch_offload::register_backward_ops_without_autocast(m);
+  torch_offload::register_ops_without_autocast(m);
 }
 
 TORCH_LIBRARY_IMPL(offload, AutocastCUDA, m) {
-  torch_offload::register_backward_ops_without_autocast(m);
+  torch_offload::register_ops_without_autocast(m);
 }

@@ -43,10 +43,10 @@ def rms_norm_tiled_mlp(
 ) -> torch.Tensor:
     """``tiled_mlp(rms_norm(x, norm_weight, norm_eps), w_gate, w_up, w_down, ...)`` with the norm computed shard by
     shard: forward saves ``x`` and the weights, not the norm's output, and backward takes the norm's gradient one
-    shard at a time, so neither the norm's output nor its gradient ever exists as a ``[tokens, h]`` tensor. The
-    result is the two ops' bit for bit (the same rows' arithmetic); the gradients equal theirs up to the order
-    in which the norm weight's gradient adds up. Runs in its inputs' dtypes, under autocast too. Arguments as
-    ``rms_norm`` and ``tiled_mlp`` take them.
+    shard at a time, so neither the norm's output nor its gradient ever exists as a ``[tokens, h]`` tensor. On the
+    CPU the result is the two ops' bit for bit (the same rows' arithmetic), the gradients theirs up to the order in
+    which the norm weight's gradient adds up; on CUDA close to theirs. Runs in its inputs' dtypes, under autocast
+    too. Arguments as ``rms_norm`` and ``tiled_mlp`` take them.
     """
     for value, arg in ((x, "x"), (norm_weight, "norm_weight"), (w_gate, "w_gate"), (w_down, "w_down")):
         _require_tensor(value, "rms_norm_tiled_mlp", arg)
