@@ -149,7 +149,7 @@ def test_bad_inputs_name_the_argument():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16], ids=str)
 def test_cuda_matches_the_two_ops_and_the_cpu_op(dtype):
     mlp = [t.detach().cuda().requires_grad_() if t is not None else None for t in mlp_inputs((2, 300, 64), 96)]
     mlp = [t.to(dtype).detach().requires_grad_() if t is not None else None for t in mlp]

@@ -21,6 +21,11 @@
 #include "ops/common/gemm.h"
 
 namespace torch_offload {
+
+void check_rms_norm_eps(const char* op, const char* arg, double eps) {
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, op, ": ", arg, " is ", eps, "; expected a finite value >= 0");
+}
+
 namespace {
 
 constexpr int64_t kChunkElements = int64_t{1} << 20;  // 4 MiB of float32 per chunk's temporaries
@@ -31,7 +36,7 @@ void check_arguments(const char* op, const at::Tensor& x, const at::Tensor& weig
               "; expected a floating-point tensor");
   TORCH_CHECK(x.dim() >= 1, op, ": x is a 0-dimensional tensor; expected [..., h]");
   check_tensor(op, "weight", weight, x, "x", x.scalar_type(), {x.sym_size(-1)}, "[h], x's last dimension");
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, op, ": eps is ", eps, "; expected a finite value >= 0");
+  check_rms_norm_eps(op, "eps", eps);
 }
 
 void check_backward_arguments(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight, double eps) {

@@ -19,6 +19,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_kernel(const at::Tensor& gr
 // the only reference to the incoming gradient, which then costs no second [tokens, h] tensor.
 at::Tensor rms_norm_backward_into_grad(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
                                        double eps, bool weight_grad);
+// Checks that `eps` (named `arg` in the message) is finite and >= 0; shared with the ops that apply the norm.
+void check_rms_norm_eps(const char* op, const char* arg, double eps);
 // The rows' arithmetic, for callers that own the buffers (tiled_mlp's shards, rms_norm_tiled_mlp): `rows` and
 // `out` are [n, h]. The backward writes x's gradient to grad_x_rows where defined (it may be `grads` itself: each
 // chunk of grads is read whole before its rows are written) and adds the weight's to grad_weight_sum (op-math

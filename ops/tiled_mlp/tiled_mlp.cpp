@@ -3,7 +3,6 @@
 #include "ops/tiled_mlp/tiled_mlp.h"
 
 #include <algorithm>
-#include <cmath>
 #include <string>
 
 #include <ATen/OpMathType.h>
@@ -138,16 +137,16 @@ namespace {
 void check_norm(const char* op, const ShardNorm& norm, const at::Tensor& x) {
   if (norm.weight.defined()) {
     check_like_x(op, "norm_weight", norm.weight, x, {x.sym_size(-1)}, "[h], x's last dimension");
-    TORCH_CHECK(std::isfinite(norm.eps) && norm.eps >= 0.0, op, ": norm_eps is ", norm.eps,
-                "; expected a finite value >= 0");
+    check_rms_norm_eps(op, "norm_eps", norm.eps);
   }
 }
 
-// The shard's MLP input: x's rows, or their RMSNorm written to `normed` (a [rows, h] buffer).
-at::Tensor mlp_input(const at::Tensor& x_rows, const ShardNorm& norm, const at::Tensor& normed) {
+// The shard's MLP input: x's rows, or their RMSNorm written to the top rows of `normed_buffer`.
+at::Tensor mlp_input(const at::Tensor& x_rows, const ShardNorm& norm, const at::Tensor& normed_buffer) {
   if (!norm.weight.defined()) {
     return x_rows;
   }
+  const at::Tensor normed = normed_buffer.narrow(0, 0, x_rows.size(0));
   rms_norm_rows_into(normed, x_rows, norm.weight, norm.eps);
   return normed;
 }
@@ -183,8 +182,7 @@ at::Tensor tiled_mlp_impl(const char* op, const HiddenKernels& kernels, const at
   const at::Tensor normed_buffer = norm.weight.defined() ? at::empty({rows_per_shard, h}, x.options()) : at::Tensor();
   for (int64_t start = 0; start < tokens; start += rows_per_shard) {
     const int64_t rows = std::min(rows_per_shard, tokens - start);
-    const at::Tensor x_shard = mlp_input(tokens_x.narrow(0, start, rows), norm,
-                                         norm.weight.defined() ? normed_buffer.narrow(0, 0, rows) : at::Tensor());
+    const at::Tensor x_shard = mlp_input(tokens_x.narrow(0, start, rows), norm, normed_buffer);
     const at::Tensor gate = gate_buffer.narrow(0, 0, rows);
     const at::Tensor up = w_up.defined() ? up_buffer.narrow(0, 0, rows) : at::Tensor();
     linear_into(gate, x_shard, w_gate, b_gate);
@@ -265,7 +263,7 @@ MlpGradientArray tiled_mlp_backward_impl(const char* op, const HiddenKernels& ke
     for (int64_t start = 0; start < tokens; start += rows_per_shard) {
       const int64_t rows = std::min(rows_per_shard, tokens - start);
       const at::Tensor x_rows = tokens_x.narrow(0, start, rows);
-      const at::Tensor x_shard = mlp_input(x_rows, norm, normed ? normed_buffer.narrow(0, 0, rows) : at::Tensor());
+      const at::Tensor x_shard = mlp_input(x_rows, norm, normed_buffer);
       const at::Tensor grad_shard = tokens_grad.narrow(0, start, rows);
       // Recompute the shard's gate and up projections.
       const at::Tensor gate = gate_buffer.narrow(0, 0, rows);
