@@ -500,7 +500,7 @@ def applied_on_ranks(rank, world_size, cases, path, compiled=False):
             options["spill_directory"] = os.path.dirname(path)
         handle = torch_offload.apply(model, sequence_parallel=dist.group.WORLD, **options)
         # Inductor lowers the collectives in the first case; the other families' graphs go through AOT autograd
-        # only, which traces the same graph (no break, the same ops) at a third less of CI's time.
+        # only, which traces the same graph (no break, the same ops): the test takes about a fifth less time.
         counter = CompileCounterWithBackend("inductor" if case == cases[0] else "aot_eager")
         run = torch.compile(model, fullgraph=True, backend=counter) if compiled else model
         losses, calls = [], CountGroupCalls()
