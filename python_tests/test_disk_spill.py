@@ -161,20 +161,24 @@ def test_prefetch_reads_once_and_restore_uses_it(spill_dir):
 
 def test_a_freed_restore_buffer_is_reused_for_the_next_restore_of_that_size(spill_dir):
     first, second = sample((300, 700), torch.float32), sample((300, 700), torch.float32) + 1
-    tickets = [torch_offload.disk_spill(t, directory=spill_dir) for t in (first, second)]
-    back = torch_offload.disk_restore(tickets[0], first.shape, first.dtype, "cpu")
-    assert torch.equal(back, first)
-    address = back.data_ptr()
-    del back
-    before = torch_offload.disk_spill_stats()
-    assert before["restore_cache_kept_bytes"] >= first.numel() * 4
-    back = torch_offload.disk_restore(tickets[1], second.shape, second.dtype, "cpu")
-    after = torch_offload.disk_spill_stats()
-    # The same buffer; the data sits at each source's own offset within its first block.
-    assert back.data_ptr() // 4096 == address // 4096
-    assert after["restore_cache_hits"] == before["restore_cache_hits"] + 1
-    assert torch.equal(back, second)  # the new data, none of the old
-    del back
+    torch_offload.configure_disk_spill(restore_cache_bytes=8 << 20)
+    try:
+        tickets = [torch_offload.disk_spill(t, directory=spill_dir) for t in (first, second)]
+        back = torch_offload.disk_restore(tickets[0], first.shape, first.dtype, "cpu")
+        assert torch.equal(back, first)
+        address = back.data_ptr()
+        del back
+        before = torch_offload.disk_spill_stats()
+        assert before["restore_cache_kept_bytes"] >= first.numel() * 4
+        back = torch_offload.disk_restore(tickets[1], second.shape, second.dtype, "cpu")
+        after = torch_offload.disk_spill_stats()
+        # The same buffer; the data sits at each source's own offset within its first block.
+        assert back.data_ptr() // 4096 == address // 4096
+        assert after["restore_cache_hits"] == before["restore_cache_hits"] + 1
+        assert torch.equal(back, second)  # the new data, none of the old
+        del back
+    finally:
+        torch_offload.configure_disk_spill()
 
 
 def test_restore_buffers_outlive_a_spill_and_serve_the_next_backward(spill_dir):
@@ -211,8 +215,10 @@ def test_configure_waits_for_io_in_flight(spill_dir):
         torch_offload.configure_disk_spill()
 
 
-def test_restore_cache_can_be_disabled_and_refuses_a_negative_size(spill_dir):
-    torch_offload.configure_disk_spill(restore_cache_bytes=0)
+def test_the_default_keeps_no_restore_buffer_and_a_negative_size_is_refused(spill_dir):
+    """Kept buffers count in the resident set until the kernel takes them: the default keeps none."""
+    torch_offload.configure_disk_spill(restore_cache_bytes=1 << 20)
+    torch_offload.configure_disk_spill()
     try:
         t = sample((64, 64), torch.float32)
         hits = torch_offload.disk_spill_stats()["restore_cache_hits"]

@@ -57,7 +57,7 @@ TORCH_LIBRARY(offload, m) {
   m.def("_disk_ticket_location(Tensor ticket) -> int[]");
   m.def(
       "disk_spill_configure(int num_threads=4, int extent_bytes=33554432, bool checksums=True, "
-      "int max_in_flight_bytes=536870912, int restore_cache_bytes=536870912) -> ()",
+      "int max_in_flight_bytes=536870912, int restore_cache_bytes=0) -> ()",
       &torch_offload::disk_spill_configure_kernel);
   m.def("disk_spill_stats() -> int[]", &torch_offload::disk_spill_stats_kernel);
 

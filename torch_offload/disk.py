@@ -107,15 +107,15 @@ def configure_disk_spill(
     extent_bytes: int = 32 << 20,
     checksums: bool = True,
     max_in_flight_bytes: int = 512 << 20,
-    restore_cache_bytes: int = 512 << 20,
+    restore_cache_bytes: int = 0,
 ) -> None:
     """Set the I/O threads, the extent size (one checksummed header each), whether
     payloads are checksummed, how many bytes of unfinished writes ``disk_spill``
     allows before it waits, and how many bytes of freed restored tensors are kept
     for the next restores of the same size (fresh memory costs a page fault and
     zeroing per page, and in a VM a round trip to the hypervisor; kept buffers are
-    lazily freed, MADV_FREE, so the kernel takes them back when memory runs short;
-    0 disables).
+    lazily freed, MADV_FREE, so the kernel takes them back when memory runs short,
+    but they count in the resident set until then: 0, the default, keeps none).
     Waits for the I/O in flight (freed tickets' too, their disk space given back) to finish first."""
     torch.ops.offload.disk_spill_configure(
         num_threads, extent_bytes, checksums, max_in_flight_bytes, restore_cache_bytes

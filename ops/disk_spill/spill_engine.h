@@ -34,7 +34,9 @@ struct SpillConfig {
   int64_t extent_bytes = int64_t{32} << 20;  // payload of one extent (one header each)
   bool checksums = true;
   int64_t max_in_flight_bytes = int64_t{512} << 20;  // spill() waits beyond this
-  int64_t restore_cache_bytes = int64_t{512} << 20;  // freed restore buffers kept, lazily freed, for reuse
+  // Freed restore buffers kept, lazily freed, for reuse; off by default: kept buffers count in the
+  // resident set until the kernel takes them, and a training step's peak holds one or two.
+  int64_t restore_cache_bytes = 0;
 };
 
 struct SpillStats {
