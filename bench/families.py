@@ -10,7 +10,7 @@ process, after a 128-token warm-up step: the growth of the resident set (VmHWM, 
 step), with glibc's mmap threshold fixed at 1 MiB (see measure.worker_env). KiB per token is the
 least-squares slope over the lengths. Attention is "sdpa" where the family takes it, else what transformers
 picks (Gemma 2 and GPT-OSS refuse sdpa: eager). The disk tier keeps its defaults (512 MiB of unwritten
-bytes, 256 MiB of restore buffers), which do not grow with T but may move single points.
+bytes, no restore buffers kept), which do not grow with T but may move single points.
 
 The last column of the table is what apply() left as the model had it, from `handle.report()`: the MLPs and
 attentions it left "own", and why, the loss when it is not the fused one, and the masks.

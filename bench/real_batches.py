@@ -11,7 +11,7 @@ that do not grow with T are held still, or they outweigh what does at these leng
 threshold is fixed at 1 MiB (its default grows as big blocks are freed, and blocks up to 32 MiB then
 stay in the resident set: one sequence measured 929, 1579 and 879 MiB at 4K, 8K and 16K tokens), and
 the disk tier's unwritten bytes are capped at --in-flight-mib (default 32; 512 by default) with no
-restore buffers kept (256 MiB by default).
+restore buffers kept (the default).
 
 Batches: "one sequence" is one row of T tokens; "packed" one row of 4 documents of T/4 tokens each;
 "padded" 2 rows of T/2 tokens, the second right-padded by a quarter (labels -100 on the padding), so
@@ -64,8 +64,8 @@ def worker(kind, method, tokens, in_flight_mib):
     spill = tempfile.TemporaryDirectory()
     handle = None
     if method == "apply(disk)":
-        # Unwritten spills and kept restore buffers are bounded but timing-dependent: at their defaults
-        # (512 and 256 MiB) they outweigh what grows with T at these lengths and make points wander.
+        # Unwritten spills are bounded but timing-dependent: at their default (512 MiB) they outweigh
+        # what grows with T at these lengths and make points wander.
         torch_offload.configure_disk_spill(max_in_flight_bytes=in_flight_mib << 20, restore_cache_bytes=0)
         handle = torch_offload.apply(model, offload="disk", spill_directory=spill.name, min_bytes=1 << 16)
 

@@ -6,12 +6,14 @@
 // much CPU as the read itself; in a VM, memory freed for a few seconds goes back
 // to the hypervisor, and faulting it in again runs slower than a disk reads
 // (0.7 GB/s on this project's machines). Backward restores the same sizes layer
-// after layer, and frees each soon after, so freed buffers are kept, up to a
+// after layer, and frees each soon after, so freed buffers can be kept, up to a
 // byte capacity, for the next restore of the same size, in this backward or the
 // next. Kept buffers are lazily freed (MADV_FREE): the kernel takes their pages
 // first when memory runs short, so they never hold memory anything else needs;
 // until then a restore writes into pages that are already there (take() writes
-// one byte per page first, which makes them the process's again).
+// one byte per page first, which makes them the process's again). They count in
+// the resident set meanwhile, so the engine's capacity is 0 by default
+// (restore_cache_bytes): recycle() then frees at once.
 #include <cstddef>
 #include <cstdint>
 #include <mutex>

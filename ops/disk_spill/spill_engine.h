@@ -35,7 +35,7 @@ struct SpillConfig {
   bool checksums = true;
   int64_t max_in_flight_bytes = int64_t{512} << 20;  // spill() waits beyond this
   // Freed restore buffers kept, lazily freed, for reuse; off by default: kept buffers count in the
-  // resident set until the kernel takes them, and a training step's peak holds one or two.
+  // resident set until the kernel takes them, and a training step's peak held up to two.
   int64_t restore_cache_bytes = 0;
 };
 
