@@ -33,7 +33,7 @@ def make_inputs(shape, dtype=torch.float64, seed=0):
 
 def gradients(output, leaves, seed=1):
     upstream = torch.randn(output.shape, generator=torch.Generator().manual_seed(seed), dtype=output.dtype)
-    return torch.autograd.grad(output, leaves, upstream)
+    return torch.autograd.grad(output, leaves, upstream.to(output.device))
 
 
 def relative_error(got, want):
