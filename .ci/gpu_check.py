@@ -4,6 +4,7 @@ whole C++ suite where GoogleTest is installed), the CPU's error paths and the GP
 benches, and print one summary table.
 
     make gpu-check                         # GPU_PYTHON=python3: the interpreter that holds CUDA torch
+    make gpu-check GPU_CHECK_FLAGS="--tests test_rms_norm_cuda.py"  # a rerun of one file, then the benches
     python3 .ci/gpu_check.py --allow-no-gpu  # the same steps where no GPU is (every GPU test skips)
 
 It needs no package index: packages the machine lacks (expecttest, for opcheck) can be put as
@@ -88,6 +89,9 @@ def main():
     parser.add_argument("--allow-no-gpu", action="store_true", help="run the steps where no GPU is (they skip)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
     parser.add_argument(
+        "--tests", default="test_*_cuda.py", help="the GPU test files to run, a glob in python_tests/ (a rerun's)"
+    )
+    parser.add_argument(
         "--bench-after", type=float, default=240, help="skip the benches if the steps before took longer (seconds)"
     )
     args = parser.parse_args()
@@ -166,7 +170,7 @@ def main():
         )
         # One process per file: a crash (a segfault in a kernel) costs only its own file's results.
         reports = []
-        for test in sorted(glob.glob(os.path.join("python_tests", "test_*_cuda.py"))):
+        for test in sorted(glob.glob(os.path.join("python_tests", args.tests))):
             reports.append(os.path.join(BUILD, os.path.basename(test) + ".xml"))
             pytest = [python, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider"]
             run(f"pytest {os.path.basename(test)}", [*pytest, f"--junitxml={reports[-1]}", test], env, results)
