@@ -1,0 +1,119 @@
+"""Where in one applied training step the resident set peaks: the highest growth of the resident set within each
+phase of the step, by layer, at several lengths, and how each phase grows per token.
+
+    .venv/bin/python bench/peak_phases.py [--tokens 16384,32768,65536]
+
+The step is bench/long_context.py's (the demo's Llama, `apply(model)` with no option, one row of T tokens, one step
+per fresh process after a 128-token warm-up, glibc's and the disk tier's defaults). A thread samples VmRSS every
+2 ms; hooks on each layer's attention and MLP outputs time the phases: a module's forward ends when its forward hook
+runs and its backward starts when the gradient of its output arrives. A phase runs from its event to the next one.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from measure import ROOT, demo_llama, machine, reset_peak_rss, status_bytes
+
+
+def worker(tokens):
+    import torch
+
+    import torch_offload
+
+    torch.manual_seed(0)
+    model = demo_llama(512, 1408, 8, tokens).train()
+    torch_offload.apply(model)
+    events = []
+
+    def timed(name):
+        def forward_hook(module, args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            events.append((time.perf_counter(), f"forward {name}"))
+            if out.requires_grad:
+                out.register_hook(lambda grad: events.append((time.perf_counter(), f"backward {name}")))
+
+        return forward_hook
+
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.register_forward_hook(timed(f"layer {i} attention"))
+        layer.mlp.register_forward_hook(timed(f"layer {i} MLP"))
+
+    def step(length):
+        ids = torch.randint(3, 32000, (1, length), generator=torch.Generator().manual_seed(0))
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        events.append((time.perf_counter(), "loss, before backward"))
+        loss.backward()
+        events.append((time.perf_counter(), "after backward"))
+        model.zero_grad(set_to_none=True)
+
+    step(128)
+    events.clear()
+    samples, sampling = [], [True]
+
+    def sample():
+        while sampling[0]:
+            samples.append((time.perf_counter(), status_bytes("VmRSS")))
+            time.sleep(0.002)
+
+    before = reset_peak_rss()
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    step(tokens)
+    sampling[0] = False
+    sampler.join()
+    phases = {}
+    for (start, name), (end, _) in zip(events, events[1:] + [(float("inf"), "")]):
+        inside = [rss for at, rss in samples if start <= at < end]
+        if inside:
+            phases[name] = max(phases.get(name, 0), max(inside) - before)
+    return dict(peak=status_bytes("VmHWM") - before, phases=phases)
+
+
+def run(tokens):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    command = [sys.executable, __file__, "--run", str(tokens)]
+    result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout)
+    print(f"{tokens}: {result['peak'] / 2**20:.0f} MiB", flush=True)
+    return result
+
+
+def table(results):
+    lengths = list(results)
+    rows = {"step (VmHWM)": [results[t]["peak"] for t in lengths]}
+    rows["forward, the highest layer"] = [
+        max(v for k, v in results[t]["phases"].items() if k.startswith("forward")) for t in lengths
+    ]
+    for name in results[lengths[0]]["phases"]:
+        if not name.startswith("forward"):
+            rows[name] = [results[t]["phases"].get(name, 0) for t in lengths]
+    spans = list(zip(lengths, lengths[1:]))
+    header = " | ".join(f"{t // 1024}K MiB" for t in lengths)
+    slopes = " | ".join(f"KiB/token {a // 1024}K-{b // 1024}K" for a, b in spans)
+    lines = [f"| phase | {header} | {slopes} |", "| --- |" + " ---: |" * (len(lengths) + len(spans))]
+    for name, peaks in rows.items():
+        growth = [(peaks[i + 1] - peaks[i]) / (b - a) / 1024 for i, (a, b) in enumerate(spans)]
+        cells = " | ".join(f"{p / 2**20:.0f}" for p in peaks) + " | " + " | ".join(f"{g:.1f}" for g in growth)
+        lines.append(f"| {name} | {cells} |")
+    command = "`.venv/bin/python bench/peak_phases.py " + " ".join(sys.argv[1:]) + "`"
+    return f"{command} ({machine()}):\n\n" + "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="16384,32768,65536")
+    parser.add_argument("--run", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run:
+        json.dump(worker(int(args.run)), sys.stdout)
+        return
+    print(table({t: run(t) for t in map(int, args.tokens.split(","))}))
+
+
+if __name__ == "__main__":
+    main()
