@@ -167,11 +167,11 @@ def test_reduced_precision_is_as_close_to_float64_as_eager(dtype):
     want = run(reference, leaves, segments, grad_out, **options)
     eager = run(reference, low, segments, grad_out.to(dtype), **options)
     got = run(call, low, segments, grad_out.to(dtype), **options)
-    # The op in float64 on the rounded inputs: the error their rounding alone makes. The sinks' gradient, four
-    # sums over every query that cancel, gets up to 1.6e-2 from it, and eager's own error is sometimes far less
-    # by chance (an Intel CI machine: 7.7e-3 against the op's 1.6e-2).
+    # Eager attention in float64 on the rounded inputs: the error their rounding alone makes. The sinks' gradient,
+    # four sums over every query that cancel, gets up to 1.6e-2 from it, and eager's own error in low precision is
+    # sometimes far less by chance (an Intel CI machine: 7.7e-3 against the op's 1.6e-2).
     rounded_inputs = [t.detach().double().requires_grad_() for t in low]
-    rounded = run(call, rounded_inputs, segments, grad_out.to(dtype).double(), **options)
+    rounded = run(reference, rounded_inputs, segments, grad_out.to(dtype).double(), **options)
     assert got[0].dtype == dtype and all(g.dtype == dtype for g in got[1])
 
     def error(a, b):
