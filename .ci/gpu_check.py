@@ -95,6 +95,9 @@ def main():
         "--bench-after", type=float, default=240, help="skip the benches if the steps before took longer (seconds)"
     )
     args = parser.parse_args()
+    test_files = sorted(glob.glob(os.path.join(ROOT, "python_tests", args.tests)))
+    if not test_files:  # before the build: a lease's minutes are few
+        sys.exit(f"gpu-check: no test file matches python_tests/{args.tests}")
     started = time.monotonic()
     python = sys.executable
     import torch
@@ -170,7 +173,7 @@ def main():
         )
         # One process per file: a crash (a segfault in a kernel) costs only its own file's results.
         reports = []
-        for test in sorted(glob.glob(os.path.join("python_tests", args.tests))):
+        for test in test_files:
             reports.append(os.path.join(BUILD, os.path.basename(test) + ".xml"))
             pytest = [python, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider"]
             run(f"pytest {os.path.basename(test)}", [*pytest, f"--junitxml={reports[-1]}", test], env, results)
