@@ -5,8 +5,9 @@ phase of the step, by layer, at several lengths, and how each phase grows per to
 
 The step is bench/long_context.py's (the demo's Llama, `apply(model)` with no option, one row of T tokens, one step
 per fresh process after a 128-token warm-up, glibc's and the disk tier's defaults). A thread samples VmRSS every
-2 ms; hooks on each layer's attention and MLP outputs time the phases: a module's forward ends when its forward hook
-runs and its backward starts when the gradient of its output arrives. A phase runs from its event to the next one.
+2 ms and keeps the highest value of each phase (a list of samples would grow the resident set by itself); hooks on
+the final norm and each layer's attention and MLP time the phases: a module's forward ends when its forward hook runs
+and its backward starts when the gradient of its output arrives. A phase runs from its event to the next one.
 """
 
 import argparse
@@ -28,49 +29,52 @@ def worker(tokens):
     torch.manual_seed(0)
     model = demo_llama(512, 1408, 8, tokens).train()
     torch_offload.apply(model)
-    events = []
+    events = []  # (name of the phase that starts, its start)
 
     def timed(name):
         def forward_hook(module, args, output):
             out = output[0] if isinstance(output, tuple) else output
-            events.append((time.perf_counter(), f"forward {name}"))
+            events.append((f"forward, after {name}", time.perf_counter()))
             if out.requires_grad:
-                out.register_hook(lambda grad: events.append((time.perf_counter(), f"backward {name}")))
+                out.register_hook(lambda grad: events.append((f"backward {name}", time.perf_counter())))
 
         return forward_hook
 
     for i, layer in enumerate(model.model.layers):
         layer.self_attn.register_forward_hook(timed(f"layer {i} attention"))
         layer.mlp.register_forward_hook(timed(f"layer {i} MLP"))
+    model.model.norm.register_forward_hook(timed("final norm"))
 
     def step(length):
         ids = torch.randint(3, 32000, (1, length), generator=torch.Generator().manual_seed(0))
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        events.append((time.perf_counter(), "loss, before backward"))
+        events.append(("the loss, then backward to the final norm", time.perf_counter()))
         loss.backward()
-        events.append((time.perf_counter(), "after backward"))
+        events.append(("after backward", time.perf_counter()))
         model.zero_grad(set_to_none=True)
 
     step(128)
     events.clear()
-    samples, sampling = [], [True]
+    highest = {}  # phase index (events so far) -> highest VmRSS sampled in it
+    sampling = True
 
     def sample():
-        while sampling[0]:
-            samples.append((time.perf_counter(), status_bytes("VmRSS")))
+        while sampling:
+            phase, rss = len(events), status_bytes("VmRSS")
+            highest[phase] = max(highest.get(phase, 0), rss)
             time.sleep(0.002)
 
     before = reset_peak_rss()
     sampler = threading.Thread(target=sample)
     sampler.start()
     step(tokens)
-    sampling[0] = False
+    sampling = False
     sampler.join()
-    phases = {}
-    for (start, name), (end, _) in zip(events, events[1:] + [(float("inf"), "")]):
-        inside = [rss for at, rss in samples if start <= at < end]
-        if inside:
-            phases[name] = max(phases.get(name, 0), max(inside) - before)
+    phases = {"forward, to layer 0's attention": highest.get(0, before) - before}
+    for index, (name, _) in enumerate(events):
+        if index + 1 in highest:  # a phase shorter than a sample has none
+            growth = highest[index + 1] - before
+            phases[name] = max(phases.get(name, growth), growth)
     return dict(peak=status_bytes("VmHWM") - before, phases=phases)
 
 
@@ -78,7 +82,7 @@ def run(tokens):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     command = [sys.executable, __file__, "--run", str(tokens)]
-    result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout)
+    result = json.loads(subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout)
     print(f"{tokens}: {result['peak'] / 2**20:.0f} MiB", flush=True)
     return result
 
@@ -86,20 +90,22 @@ def run(tokens):
 def table(results):
     lengths = list(results)
     rows = {"step (VmHWM)": [results[t]["peak"] for t in lengths]}
-    rows["forward, the highest layer"] = [
+    rows["forward, the highest phase"] = [
         max(v for k, v in results[t]["phases"].items() if k.startswith("forward")) for t in lengths
     ]
-    for name in results[lengths[0]]["phases"]:
-        if not name.startswith("forward"):
-            rows[name] = [results[t]["phases"].get(name, 0) for t in lengths]
+    names = dict.fromkeys(name for t in lengths for name in results[t]["phases"] if not name.startswith("forward"))
+    for name in names:
+        rows[name] = [results[t]["phases"].get(name) for t in lengths]
     spans = list(zip(lengths, lengths[1:]))
     header = " | ".join(f"{t // 1024}K MiB" for t in lengths)
     slopes = " | ".join(f"KiB/token {a // 1024}K-{b // 1024}K" for a, b in spans)
     lines = [f"| phase | {header} | {slopes} |", "| --- |" + " ---: |" * (len(lengths) + len(spans))]
     for name, peaks in rows.items():
-        growth = [(peaks[i + 1] - peaks[i]) / (b - a) / 1024 for i, (a, b) in enumerate(spans)]
-        cells = " | ".join(f"{p / 2**20:.0f}" for p in peaks) + " | " + " | ".join(f"{g:.1f}" for g in growth)
-        lines.append(f"| {name} | {cells} |")
+        cells = ["-" if p is None else f"{p / 2**20:.0f}" for p in peaks]
+        for i, (a, b) in enumerate(spans):
+            known = peaks[i] is not None and peaks[i + 1] is not None
+            cells.append(f"{(peaks[i + 1] - peaks[i]) / (b - a) / 1024:.1f}" if known else "-")
+        lines.append(f"| {name} | {' | '.join(cells)} |")
     command = "`.venv/bin/python bench/peak_phases.py " + " ".join(sys.argv[1:]) + "`"
     return f"{command} ({machine()}):\n\n" + "\n".join(lines) + "\n"
 
