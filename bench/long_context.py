@@ -16,11 +16,10 @@ apply() that one option (a section of its own): how much the last layers, kept a
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 
-from measure import ROOT, demo_llama, machine, reset_peak_rss, slope, status_bytes, write_section
+from measure import demo_llama, machine, reset_peak_rss, slope, status_bytes, user_env, write_section
 
 TITLE = "Long context"
 
@@ -64,10 +63,8 @@ def quadratic_time(points):
 
 
 def run(method, tokens, apply_options):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     command = [sys.executable, __file__, "--run", method, str(tokens), json.dumps(apply_options)]
-    result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout)
+    result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True, env=user_env()).stdout)
     print(f"{method} {tokens}: {result['peak'] / 2**20:.0f} MiB, {result['seconds']:.1f} s", flush=True)
     return result
 

@@ -84,6 +84,14 @@ def worker_env():
     )
 
 
+def user_env():
+    """The environment of a worker that measures what a user's process shows: glibc's own settings (no MALLOC_*
+    variable), the repository on the path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
 def write_section(title, text):
     """Replace BENCHMARKS.md's section `## {title}` by `text`, where it stands; else append it."""
     path = ROOT / "BENCHMARKS.md"

@@ -12,13 +12,12 @@ and its backward starts when the gradient of its output arrives. A phase runs fr
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import threading
 import time
 
-from measure import ROOT, demo_llama, machine, reset_peak_rss, status_bytes
+from measure import demo_llama, machine, reset_peak_rss, status_bytes, user_env
 
 
 def worker(tokens):
@@ -29,14 +28,14 @@ def worker(tokens):
     torch.manual_seed(0)
     model = demo_llama(512, 1408, 8, tokens).train()
     torch_offload.apply(model)
-    events = []  # (name of the phase that starts, its start)
+    phases_begun = []  # the names of the phases in the order they begin
 
     def timed(name):
         def forward_hook(module, args, output):
             out = output[0] if isinstance(output, tuple) else output
-            events.append((f"forward, after {name}", time.perf_counter()))
+            phases_begun.append(f"forward, after {name}")
             if out.requires_grad:
-                out.register_hook(lambda grad: events.append((f"backward {name}", time.perf_counter())))
+                out.register_hook(lambda grad: phases_begun.append(f"backward {name}"))
 
         return forward_hook
 
@@ -46,21 +45,22 @@ def worker(tokens):
     model.model.norm.register_forward_hook(timed("final norm"))
 
     def step(length):
+        phases_begun.append("forward, to layer 0's attention")
         ids = torch.randint(3, 32000, (1, length), generator=torch.Generator().manual_seed(0))
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        events.append(("the loss, then backward to the final norm", time.perf_counter()))
+        phases_begun.append("the loss, then backward to the final norm")
         loss.backward()
-        events.append(("after backward", time.perf_counter()))
+        phases_begun.append("after backward")
         model.zero_grad(set_to_none=True)
 
     step(128)
-    events.clear()
-    highest = {}  # phase index (events so far) -> highest VmRSS sampled in it
+    phases_begun.clear()
+    highest = {}  # index in phases_begun -> the highest VmRSS sampled in that phase
     sampling = True
 
     def sample():
         while sampling:
-            phase, rss = len(events), status_bytes("VmRSS")
+            phase, rss = len(phases_begun) - 1, status_bytes("VmRSS")
             highest[phase] = max(highest.get(phase, 0), rss)
             time.sleep(0.002)
 
@@ -70,19 +70,17 @@ def worker(tokens):
     step(tokens)
     sampling = False
     sampler.join()
-    phases = {"forward, to layer 0's attention": highest.get(0, before) - before}
-    for index, (name, _) in enumerate(events):
-        if index + 1 in highest:  # a phase shorter than a sample has none
-            growth = highest[index + 1] - before
+    phases = {}
+    for index, name in enumerate(phases_begun):
+        if index in highest:  # a phase shorter than a sample has none
+            growth = highest[index] - before
             phases[name] = max(phases.get(name, growth), growth)
     return dict(peak=status_bytes("VmHWM") - before, phases=phases)
 
 
 def run(tokens):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     command = [sys.executable, __file__, "--run", str(tokens)]
-    result = json.loads(subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout)
+    result = json.loads(subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True, env=user_env()).stdout)
     print(f"{tokens}: {result['peak'] / 2**20:.0f} MiB", flush=True)
     return result
 
