@@ -119,9 +119,12 @@ def main():
     if args.run:
         json.dump(worker(args.run[0], int(args.run[1]), json.loads(args.run[2])), sys.stdout)
         return
+    tokens, plain_tokens = [int(t) for t in args.tokens.split(",")], [int(t) for t in args.plain_tokens.split(",")]
+    if sum(t >= 16384 for t in tokens) < 2 or len(plain_tokens) < 2:  # checked before an hour of steps
+        parser.error("the slopes need at least two --tokens from 16384 up and two --plain-tokens")
     apply_options = {} if args.keep_last is None else {"keep_last": args.keep_last}
-    plain = {t: run("plain", t, {}) for t in map(int, args.plain_tokens.split(","))}
-    applied = {t: run("apply(model)", t, apply_options) for t in map(int, args.tokens.split(","))}
+    plain = {t: run("plain", t, {}) for t in plain_tokens}
+    applied = {t: run("apply(model)", t, apply_options) for t in tokens}
     text = table(applied, plain, apply_options)
     print(text)
     if args.write:
