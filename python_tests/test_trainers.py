@@ -384,9 +384,15 @@ def test_dpo_trainer_callback_losses_and_gradients_equal(tmp_path):
 
     def make_trainer(model, callbacks):
         config = rl_arguments(tmp_path, trl.DPOConfig, max_length=64)
+        # A reference model that is not the policy: with the two equal, the first step's rewards are 0 in plain
+        # training and rounding noise (1e-7) through the op, and DPO's accuracy (chosen > rejected) is a coin toss.
+        reference = copy.deepcopy(model)
+        with torch.no_grad():
+            for parameter in reference.parameters():
+                parameter.add_(torch.randn_like(parameter), alpha=0.01)
         return trl.DPOTrainer(
             model=model,
-            ref_model=copy.deepcopy(model),
+            ref_model=reference,
             args=config,
             train_dataset=dataset,
             processing_class=tok,
