@@ -156,7 +156,8 @@ def apply(
       activations the offloaded layers use to the same store (``torch_offload::store_pack``
       and ``store_unpack`` nodes). Compile the model itself, not a function that calls it.
     - ``offload_options`` go to ``offload_activations`` (``min_bytes``,
-      ``max_host_bytes``, ``prefetch_bytes``, ``spill_directory``...). An unknown one is a
+      ``max_host_bytes``, ``prefetch_bytes``, ``spill_directory``...); for a model in host memory
+      with ``offload="disk"``, ``prefetch_bytes`` is 16 MiB unless given. An unknown one is a
       TypeError naming it; one the configuration would ignore (any of them without a tier,
       ``spill_directory`` or ``allow_tmpfs`` with ``offload="cpu"``) is a ValueError.
 

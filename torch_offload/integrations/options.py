@@ -66,6 +66,9 @@ def _resolve_offload(model: nn.Module, offload: str | None, options: dict[str, A
     return offload
 
 
+# The disk tier's read-ahead for a model in host memory (the store's own default, 64 MiB, serves a GPU's overlap).
+HOST_MODEL_PREFETCH_BYTES = 16 << 20
+
 # What apply passes to offload_activations itself; every other keyword of it is an option of apply's.
 _SET_BY_APPLY = frozenset({"tier", "module"})
 
@@ -152,6 +155,10 @@ def _offload_context(
     if offload is None:
         return None
     options = {"offload_cpu_tensors": offload == "disk", "module": model, **offload_options}
+    if offload == "disk" and not _on_accelerator(model):
+        # The CPU that computes also restores: a 16 MiB read-ahead hid the reads as well as the store's 64 MiB did
+        # and took 40-50 MiB off the step's peak at 8K-16K tokens (BENCHMARKS.md, "Long context").
+        options.setdefault("prefetch_bytes", HOST_MODEL_PREFETCH_BYTES)
     context = offload_activations(tier=offload, **options)  # checks the directory at first use
     if offload == "disk":  # a spill directory that cannot be used fails here, not in the first step
         disk_wait(
