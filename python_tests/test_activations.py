@@ -140,10 +140,12 @@ def test_host_budget_is_never_exceeded_and_training_stays_equal():
         assert stats["kept_on_device_bytes"] > 0
 
 
-def sin_chain_stats(prefetch_bytes, length=10):
+def sin_chain_stats(prefetch_bytes, length=10, **options):
     # Not a leaf: a leaf that requires grad counts as a parameter and stays put.
     h = torch.randn(256, requires_grad=True) * 1
-    with torch_offload.offload_activations(offload_cpu_tensors=True, min_bytes=0, prefetch_bytes=prefetch_bytes) as ctx:
+    with torch_offload.offload_activations(
+        offload_cpu_tensors=True, min_bytes=0, prefetch_bytes=prefetch_bytes, **options
+    ) as ctx:
         for _ in range(length):
             h = h.sin()  # each sin saves its input: backward needs them in reverse
     h.sum().backward()
@@ -159,6 +161,16 @@ def test_prefetch_restores_in_reverse_pack_order():
     # A budget under one tensor still has the next one in flight (one at a time).
     assert sin_chain_stats(prefetch_bytes=16)["prefetch_hits"] == 9
     assert sin_chain_stats(prefetch_bytes=0)["prefetch_hits"] == 0
+
+
+def test_prefetch_within_its_budget_restores_larger_tensors_on_demand():
+    # Each saved tensor is 1 KiB: a budget of one is still read ahead, one under it never is.
+    assert sin_chain_stats(prefetch_bytes=256 * 4, prefetch_over_budget=False)["prefetch_hits"] == 9
+    stats = sin_chain_stats(prefetch_bytes=256 * 4 - 1, prefetch_over_budget=False)
+    assert stats["prefetch_hits"] == 0
+    assert stats["unpacked_bytes"] == 10 * 256 * 4  # every one restored all the same
+    with pytest.raises(TypeError, match="prefetch_over_budget must be True or False, got 1"):
+        torch_offload.offload_activations(prefetch_over_budget=1)
 
 
 def test_nested_contexts_use_the_innermost_and_reentry_is_safe():

@@ -144,20 +144,21 @@ def test_apply_options_keep_results(options, tmp_path):
 
 def test_disk_tier_reads_ahead_16_mib_for_a_model_in_host_memory_unless_told(monkeypatch, tmp_path):
     """On the CPU the restores share the cores with the compute: apply() gives the disk tier a 16 MiB read-ahead
-    there (BENCHMARKS.md, "Long context"), not the store's 64 MiB; a prefetch_bytes given to apply() is kept."""
+    there (BENCHMARKS.md, "Long context"), not the store's 64 MiB, and a tensor over it is read on demand, not
+    ahead; prefetch_bytes and prefetch_over_budget given to apply() are kept."""
     budgets = []
     init = torch_offload.offload_activations.__init__
 
     @functools.wraps(init)
     def recording_init(self, **options):
-        budgets.append(options.get("prefetch_bytes"))
+        budgets.append((options.get("prefetch_bytes"), options.get("prefetch_over_budget")))
         init(self, **options)
 
     monkeypatch.setattr(torch_offload.offload_activations, "__init__", recording_init)
-    for options in (dict(), dict(prefetch_bytes=1 << 30)):
+    for options in (dict(), dict(prefetch_bytes=1 << 30, prefetch_over_budget=True)):
         handle = torch_offload.apply(make_model("llama"), offload="disk", spill_directory=str(tmp_path), **options)
         handle.remove()
-    assert budgets == [16 << 20, 1 << 30]
+    assert budgets == [(16 << 20, False), (1 << 30, True)]
 
 
 def test_peft_lora_llama_trains_with_apply(tmp_path):

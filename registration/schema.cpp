@@ -65,7 +65,7 @@ TORCH_LIBRARY(offload, m) {
   m.class_<torch_offload::ActivationEntry>("ActivationEntry");
   m.class_<torch_offload::SavedActivation>("SavedActivation").def("unpack", &torch_offload::SavedActivation::unpack);
   m.class_<torch_offload::ActivationStore>("ActivationStore")
-      .def(torch::init<int64_t, int64_t, int64_t, bool, bool, std::optional<std::string>, bool>())
+      .def(torch::init<int64_t, int64_t, int64_t, bool, bool, bool, std::optional<std::string>, bool>())
       .def("pack", &torch_offload::ActivationStore::pack)
       .def("skip_storages_of", &torch_offload::ActivationStore::skip_storages_of)
       .def("clear_skipped_storages", &torch_offload::ActivationStore::clear_skipped_storages)

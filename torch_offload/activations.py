@@ -53,7 +53,7 @@ class offload_activations:
     (``torch_offload.disk_spill``) and stays on its device with ``tier="cpu"``.
     During backward the tensors packed just before the one being unpacked are
     restored ahead of need, up to ``prefetch_bytes`` in flight (the next one always,
-    however large). Host copies and
+    however large, unless ``prefetch_over_budget=False``). Host copies and
     disk space are freed with the graph.
 
     Args:
@@ -62,6 +62,9 @@ class offload_activations:
             with tier="cpu", no host copies at all with tier="disk".
         prefetch_bytes: most bytes restored ahead of need during backward (at least the
             next tensor, even a larger one); 0 disables it.
+        prefetch_over_budget: restore the next tensor ahead even when it alone is over
+            prefetch_bytes (True, the default: a GPU's copy then overlaps compute); False: a
+            tensor over the budget is restored when backward asks for it.
         tier: where activations wait: "cpu" (host memory) or "disk" (host memory up to
             max_host_bytes, then the spill file).
         spill_directory, allow_tmpfs: where the disk tier writes, as for ``disk_spill``.
@@ -76,6 +79,7 @@ class offload_activations:
         min_bytes: int = 1 << 20,
         max_host_bytes: int | None = None,
         prefetch_bytes: int = 64 << 20,
+        prefetch_over_budget: bool = True,
         tier: str = "cpu",
         offload_cpu_tensors: bool | None = None,
         module: torch.nn.Module | list[torch.nn.Module] | None = None,
@@ -88,6 +92,7 @@ class offload_activations:
         min_bytes = check_int(min_bytes, "min_bytes", caller)
         max_host_bytes = check_int(max_host_bytes, "max_host_bytes", caller, none_ok=True)
         prefetch_bytes = check_int(prefetch_bytes, "prefetch_bytes", caller)
+        prefetch_over_budget = check_bool(prefetch_over_budget, "prefetch_over_budget", caller)
         offload_cpu_tensors = check_bool(offload_cpu_tensors, "offload_cpu_tensors", caller, none_ok=True)
         spill_directory = check_path(spill_directory, "spill_directory", caller)
         allow_tmpfs = check_bool(allow_tmpfs, "allow_tmpfs", caller)
@@ -101,7 +106,14 @@ class offload_activations:
         if offload_cpu_tensors is None:
             offload_cpu_tensors = tier == "disk"  # the disk tier exists to take RAM off the host too
         self._store = torch.classes.offload.ActivationStore(
-            min_bytes, max_host_bytes, prefetch_bytes, offload_cpu_tensors, tier == "disk", spill_directory, allow_tmpfs
+            min_bytes,
+            max_host_bytes,
+            prefetch_bytes,
+            prefetch_over_budget,
+            offload_cpu_tensors,
+            tier == "disk",
+            spill_directory,
+            allow_tmpfs,
         )
         # The store's cheap decisions, taken in _pack without crossing into C++.
         self._min_bytes = min_bytes

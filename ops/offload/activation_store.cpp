@@ -337,11 +337,12 @@ at::Tensor SavedActivation::unpack() const {
 }
 
 ActivationStore::ActivationStore(int64_t min_bytes, int64_t max_host_bytes, int64_t prefetch_bytes,
-                                 bool offload_cpu_tensors, bool spill_to_disk,
+                                 bool prefetch_over_budget, bool offload_cpu_tensors, bool spill_to_disk,
                                  std::optional<std::string> spill_directory, bool allow_tmpfs)
     : min_bytes_(min_bytes),
       max_host_bytes_(max_host_bytes),
       prefetch_bytes_(prefetch_bytes),
+      prefetch_over_budget_(prefetch_over_budget),
       offload_cpu_tensors_(offload_cpu_tensors),
       spill_to_disk_(spill_to_disk),
       spill_directory_(std::move(spill_directory)),
@@ -503,9 +504,12 @@ void ActivationStore::prefetch_before_locked(ActivationEntry& restoring) {
         entry->watched_memory_ != nullptr) {
       continue;
     }
-    // The next entry goes even when it alone is over the budget: one in flight keeps
-    // backward from waiting, whatever the tensor sizes.
-    if (prefetch_in_flight_bytes_ > 0 && prefetch_in_flight_bytes_ + entry->nbytes_ > prefetch_bytes_) {
+    // With prefetch_over_budget the next entry goes even when it alone is over the budget:
+    // one in flight keeps backward from waiting, whatever the tensor sizes. Without, the
+    // budget holds: where the compute is long next to a restore (a CPU at long context),
+    // an entry restored on demand costs less time than its memory held ahead costs.
+    const bool first_over_budget = prefetch_over_budget_ && prefetch_in_flight_bytes_ == 0;
+    if (!first_over_budget && prefetch_in_flight_bytes_ + entry->nbytes_ > prefetch_bytes_) {
       break;
     }
     if (on_host) {

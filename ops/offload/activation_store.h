@@ -127,9 +127,11 @@ class ActivationStore : public torch::CustomClassHolder {
  public:
   // max_host_bytes < 0: no host budget. Past the budget a tensor goes to disk
   // when spill_to_disk (in spill_directory, none: disk_spill's default), else
-  // stays on its device.
-  ActivationStore(int64_t min_bytes, int64_t max_host_bytes, int64_t prefetch_bytes, bool offload_cpu_tensors,
-                  bool spill_to_disk, std::optional<std::string> spill_directory, bool allow_tmpfs);
+  // stays on its device. prefetch_over_budget: the next entry is restored ahead even when
+  // it alone is over prefetch_bytes.
+  ActivationStore(int64_t min_bytes, int64_t max_host_bytes, int64_t prefetch_bytes, bool prefetch_over_budget,
+                  bool offload_cpu_tensors, bool spill_to_disk, std::optional<std::string> spill_directory,
+                  bool allow_tmpfs);
 
   // t saved: offloaded (through an entry shared by every tensor in the same
   // range), or as it is when it is a parameter or a view of one, a skipped
@@ -158,7 +160,8 @@ class ActivationStore : public torch::CustomClassHolder {
   // bytes overlap key's but were packed through another version counter or version.
   void refresh_changed_copies_locked(const DedupKey& key, const at::Tensor& source);
   // Called by an entry on its first restore: restores the entries packed just
-  // before it (needed next by backward), up to prefetch_bytes_ in flight (at least one). It
+  // before it (needed next by backward), up to prefetch_bytes_ in flight (at least one with
+  // prefetch_over_budget_). It
   // resumes where the previous scan stopped when backward goes on downwards, so
   // each entry is looked at about once per backward.
   void prefetch_before_locked(ActivationEntry& restoring);
@@ -170,6 +173,7 @@ class ActivationStore : public torch::CustomClassHolder {
   const int64_t min_bytes_;
   const int64_t max_host_bytes_;
   const int64_t prefetch_bytes_;
+  const bool prefetch_over_budget_;
   const bool offload_cpu_tensors_;
   const bool spill_to_disk_;
   const std::optional<std::string> spill_directory_;

@@ -157,7 +157,8 @@ def apply(
       and ``store_unpack`` nodes). Compile the model itself, not a function that calls it.
     - ``offload_options`` go to ``offload_activations`` (``min_bytes``,
       ``max_host_bytes``, ``prefetch_bytes``, ``spill_directory``...); for a model in host memory
-      with ``offload="disk"``, ``prefetch_bytes`` is 16 MiB unless given. An unknown one is a
+      with ``offload="disk"``, ``prefetch_bytes`` is 16 MiB and ``prefetch_over_budget`` False unless
+      given (a saved tensor over the read-ahead is read when backward asks for it). An unknown one is a
       TypeError naming it; one the configuration would ignore (any of them without a tier,
       ``spill_directory`` or ``allow_tmpfs`` with ``offload="cpu"``) is a ValueError.
 
