@@ -88,16 +88,15 @@ def run(tokens):
 def table(results):
     lengths = list(results)
     rows = {"step (VmHWM)": [results[t]["peak"] for t in lengths]}
-    rows["forward, the highest phase"] = [
-        max(v for k, v in results[t]["phases"].items() if k.startswith("forward")) for t in lengths
-    ]
+    forward = [max((v, k) for k, v in results[t]["phases"].items() if k.startswith("forward")) for t in lengths]
+    highest = ", ".join(f"{t // 1024}K: {k.removeprefix('forward, ')}" for t, (_, k) in zip(lengths, forward))
+    rows[f"forward, the highest phase ({highest})"] = [v for v, _ in forward]
     names = dict.fromkeys(name for t in lengths for name in results[t]["phases"] if not name.startswith("forward"))
     for name in names:
         rows[name] = [results[t]["phases"].get(name) for t in lengths]
     spans = list(zip(lengths, lengths[1:]))
-    header = " | ".join(f"{t // 1024}K MiB" for t in lengths)
-    slopes = " | ".join(f"KiB/token {a // 1024}K-{b // 1024}K" for a, b in spans)
-    lines = [f"| phase | {header} | {slopes} |", "| --- |" + " ---: |" * (len(lengths) + len(spans))]
+    header = [f"{t // 1024}K MiB" for t in lengths] + [f"KiB/token {a // 1024}K-{b // 1024}K" for a, b in spans]
+    lines = [f"| phase | {' | '.join(header)} |", "| --- |" + " ---: |" * len(header)]
     for name, peaks in rows.items():
         cells = ["-" if p is None else f"{p / 2**20:.0f}" for p in peaks]
         for i, (a, b) in enumerate(spans):
