@@ -20,6 +20,7 @@ every batch holds T token slots.
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -136,7 +137,7 @@ def main():
             f"**{slopes['apply(disk)'][0] / single:.2f}** | {mib(slopes['plain'][1])} | "
             f"{mib(slopes['apply(disk)'][1])} |"
         )
-    command = "`.venv/bin/python bench/real_batches.py" + (" --write`" if args.write else "`")
+    command = "`" + shlex.join([".venv/bin/python", "bench/real_batches.py", *sys.argv[1:]]) + "`"
     text = (
         f"## Packed and padded batches\n\n{command} ({machine()}). transformers' LlamaForCausalLM (hidden 512, "
         "MLP 1408, 8 layers, vocabulary 32K, float32); one step per fresh process; bytes per token is the "

@@ -173,6 +173,34 @@ def test_prefetch_within_its_budget_restores_larger_tensors_on_demand():
         torch_offload.offload_activations(prefetch_over_budget=1)
 
 
+def mixed_chain_stats(**options):
+    # Saved tensors of 4 KiB and 1 KiB in turn (each sin saves its input); chain()'s intermediates die with its frame,
+    # so backward restores every one of them rather than reading a live storage.
+    def chain(h):
+        for _ in range(5):
+            big = h.repeat(4)
+            h = (big.sin()[:256] * 1).sin()
+        return h
+
+    with torch_offload.offload_activations(
+        offload_cpu_tensors=True, min_bytes=0, prefetch_bytes=2048, **options
+    ) as ctx:
+        out = chain(torch.randn(256, requires_grad=True) * 1)
+    out.sum().backward()
+    return ctx.stats()
+
+
+def test_prefetch_within_its_budget_goes_on_past_a_tensor_restored_on_demand():
+    # Backward restores 1, 4, 1, 4, ... KiB: within 2 KiB every 1 KiB tensor but the first restored is read ahead,
+    # each 4 KiB one on demand, and the scan resumes after each of those.
+    within = mixed_chain_stats(prefetch_over_budget=False)
+    assert within["prefetch_hits"] == 4
+    assert within["unpacked_bytes"] == 5 * (4096 + 1024)
+    assert within["prefetch_scanned"] <= 2 * 10
+    # The next one always (the default): all but the first restored.
+    assert mixed_chain_stats()["prefetch_hits"] == 9
+
+
 def test_nested_contexts_use_the_innermost_and_reentry_is_safe():
     x = torch.randn(64, requires_grad=True)
     outer = torch_offload.offload_activations(offload_cpu_tensors=True, min_bytes=0)

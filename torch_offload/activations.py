@@ -61,7 +61,7 @@ class offload_activations:
         max_host_bytes: most host bytes held at once by this context; None: no limit
             with tier="cpu", no host copies at all with tier="disk".
         prefetch_bytes: most bytes restored ahead of need during backward (at least the
-            next tensor, even a larger one); 0 disables it.
+            next tensor, even a larger one, with prefetch_over_budget); 0 disables it.
         prefetch_over_budget: restore the next tensor ahead even when it alone is over
             prefetch_bytes (True, the default: a GPU's copy then overlaps compute); False: a
             tensor over the budget is restored when backward asks for it.

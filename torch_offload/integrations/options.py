@@ -158,7 +158,8 @@ def _offload_context(
     if offload == "disk" and not _on_accelerator(model):
         # The CPU that computes also restores: a 16 MiB read-ahead hid the reads as well as the store's 64 MiB did
         # and took 30-45 MiB off the step's peak at 8K-16K tokens, and a tensor over it restored when asked for
-        # took about one hidden vector per token off the peak in the same step time (BENCHMARKS.md, "Long context").
+        # took about one [T, h] tensor off the peak from 32K tokens in the same step time (BENCHMARKS.md, "Long
+        # context").
         options.setdefault("prefetch_bytes", HOST_MODEL_PREFETCH_BYTES)
         options.setdefault("prefetch_over_budget", False)
     context = offload_activations(tier=offload, **options)  # checks the directory at first use
