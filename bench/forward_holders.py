@@ -1,5 +1,5 @@
 """What an applied step's forward holds between modules: at the end of a layer's attention and of its MLP, the
-activations Python can reach, by who holds them, beside the resident set's growth.
+activations Python can reach, by what they are, beside the resident set's growth.
 
     .venv/bin/python bench/forward_holders.py [--tokens 16384,32768] [--layer 4] [--write]
 
@@ -8,9 +8,10 @@ after a 128-token training step), one fresh process per T, with glibc returning 
 it is freed, so that the resident set's growth is the live bytes. When the chosen layer's attention and MLP return
 (their forward hooks), every tensor the garbage collector reaches whose storage has 1 MiB or more and was not
 there before the forward (the weights and views of them were) is counted once per storage, named by what it is
-to the layer: its input (which the model's loop still holds), the module's input and output, else the autograd
-node that made it. What Python cannot reach (the
-library's own buffers, tensors the disk tier has not written yet) is the resident growth less the reached total.
+to the layer: its input (which the model's loop and the layer's call still hold), the module's input and output,
+else the autograd node that made it. The resident growth beside the reached total shows what Python cannot reach
+(the library's own buffers, tensors the disk tier has not written yet); it can come out a little below the total,
+as the step reuses blocks the warm-up freed.
 """
 
 import argparse
@@ -120,7 +121,7 @@ def table(results, args):
         f"## {TITLE}\n\n{command} ({machine()}). Layer {args.layer} of the demo's Llama (hidden 512, 8 layers, "
         "float32) with `apply(model)` and no option, in the forward of one step per fresh process, every block of "
         "1 MiB or more returned when freed: when its attention and its MLP return, the tensors Python reaches "
-        "(1 MiB or more, each storage once, none of the weights') by who holds them, in MiB and in `[T, 512]` float32 "
+        "(1 MiB or more, each storage once, none of the weights') by what they are, in MiB and in `[T, 512]` float32 "
         "vectors.\n\n" + "\n".join(lines) + "\n"
     )
 
