@@ -185,6 +185,55 @@ def test_balanced_pieces_hold_little_more_than_one_flash_call():
     assert backward <= one_call + 2 * unit
 
 
+QUERY_CHUNK_SHAPES = {
+    "mha": dict(heads=2, kv_heads=2),
+    "gqa_biases": dict(heads=4, kv_heads=2, bias=True),
+    "one_head_and_a_short_last_chunk": dict(heads=1, kv_heads=1, tokens=4100),
+}
+
+
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [(shape, torch.float64) for shape in QUERY_CHUNK_SHAPES] + [("gqa_biases", torch.float32), ("mha", torch.bfloat16)],
+    ids=str,
+)
+def test_one_long_sequence_backward_takes_its_queries_in_chunks_and_still_matches(shape, dtype):
+    # One sequence of 4096 tokens or more: backward takes the queries' side in chunks of 2048 rows (4100: a last
+    # chunk of 4), each against its own keys and every key before it. Float64 agrees with eager to rounding, float32
+    # and bfloat16 are as close to float64 as eager is.
+    kwargs = dict(batch=1, tokens=4096, h=16, head_dim=8) | QUERY_CHUNK_SHAPES[shape]
+    inputs = make_inputs(**kwargs, dtype=dtype)
+    inputs64 = [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None for t in inputs]
+    grad_out = torch.randn(1, kwargs["tokens"], 16, generator=torch.Generator().manual_seed(3))
+    want, want_grads = output_and_grads(reference, inputs64, grad_out.double())
+    got, got_grads = output_and_grads(call, inputs, grad_out.to(dtype))
+    if dtype == torch.float64:
+        for name, g, w in zip(NAMES, got_grads, want_grads):
+            assert relative_error(g, w) < 1e-12, name
+    else:
+        _, eager_grads = output_and_grads(reference, inputs, grad_out.to(dtype))
+        for name, g, e, w in zip(NAMES, got_grads, eager_grads, want_grads):
+            assert relative_error(g, w) <= max(2 * relative_error(e, w), 1e-2), name
+
+
+def test_one_long_sequence_backward_holds_a_chunk_of_its_queries_side():
+    # One 64-wide head over 16384 tokens (a "unit" is one [tokens, 64] float32 tensor): besides x's gradient (1 unit
+    # at this width) backward holds the keys, values and their gradients whole (4 units), and a chunk of the queries,
+    # the output and their gradients (2048 rows, an eighth of a unit each): 6.8 units in all. With the queries' side
+    # whole it held 12.5.
+    tokens = 16384
+    x, w_q, w_k, w_v, w_o, cos, sin, *_ = make_inputs(batch=1, tokens=tokens, h=64, heads=1, kv_heads=1, head_dim=64)
+    x, w_q, w_k, w_v, w_o = (t.detach() for t in (x, w_q, w_k, w_v, w_o))
+    grad_out = torch.randn_like(x)
+    unit = x.nbytes
+    peak = peak_allocated_bytes(
+        lambda: torch.ops.offload.attention_block_backward(
+            grad_out, x, w_q, w_k, w_v, w_o, cos, sin, None, None, None, None, None, None, [True] * 5 + [False] * 6
+        )
+    )
+    assert peak <= 8 * unit
+
+
 def test_even_batch_times_heads_and_short_sequences_run_in_one_flash_call():
     for kwargs in (
         dict(batch=2, heads=1, kv_heads=1, tokens=1024),

@@ -136,6 +136,13 @@ def test_head_groups_and_segments_match_float64():
     assert_matches(got, output_and_grads(lambda *a: reference(*a, segment_ids=segments), inputs))
 
 
+def test_one_long_sequence_with_its_queries_in_chunks_matches_float64():
+    # 4100 tokens in one row: backward takes the queries' side in chunks of 2048 rows (test_attention_block's).
+    inputs = make_norm_inputs(batch=1, tokens=4100, h=16, heads=4, kv_heads=2, head_dim=8, bias=True)
+    inputs = [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None for t in inputs]
+    assert_matches(output_and_grads(call, inputs), output_and_grads(reference, inputs))
+
+
 def test_packed_and_padded_rows_match_float64():
     inputs = make_norm_inputs(batch=3, tokens=13, dtype=torch.float64, bias=True)
     got = output_and_grads(lambda *a: call(*a, scale=0.3, segment_ids=SEGMENTS), inputs)

@@ -8,6 +8,8 @@
 #include <cmath>
 #include <numeric>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <ATen/OpMathType.h>
@@ -25,6 +27,8 @@
 #include <c10/core/SymBool.h>
 #include <c10/util/Exception.h>
 
+#include "ops/attention_block/head_batches.h"
+#include "ops/attention_block/query_chunks.h"
 #include "ops/attention_block/row_norms.h"
 #include "ops/attention_block/segments.h"
 #include "ops/common/checks.h"
@@ -333,6 +337,24 @@ int64_t kv_heads_per_group(const char* op, const Layout& l, const Shards& shards
   return std::min(l.kv_heads, (l.kv_heads_per_group + step - 1) / step * step);
 }
 
+// x's rows through rows [start, start + count) of a projection's weight (and bias).
+at::Tensor linear_rows(const at::Tensor& x_rows, const at::Tensor& w, const at::Tensor& b, int64_t start,
+                       int64_t count) {
+  at::Tensor out = at::empty({x_rows.size(0), count}, x_rows.options());
+  linear_into(out, x_rows, w.narrow(0, start, count), narrow_or_undefined(b, 0, start, count));
+  return out;
+}
+
+// A projection's rows (its columns from `start`) through its norm: per head, over whole rows (by their
+// scales rstd), or none.
+at::Tensor normed_rows(const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& rstd, int64_t start,
+                       double eps) {
+  if (rstd.defined()) {
+    return row_rms_norm(rows, rstd, weight.narrow(0, start, rows.size(1)));
+  }
+  return weight.defined() ? head_rms_norm(rows, weight, eps) : rows;
+}
+
 // One group of key/value heads [first, first + count) and the query heads that share them.
 struct Group {
   int64_t q_start, q_rows, kv_start, kv_rows;
@@ -347,33 +369,41 @@ struct Group {
         kv_rows(count * l.head_dim) {}
 };
 
-// Projects x's rows to the group's q, k and v (for the whole rows and a share of the heads, with shards).
+// Projects x's rows to the group's queries (rows' layout l: all of x's rows, or a chunk of them with cos and sin
+// narrowed to its tokens and the norms' row scales to its rows).
+void project_queries(Group& g, const Layout& l, const at::Tensor& x_rows, const at::Tensor& w_q, const at::Tensor& b_q,
+                     const at::Tensor& cos, const at::Tensor& sin, const HeadNorms& norms, bool keep_rows,
+                     const Shards& shards) {
+  const at::Tensor q_rows = linear_rows(x_rows, w_q, b_q, g.q_start, g.q_rows);
+  if (keep_rows) {
+    g.q_unnormed = norms.q.defined() ? q_rows : at::Tensor();
+  }
+  g.q = shards.to_tokens(rotary(normed_rows(q_rows, norms.q, norms.q_rstd, g.q_start, norms.eps), l, cos, sin));
+}
+
+// Projects x's rows to the group's keys and values (for the whole rows and a share of the heads, with shards).
+void project_keys_values(Group& g, const Layout& l, const at::Tensor& x_rows, const at::Tensor& w_k,
+                         const at::Tensor& w_v, const at::Tensor& b_k, const at::Tensor& b_v, const at::Tensor& cos,
+                         const at::Tensor& sin, const HeadNorms& norms, bool keep_rows, const Shards& shards) {
+  const at::Tensor k_rows = linear_rows(x_rows, w_k, b_k, g.kv_start, g.kv_rows);
+  if (keep_rows) {
+    g.k_unnormed = norms.k.defined() ? k_rows : at::Tensor();
+  }
+  g.k = repeat_kv(rotary(normed_rows(k_rows, norms.k, norms.k_rstd, g.kv_start, norms.eps), l, cos, sin), l);
+  g.v = repeat_kv(
+      linear_rows(x_rows, w_v, b_v, g.kv_start, g.kv_rows).view({l.batch, l.tokens, -1, l.head_dim}).transpose(1, 2),
+      l);
+  g.k = shards.to_tokens(g.k);
+  g.v = shards.to_tokens(g.v);
+}
+
+// Projects x's rows to the group's q, k and v.
 void project(Group& g, const Layout& l, const at::Tensor& x_rows, const at::Tensor& w_q, const at::Tensor& w_k,
              const at::Tensor& w_v, const at::Tensor& b_q, const at::Tensor& b_k, const at::Tensor& b_v,
              const at::Tensor& cos, const at::Tensor& sin, const HeadNorms& norms, bool keep_rows,
              const Shards& shards) {
-  const auto linear = [&](const at::Tensor& w, const at::Tensor& b, int64_t start, int64_t rows) {
-    at::Tensor out = at::empty({x_rows.size(0), rows}, x_rows.options());
-    linear_into(out, x_rows, w.narrow(0, start, rows), narrow_or_undefined(b, 0, start, rows));
-    return out;
-  };
-  const at::Tensor q_rows = linear(w_q, b_q, g.q_start, g.q_rows), k_rows = linear(w_k, b_k, g.kv_start, g.kv_rows);
-  if (keep_rows) {
-    g.q_unnormed = norms.q.defined() ? q_rows : at::Tensor();
-    g.k_unnormed = norms.k.defined() ? k_rows : at::Tensor();
-  }
-  const auto normed = [&](const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& rstd, int64_t start) {
-    if (rstd.defined()) {
-      return row_rms_norm(rows, rstd, weight.narrow(0, start, rows.size(1)));
-    }
-    return weight.defined() ? head_rms_norm(rows, weight, norms.eps) : rows;
-  };
-  g.q = rotary(normed(q_rows, norms.q, norms.q_rstd, g.q_start), l, cos, sin);
-  g.k = repeat_kv(rotary(normed(k_rows, norms.k, norms.k_rstd, g.kv_start), l, cos, sin), l);
-  g.v = repeat_kv(linear(w_v, b_v, g.kv_start, g.kv_rows).view({l.batch, l.tokens, -1, l.head_dim}).transpose(1, 2), l);
-  g.q = shards.to_tokens(g.q);
-  g.k = shards.to_tokens(g.k);
-  g.v = shards.to_tokens(g.v);
+  project_queries(g, l, x_rows, w_q, b_q, cos, sin, norms, keep_rows, shards);
+  project_keys_values(g, l, x_rows, w_k, w_v, b_k, b_v, cos, sin, norms, keep_rows, shards);
 }
 
 // Rows of x's projection at a time for the whole-row norms' passes: each holds a few float32 tensors of
@@ -505,27 +535,82 @@ AttentionBlockGradients attention_block_backward_impl(
     const at::Tensor grad_q_normed = defer_q ? at::empty({rows, w_q.size(0)}, x.options()) : at::Tensor();
     const at::Tensor grad_k_normed = defer_k ? at::empty({rows, w_k.size(0)}, x.options()) : at::Tensor();
     // q's and k's gradients through their per-head norms and projections, or kept for their whole-row norms.
-    const auto norm_and_projection_backward = [&](at::Tensor grad, const at::Tensor& kept, const at::Tensor& rows,
-                                                  const at::Tensor& weight, const at::Tensor& grad_weight,
-                                                  const at::Tensor& w, const at::Tensor& grad_w,
-                                                  const at::Tensor& grad_b, int64_t start, int64_t count) {
-      if (kept.defined()) {
-        kept.narrow(1, start, count).copy_(grad);
-        return;
-      }
-      if (over_whole_rows(weight, l.head_dim)) {  // and nothing on this side wants a gradient
-        return;
-      }
-      if (weight.defined()) {
-        grad = head_rms_norm_backward(grad, rows, weight, norms.eps, grad_weight);
-      }
-      projection_backward(grad, w, grad_w, grad_b, start, count, 0);
+    const auto norm_and_projection_backward =
+        [&](at::Tensor grad, const at::Tensor& kept, const at::Tensor& rows, const at::Tensor& weight,
+            const at::Tensor& grad_weight, const at::Tensor& w, const at::Tensor& grad_w, const at::Tensor& grad_b,
+            int64_t start, int64_t count, int64_t first_row) {
+          if (kept.defined()) {
+            kept.narrow(0, first_row, grad.size(0)).narrow(1, start, count).copy_(grad);
+            return;
+          }
+          if (over_whole_rows(weight, l.head_dim)) {  // and nothing on this side wants a gradient
+            return;
+          }
+          if (weight.defined()) {
+            grad = head_rms_norm_backward(grad, rows, weight, norms.eps, grad_weight);
+          }
+          projection_backward(grad, w, grad_w, grad_b, start, count, first_row);
+        };
+    // One causal sequence a row on the CPU: the queries' side a chunk of rows at a time (query_chunks.h), so that
+    // a group holds its keys and values and their gradients whole but not its queries, output and their gradients.
+    const int64_t query_chunk =
+        x.is_cpu() && !shards.active() && runs.empty() && l.batch == 1 && want_inner ? query_chunk_rows(l.tokens) : 0;
+    const auto chunk_layout = [&](int64_t length) {
+      Layout chunk = l;
+      chunk.tokens = length;
+      return chunk;
+    };
+    // The keys' and values' gradients of tokens [start, start + length) (dk, dv [B, kv heads repeated, length, D];
+    // B = 1 where start > 0) through the rotary embedding, the keys' norm and the projections.
+    const auto keys_values_backward = [&](const Group& g, const at::Tensor& dk, const at::Tensor& dv, int64_t start,
+                                          int64_t length) {
+      const Layout rows_layout = chunk_layout(length);
+      const at::Tensor cos_rows = cos.narrow(1, start, length), sin_rows = sin.narrow(1, start, length);
+      norm_and_projection_backward(rotary_backward(sum_repeats(dk, rows_layout), rows_layout, cos_rows, sin_rows),
+                                   grad_k_normed, narrow_or_undefined(g.k_unnormed, 0, start, l.batch * length),
+                                   norms.k, grad_k_norm, w_k, grad_w_k, grad_b_k, g.kv_start, g.kv_rows, start);
+      projection_backward(as_rows(sum_repeats(dv, rows_layout), rows_layout), w_v, grad_w_v, grad_b_v, g.kv_start,
+                          g.kv_rows, start);
     };
     for (int64_t first = 0; first < l.kv_heads; first += per_group) {
       Group g(l, first, std::min(per_group, l.kv_heads - first));
+      const at::Tensor w_o_group = w_o.narrow(1, g.q_start, g.q_rows);
+      if (query_chunk > 0) {
+        project_keys_values(g, l, x_rows, w_k, w_v, bk, bv, cos, sin, norms, /*keep_rows=*/true, shards);
+        QueryChunkSteps steps;
+        steps.queries = [&](int64_t start, int64_t length) {
+          HeadNorms chunk_norms = norms;
+          chunk_norms.q_rstd = narrow_or_undefined(norms.q_rstd, 0, start, length);
+          project_queries(g, chunk_layout(length), x_rows.narrow(0, start, length), w_q, bq,
+                          cos.narrow(1, start, length), sin.narrow(1, start, length), chunk_norms,
+                          /*keep_rows=*/true, shards);
+          return std::exchange(g.q, at::Tensor());
+        };
+        steps.output_gradient = [&](int64_t start, int64_t length, const at::Tensor& out) {
+          const at::Tensor grad_chunk = grad_rows.narrow(0, start, length);
+          if (want_w_o) {
+            accumulate_mm(grad_w_o.narrow(1, g.q_start, g.q_rows), grad_chunk.t(), as_rows(out, chunk_layout(length)));
+          }
+          return at::mm(grad_chunk, w_o_group).view({l.batch, length, -1, l.head_dim}).transpose(1, 2);
+        };
+        steps.query_gradient = [&](int64_t start, int64_t length, const at::Tensor& dq) {
+          const at::Tensor grad = rotary_backward(dq.to(x.scalar_type()), chunk_layout(length),
+                                                  cos.narrow(1, start, length), sin.narrow(1, start, length));
+          norm_and_projection_backward(grad, grad_q_normed, g.q_unnormed, norms.q, grad_q_norm, w_q, grad_w_q, grad_b_q,
+                                       g.q_start, g.q_rows, start);
+        };
+        auto [dk, dv] = attend_backward_in_query_chunks(kernels, g.k, g.v, l.scale, query_chunk, steps);
+        g.k.reset(), g.v.reset(), g.q_unnormed.reset();
+        // A chunk of rows at a time too: whole, the rotary embedding's backward would hold a few keys' sizes.
+        for (int64_t start = 0; start < l.tokens; start += query_chunk) {
+          const int64_t length = std::min(query_chunk, l.tokens - start);
+          keys_values_backward(g, dk.narrow(2, start, length).to(x.scalar_type()),
+                               dv.narrow(2, start, length).to(x.scalar_type()), start, length);
+        }
+        continue;
+      }
       project(g, l, x_rows, w_q, w_k, w_v, bq, bk, bv, cos, sin, norms, /*keep_rows=*/true, shards);
       AttentionResult attention = attend(kernels, g.q, g.k, g.v, l.scale, runs);
-      const at::Tensor w_o_group = w_o.narrow(1, g.q_start, g.q_rows);
       if (want_w_o) {
         accumulate_mm(grad_w_o.narrow(1, g.q_start, g.q_rows), grad_rows.t(),
                       as_rows(shards.to_heads(attention.out), l));
@@ -543,10 +628,8 @@ AttentionBlockGradients attention_block_backward_impl(
       dk = shards.to_heads(dk);
       dv = shards.to_heads(dv);
       norm_and_projection_backward(rotary_backward(dq, l, cos, sin), grad_q_normed, g.q_unnormed, norms.q, grad_q_norm,
-                                   w_q, grad_w_q, grad_b_q, g.q_start, g.q_rows);
-      norm_and_projection_backward(rotary_backward(sum_repeats(dk, l), l, cos, sin), grad_k_normed, g.k_unnormed,
-                                   norms.k, grad_k_norm, w_k, grad_w_k, grad_b_k, g.kv_start, g.kv_rows);
-      projection_backward(as_rows(sum_repeats(dv, l), l), w_v, grad_w_v, grad_b_v, g.kv_start, g.kv_rows, 0);
+                                   w_q, grad_w_q, grad_b_q, g.q_start, g.q_rows, 0);
+      keys_values_backward(g, dk, dv, 0, l.tokens);
     }
     // The whole-row norms' gradients, then their projections', a chunk of rows at a time (the projection
     // recomputed).
@@ -757,24 +840,6 @@ bool split_into_balanced_pieces(const at::Tensor& q) {
   return (q.size(0) * q.size(1)) % 2 == 1 && tokens >= kBalancedSplitMinTokens && tokens % 4 == 0;
 }
 
-// [B, H, 2m, ...] as [2B, H, m, ...]: sequence b's first half at 2b, its second at 2b + 1. A view of the
-// token-major tensors the projections and kernels make; a copy otherwise.
-at::Tensor halves_as_batch(const at::Tensor& t) {
-  return t.unflatten(2, {2, t.size(2) / 2}).transpose(1, 2).flatten(0, 1);
-}
-
-// halves_as_batch's inverse.
-at::Tensor batch_as_halves(const at::Tensor& t) {
-  return t.unflatten(0, {t.size(0) / 2, 2}).transpose(1, 2).flatten(2, 3);
-}
-
-// [B, H, m, ...] as [2B, H, m, ...], each sequence twice (a view when B = 1).
-at::Tensor twice_as_batch(const at::Tensor& t) {
-  std::vector<int64_t> sizes = t.sizes().vec();
-  sizes.insert(sizes.begin() + 1, 2);
-  return t.unsqueeze(1).expand(sizes).flatten(0, 1);
-}
-
 AttentionResult cpu_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                       bool causal) {
   const auto flash = [&](const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, bool causal_) {
@@ -831,7 +896,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_attention_backward(const at::
       const auto [cross_dq, cross_dk, cross_dv] =
           flash_backward(queries(grad_out), queries(q), keys(k), keys(v), queries(result.out),
                          queries(result.logsumexp), /*causal=*/false);
-      dq.narrow(2, start, length).add_(cross_dq.unflatten(0, {q.size(0), 2}).sum(1));
+      dq.narrow(2, start, length).add_(sum_twice(cross_dq));
       dk.narrow(2, key_start, key_length).add_(batch_as_halves(cross_dk));
       dv.narrow(2, key_start, key_length).add_(batch_as_halves(cross_dv));
     }
