@@ -216,6 +216,7 @@ def test_rows_and_reasons_follow_the_options(tmp_path, caplog):
             "loss: off",
             "norms: 7 of 7 through rms_norm",
             "masks: the model's own (attention_block=False)",
+            "layer loop: the model's own: no layer is offloaded",
         ]
     )
     handle.remove()

@@ -23,6 +23,7 @@ from ..causal_lm_loss import fuse_causal_lm_loss
 from .compiled import _offload_in_compiled_graphs
 from .handle import OffloadHandle, _refuse_patched
 from .implementations import _use_segment_masks
+from .layer_loop import install_layer_loop
 from .layer_wrapping import _wrap_layer
 from .layers import _find_layers, _mlp_name
 from .mlp import _recorded_outputs, _tile_mlp
@@ -129,6 +130,12 @@ def apply(
       (transformers' ``LlamaRMSNorm`` and its copies; not Gemma's ``1 + weight``, nor a float64 model's,
       which transformers computes in float32): backward then holds the input's gradient alone, where
       autograd through the module holds five of its size (``handle.norms`` says which and why not).
+    - The loop over the layers: where every layer is offloaded with only its attention recomputed (the disk tier's
+      default), without sequence parallelism, and a probe at apply time shows that a loop of Llama's structure gives
+      the decoder's own output bit for bit (of the tested families: Llama, Qwen2, Qwen3, Gemma, SmolLM3, Mixtral,
+      Qwen3-MoE, DeepSeek-V3), apply runs the loop itself in training calls with gradients, no cache, no recorded
+      outputs and no hooks on the layers, so that neither the embeddings nor a layer's input stay alive past their
+      last use (``handle.layer_loop`` says which loop runs, and why; docs/apply.md, "The loop over the layers").
     - ``sequence_parallel``: a ``torch.distributed`` ProcessGroup (or a 1-D DeviceMesh, or a
       mesh's dimension ``mesh["sp"]``) whose ranks each hold a contiguous chunk of every row's
       tokens, as ``torch_offload.shard_batch(batch, group)`` gives them; call the model with
@@ -275,6 +282,7 @@ def _install_above_layers(
             masking.forget(config)
     if group is not None:
         _attend_over_ranks(handle, model, names, layers, group)
+    handle.layer_loop = install_layer_loop(handle, model)
     if handle.context is not None:
         _offload_in_compiled_graphs(handle, model, offloaded)
 

@@ -152,6 +152,7 @@ class OffloadHandle:
         self.loss = "off"
         self.norms: dict[str, str] = {}
         self.sequence_parallel: str | None = None  # the name of apply()'s sequence-parallel group
+        self.layer_loop = "the model's own"  # or "apply's" (layer_loop.py), or "the model's own: <why>"
         self._sequence_parallel_ranks = 1
         # For the report: the model's class, apply's options, the offloaded layers' indices, what the masks are.
         self._model_name = ""

@@ -86,6 +86,7 @@ def report(handle: OffloadHandle) -> dict[str, Any]:
         "loss": handle.loss,
         "norms": _norms(handle),
         "masks": handle._masks,
+        "layer_loop": handle.layer_loop,
         "sequence_parallel": handle.sequence_parallel,
         "removed": handle._removed,
     }
@@ -106,7 +107,12 @@ def _heading(data: dict[str, Any]) -> str:
 
 
 def _model_lines(data: dict[str, Any]) -> list[str]:
-    lines = [f"loss: {data['loss']}", f"norms: {data['norms']}", f"masks: {data['masks']}"]
+    lines = [
+        f"loss: {data['loss']}",
+        f"norms: {data['norms']}",
+        f"masks: {data['masks']}",
+        f"layer loop: {data['layer_loop']}",
+    ]
     if data["sequence_parallel"] is not None:
         lines.append(f"sequence_parallel: group {data['sequence_parallel']}")
     return lines
