@@ -8,7 +8,8 @@ after a 128-token training step), one fresh process per T, with glibc returning 
 it is freed, so that the resident set's growth is the live bytes. When the chosen layer's attention and MLP return
 (their forward hooks), every tensor the garbage collector reaches whose storage has 1 MiB or more and was not
 there before the forward (the weights and views of them were) is counted once per storage, named by what it is
-to the layer: its input (which the model's loop and the layer's call still hold), the module's input and output,
+to the layer: its input (which the model's own loop and its call of the layer hold through the layer; apply's loop
+drops it at the first residual add), the module's input and output,
 else the autograd node that made it. The resident growth beside the reached total shows what Python cannot reach
 (the library's own buffers, tensors the disk tier has not written yet); it can come out a little below the total,
 as the step reuses blocks the warm-up freed.
@@ -21,6 +22,7 @@ import json
 import subprocess
 import sys
 import warnings
+import weakref
 
 from measure import demo_llama, machine, reset_peak_rss, status_bytes, worker_env, write_section
 
@@ -32,7 +34,9 @@ def census(model, layer_index, tokens):
 
     layer = model.model.layers[layer_index]
     held = {}  # the end ("attention" or "MLP") -> {holder: bytes}, with the resident growth
-    seen = {}  # storage pointers of the layer's input, its module's input and output
+    # The layer's input, its module's input and output: weak references, as the layer's input dies in apply's loop
+    # (its address then serves a later tensor).
+    seen = {}
 
     def reached():
         storages = {}
@@ -47,7 +51,8 @@ def census(model, layer_index, tokens):
     def name(tensor):
         pointer = tensor.untyped_storage().data_ptr()
         for role in ("the layer's input", "the module's input", "the module's output"):
-            if seen.get(role) == pointer:
+            alive = seen.get(role, lambda: None)()
+            if alive is not None and alive.untyped_storage().data_ptr() == pointer:
                 return role
         if tensor.grad_fn is None:
             shape = ", ".join("T" if size == tokens else str(size) for size in tensor.shape)
@@ -57,8 +62,8 @@ def census(model, layer_index, tokens):
     def at_end(end):
         def hook(module, args, kwargs, output):
             out = output[0] if isinstance(output, tuple) else output
-            seen["the module's input"] = (args[0] if args else kwargs["hidden_states"]).untyped_storage().data_ptr()
-            seen["the module's output"] = out.untyped_storage().data_ptr()
+            seen["the module's input"] = weakref.ref(args[0] if args else kwargs["hidden_states"])
+            seen["the module's output"] = weakref.ref(out)
             holders = collections.Counter()
             for pointer, (nbytes, tensor) in reached().items():
                 if pointer not in before_step:
@@ -69,9 +74,11 @@ def census(model, layer_index, tokens):
         return hook
 
     def layer_input(module, args, kwargs):
-        seen["the layer's input"] = (args[0] if args else kwargs["hidden_states"]).untyped_storage().data_ptr()
+        seen["the layer's input"] = weakref.ref(args[0] if args else kwargs["hidden_states"])
 
-    layer.register_forward_pre_hook(layer_input, with_kwargs=True)
+    # On the layer's first norm, whose input is the layer's: a hook on the layer would send apply's loop over the
+    # layers back to the model's own (docs/apply.md, "The loop over the layers").
+    layer.input_layernorm.register_forward_pre_hook(layer_input, with_kwargs=True)
     layer.self_attn.register_forward_hook(at_end("attention"), with_kwargs=True)
     layer.mlp.register_forward_hook(at_end("MLP"), with_kwargs=True)
     ids = torch.randint(3, 32000, (1, tokens), generator=torch.Generator().manual_seed(0))
