@@ -37,11 +37,15 @@ def seeded_step(model, batch):
     return loss, grads, run_layer.call_count
 
 
-@pytest.mark.parametrize(
-    "name, batch",
-    [("llama", batch) for batch in ("right_padded_labelled", "packed_num_items")]
-    + [(name, batch) for name in (*LOOPED, "llama_attention_dropout", "mistral_without_window") for batch in ("packed", "left_padded")],
-)
+# Every family on a packed and a left-padded batch; Llama on labelled padding and num_items_in_batch too.
+CASES = [("llama", "right_padded_labelled"), ("llama", "packed_num_items")] + [
+    (name, batch)
+    for name in (*LOOPED, "llama_attention_dropout", "mistral_without_window")
+    for batch in ("packed", "left_padded")
+]
+
+
+@pytest.mark.parametrize("name, batch", CASES)
 def test_the_loop_gives_the_decoders_own_loss_and_gradients_bit_for_bit(name, batch, tmp_path):
     if name == "llama_attention_dropout":
         model, handle = applied("llama", tmp_path, attention_dropout=0.25)
