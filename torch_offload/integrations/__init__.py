@@ -131,11 +131,12 @@ def apply(
       which transformers computes in float32): backward then holds the input's gradient alone, where
       autograd through the module holds five of its size (``handle.norms`` says which and why not).
     - The loop over the layers: where every layer is offloaded with only its attention recomputed (the disk tier's
-      default), without sequence parallelism, and a probe at apply time shows that a loop of Llama's structure gives
-      the decoder's own output bit for bit (of the tested families: Llama, Qwen2, Qwen3, Gemma, SmolLM3, Mixtral,
-      Qwen3-MoE, DeepSeek-V3), apply runs the loop itself in training calls with gradients, no cache, no recorded
-      outputs and no hooks on the layers, so that neither the embeddings nor a layer's input stay alive past their
-      last use (``handle.layer_loop`` says which loop runs, and why; docs/apply.md, "The loop over the layers").
+      default), without sequence parallelism, in a family whose decoder forward is Llama's (Llama, Mistral without
+      a sliding window, Qwen2, Qwen3, Gemma, SmolLM3, Mixtral, Qwen3-MoE, DeepSeek-V3) built as Llama's, and where a
+      probe at apply time shows apply's loop gives the decoder's own output bit for bit, apply runs the loop itself
+      in training calls with gradients, no cache, no recorded outputs and no hooks on the layers, so that neither
+      the embeddings nor a layer's input stay alive past their last use (``handle.layer_loop`` says which loop
+      runs, and why; docs/apply.md, "The loop over the layers").
     - ``sequence_parallel``: a ``torch.distributed`` ProcessGroup (or a 1-D DeviceMesh, or a
       mesh's dimension ``mesh["sp"]``) whose ranks each hold a contiguous chunk of every row's
       tokens, as ``torch_offload.shard_batch(batch, group)`` gives them; call the model with
