@@ -128,6 +128,7 @@ CALLS = {
     "not_causal": ({}, _on_both(lambda model: setattr(model.config, "is_causal", False))),
     "sliding_window_set_since": ({}, _on_both(lambda model: setattr(model.config, "sliding_window", 4))),
     "global_hook": ({}, _global_hook),
+    "hf_gradient_checkpointing": ({}, _on_both(lambda model: model.activation_checkpointing_enable())),
     "layer_replaced": ({}, _replace_layer),
 }
 
