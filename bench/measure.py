@@ -92,8 +92,13 @@ def user_env():
     return env
 
 
+# A line in a section after which BENCHMARKS.md's hand-written notes on that run are kept when the section is rewritten.
+KEPT_NOTES = "<!-- notes below are kept when --write rewrites this section -->"
+
+
 def write_section(title, text):
-    """Replace BENCHMARKS.md's section `## {title}` by `text`, where it stands; else append it."""
+    """Replace BENCHMARKS.md's section `## {title}` by `text`, where it stands, keeping what follows its KEPT_NOTES
+    line; else append it."""
     path = ROOT / "BENCHMARKS.md"
     doc = (
         path.read_text()
@@ -109,6 +114,9 @@ def write_section(title, text):
         return
     end = doc.find("\n## ", start + 1)
     after = doc[end + 1 :] if end >= 0 else ""
+    section = doc[start : end if end >= 0 else len(doc)]
+    if KEPT_NOTES in section:
+        text = text.rstrip("\n") + "\n\n" + section[section.find(KEPT_NOTES) :].strip("\n") + "\n"
     path.write_text(doc[: start + 1] + text.rstrip("\n") + "\n" + ("\n" + after if after else ""))
 
 
