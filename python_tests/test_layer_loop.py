@@ -121,8 +121,8 @@ def _replace_layer(model, reference):
 CALLS = {
     "hidden_states_recorded": (dict(output_hidden_states=True), None),
     "attentions_recorded": (dict(output_attentions=True), None),
-    "cache": (dict(use_cache=True), None),
-    "config_cache": (dict(use_cache=None), _on_both(lambda model: setattr(model.config, "use_cache", True))),
+    "cache_given": (dict(use_cache=True, cache=transformers.DynamicCache()), None),
+    "cache_with_a_layer_in_eval_mode": (dict(use_cache=True), _on_both(lambda model: model.model.layers[1].eval())),
     "tuple_output": (dict(return_dict=False), None),
     "flash_attention_arguments": (dict(cu_seq_lens_q=torch.tensor([0, 24], dtype=torch.int32)), None),
     "not_causal": ({}, _on_both(lambda model: setattr(model.config, "is_causal", False))),
@@ -152,6 +152,36 @@ def test_calls_it_does_not_take_run_the_decoders_own_forward(case, tmp_path):
         assert len(got.hidden_states) == len(want.hidden_states) == len(handle.layers) + 1
         for a, b in zip(got.hidden_states, want.hidden_states):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    handle.remove()
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_a_call_asking_for_a_cache_takes_the_loop_and_returns_the_decoders_empty_cache(name, tmp_path):
+    """transformers' default (config.use_cache true, as a Trainer's calls leave it): the decoder makes a cache that
+    apply's layers leave empty in training mode, and apply's loop returns one alike."""
+    model, handle = applied(name, tmp_path)
+    model.config.use_cache = True
+    inputs = BATCHES["packed"]()
+
+    def cached_step():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        with counting_layers() as run_layer, pytest.warns(UserWarning, match="returns an empty cache"):
+            out = model(**inputs)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return out, grads, run_layer.call_count
+
+    out, grads, layers_run = cached_step()
+    assert layers_run == len(handle.layers)
+    with model.model.layers[0].register_forward_hook(lambda *args: None):  # the decoder's own loop
+        own_out, own_grads, layers_run = cached_step()
+    assert layers_run == 0
+    assert out.keys() == own_out.keys() and type(out.cache) is type(own_out.cache) is transformers.DynamicCache
+    assert out.cache.get_seq_length() == own_out.cache.get_seq_length() == 0
+    assert len(out.cache.layers) == len(own_out.cache.layers) == len(handle.layers)
+    assert torch.equal(out.loss, own_out.loss) and grads.keys() == own_grads.keys()
+    assert [n for n in grads if not torch.equal(grads[n], own_grads[n])] == []
     handle.remove()
 
 

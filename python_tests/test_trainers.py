@@ -6,6 +6,7 @@ un-applied model's; the same through TorchOffloadCallback, and TRL's GRPOTrainer
 import contextlib
 import copy
 import warnings
+from unittest import mock
 
 import datasets
 import pytest
@@ -16,6 +17,7 @@ import trl
 from test_real_batches import make_model
 
 import torch_offload
+from torch_offload.integrations import layer_loop
 
 WORDS = [f"w{i}" for i in range(120)]
 
@@ -197,6 +199,28 @@ def test_trainer_callback_applies_for_training_only_with_equal_losses(tmp_path):
     plain, applied = with_and_without_callback(packed_trainer(tmp_path))
     assert len(plain) == 4
     torch.testing.assert_close(applied, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_trainer_callback_runs_applys_layer_loop_at_every_step(tmp_path):
+    """A model as transformers makes it (config.use_cache true; the Trainer sets it from its arguments, false by
+    default): every training step runs apply's loop over the layers (torch_offload/integrations/layer_loop.py), with
+    the un-applied model's losses."""
+    make_trainer, runs, with_gradients = packed_trainer(tmp_path), [], []
+
+    def run_layer(*args):
+        with_gradients.append(torch.is_grad_enabled())  # apply's probe runs the loop without
+        return original(*args)
+
+    original = layer_loop._run_layer
+    for applied in (False, True):
+        model = make_model("llama", max_position_embeddings=256)
+        assert model.config.use_cache
+        callbacks = [torch_offload.TorchOffloadCallback(num_shards=2)] if applied else []
+        with mock.patch.object(layer_loop, "_run_layer", run_layer):
+            runs.append(losses(make_trainer(model, callbacks)))
+    assert with_gradients.count(True) == 4 * model.config.num_hidden_layers  # 4 steps
+    assert len(runs[0]) == 4
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-4, atol=1e-5)
 
 
 def test_sft_trainer_callback_losses_equal(tmp_path):

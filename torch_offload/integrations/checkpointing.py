@@ -59,14 +59,19 @@ class _CacheArguments:
         for where, _ in present:
             (args if isinstance(where, int) else kwargs)[where] = None
         if not torch.compiler.is_compiling():  # dynamo cannot trace warnings.warn
-            warnings.warn(
-                "torch_offload.apply: checkpointed layers in training mode run with use_cache=False and no "
-                "key/value cache (backward's recomputation would fill it a second time), as transformers' "
-                "gradient checkpointing does; the model returns an empty cache",
-                UserWarning,
-                stacklevel=2,
-            )
+            warn_empty_cache_dropped(stacklevel=3)
         return tuple(args), kwargs
+
+
+def warn_empty_cache_dropped(stacklevel: int) -> None:
+    """What a training call that asks for a key/value cache is told: the checkpointed layers run without it."""
+    warnings.warn(
+        "torch_offload.apply: checkpointed layers in training mode run with use_cache=False and no "
+        "key/value cache (backward's recomputation would fill it a second time), as transformers' "
+        "gradient checkpointing does; the model returns an empty cache",
+        UserWarning,
+        stacklevel=stacklevel,
+    )
 
 
 class _Recompute:

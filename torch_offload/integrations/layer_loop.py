@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 from .. import masking
+from .checkpointing import warn_empty_cache_dropped
 from .probes import _PROBE_ERRORS
 
 if TYPE_CHECKING:
@@ -89,11 +90,16 @@ def install_layer_loop(handle: OffloadHandle, model: nn.Module) -> str:
         except TypeError:  # the decoder's own forward says what is wrong
             return original(*args, **kwargs)
         extra = call.pop(var_keyword, None) or {}
-        if not _call_allows(decoder, layers, recorded, call, extra):
+        asks_for_cache = _asks_for_cache(decoder, call.get("use_cache"))
+        if not _call_allows(decoder, layers, recorded, output_type, call, extra):
             return original(*args, **kwargs)
-        return run(
-            call.get("input_ids"), call.get("inputs_embeds"), call.get("attention_mask"), call.get("position_ids")
-        )
+        cache = None
+        if asks_for_cache:
+            # What the decoder's own forward returns then: the cache it makes, which apply's layers leave empty.
+            cache = sys.modules[type(decoder).__module__].DynamicCache(config=decoder.config)
+            warn_empty_cache_dropped(stacklevel=2)
+        inputs = (call.get(name) for name in ("input_ids", "inputs_embeds", "attention_mask", "position_ids"))
+        return run(*inputs, cache)
 
     handle._patch(f"{decoder_path}.forward", decoder, "forward", forward)
     return "apply's"
@@ -147,13 +153,20 @@ def _config_problem(decoder: nn.Module) -> str | None:
     return None
 
 
-def _call_allows(decoder: nn.Module, layers: list, recorded: set[str], call: dict, extra: dict) -> bool:
+def _call_allows(
+    decoder: nn.Module, layers: list, recorded: set[str], output_type: type, call: dict, extra: dict
+) -> bool:
     """Whether apply's loop computes what this call of the decoder's own forward would, and nothing could tell the
-    difference; ``call`` holds the named arguments, ``extra`` the others."""
+    difference; ``call`` holds the named arguments, ``extra`` the others, ``output_type`` the decoder's output's."""
     config = decoder.config
     extra = dict(extra)
-    use_cache = call.pop("use_cache", None)
-    if use_cache if use_cache is not None else getattr(config, "use_cache", False):
+    # A cache asked for (transformers' default, even in training): the decoder makes an empty one, and each of
+    # apply's layers drops it in training mode (checkpointing.py), as apply's loop does.
+    if _asks_for_cache(decoder, call.pop("use_cache", None)) and not (
+        all(layer.training for layer, _ in layers)
+        and callable(getattr(sys.modules[type(decoder).__module__], "DynamicCache", None))
+        and "cache" in getattr(output_type, "__dataclass_fields__", {})
+    ):
         return False
     if any(
         call.pop(name, None) is not None or extra.pop(name, None) is not None for name in _KEY_VALUE_CACHE_ARGUMENTS
@@ -188,6 +201,11 @@ def _call_allows(decoder: nn.Module, layers: list, recorded: set[str], call: dic
     )
 
 
+def _asks_for_cache(decoder: nn.Module, use_cache: bool | None) -> bool:
+    """The call's ``use_cache``, else the config's, as transformers' ``merge_with_config_defaults`` reads it."""
+    return bool(use_cache if use_cache is not None else getattr(decoder.config, "use_cache", False))
+
+
 def _runs_hooks(layer: nn.Module) -> bool:
     """Whether a call of ``layer`` runs a hook: a global module hook, or one of its own other than transformers'
     output recorders, which record nothing in a call that asks for no outputs (``_recording_outside``)."""
@@ -203,9 +221,9 @@ def _recording_outside() -> bool:
     return capturing is not None and bool(capturing._active_collector.get())
 
 
-def _run(decoder, context, layers, output_type, input_ids, inputs_embeds, attention_mask, position_ids):
-    """The decoder's forward as Llama's writes it, for a call without cache: the layers' input carried in a list
-    that each layer empties, so that no frame holds it past its residual add."""
+def _run(decoder, context, layers, output_type, input_ids, inputs_embeds, attention_mask, position_ids, cache=None):
+    """The decoder's forward as Llama's writes it, for a call whose cache, if any, stays empty: the layers' input
+    carried in a list that each layer empties, so that no frame holds it past its residual add."""
     hidden = decoder.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
     if position_ids is None:
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
@@ -213,7 +231,7 @@ def _run(decoder, context, layers, output_type, input_ids, inputs_embeds, attent
         config=decoder.config,
         inputs_embeds=hidden,
         attention_mask=attention_mask,
-        cache=None,
+        cache=cache,
         position_ids=position_ids,
     )
     rotary = decoder.rotary_emb(hidden, position_ids=position_ids)
@@ -222,7 +240,10 @@ def _run(decoder, context, layers, output_type, input_ids, inputs_embeds, attent
     for layer in layers:
         with context:  # as apply's layer forward runs each layer
             carried.append(_run_layer(layer, carried, mask, rotary, position_ids))
-    return output_type(last_hidden_state=decoder.norm(carried.pop()))
+    hidden = decoder.norm(carried.pop())
+    return (
+        output_type(last_hidden_state=hidden) if cache is None else output_type(last_hidden_state=hidden, cache=cache)
+    )
 
 
 def _run_layer(layer, carried, mask, rotary, position_ids):
