@@ -155,6 +155,15 @@ def test_calls_it_does_not_take_run_the_decoders_own_forward(case, tmp_path):
     handle.remove()
 
 
+def test_use_cache_given_by_position_gets_the_decoders_own_error(tmp_path):
+    model, handle = applied("llama", tmp_path)
+    ids = BATCHES["packed"]()["input_ids"]
+    with counting_layers() as run_layer, pytest.raises(TypeError, match="multiple values for argument 'use_cache'"):
+        model.model(ids, None, None, None, None, False)
+    assert run_layer.call_count == 0
+    handle.remove()
+
+
 @pytest.mark.parametrize("name", ["llama", "mixtral"])
 def test_a_call_asking_for_a_cache_takes_the_loop_and_returns_the_decoders_empty_cache(name, tmp_path):
     """transformers' default (config.use_cache true, as a Trainer's calls leave it): the decoder makes a cache that

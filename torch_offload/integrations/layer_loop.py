@@ -90,6 +90,8 @@ def install_layer_loop(handle: OffloadHandle, model: nn.Module) -> str:
         except TypeError:  # the decoder's own forward says what is wrong
             return original(*args, **kwargs)
         extra = call.pop(var_keyword, None) or {}
+        if "use_cache" in call and "use_cache" not in kwargs:
+            return original(*args, **kwargs)  # transformers' merge_with_config_defaults passes it again: a TypeError
         asks_for_cache = _asks_for_cache(decoder, call.get("use_cache"))
         if not _call_allows(decoder, layers, recorded, output_type, call, extra):
             return original(*args, **kwargs)
