@@ -1,13 +1,14 @@
 """Where in one applied training step the resident set peaks: the highest growth of the resident set within each
 phase of the step, by layer, at several lengths, and how each phase grows per token.
 
-    .venv/bin/python bench/peak_phases.py [--tokens 16384,32768,65536]
+    .venv/bin/python bench/peak_phases.py [--tokens 16384,32768,65536] [--norms]
 
 The step is bench/long_context.py's (the demo's Llama, `apply(model)` with no option, one row of T tokens, one step
 per fresh process after a 128-token warm-up, glibc's and the disk tier's defaults). A thread samples VmRSS every
 2 ms and keeps the highest value of each phase (a list of samples would grow the resident set by itself); hooks on
-the final norm and each layer's attention and MLP time the phases: a module's forward ends when its forward hook runs
-and its backward starts when the gradient of its output arrives. A phase runs from its event to the next one.
+the final norm and each layer's attention and MLP (with --norms, its two norms too) time the phases: a module's
+forward ends when its forward hook runs and its backward starts when the gradient of its output arrives. A phase runs
+from its event to the next one.
 """
 
 import argparse
@@ -20,7 +21,7 @@ import time
 from measure import demo_llama, machine, reset_peak_rss, status_bytes, user_env
 
 
-def worker(tokens):
+def worker(tokens, norms):
     import torch
 
     import torch_offload
@@ -40,6 +41,9 @@ def worker(tokens):
         return forward_hook
 
     for i, layer in enumerate(model.model.layers):
+        if norms:
+            layer.input_layernorm.register_forward_hook(timed(f"layer {i} input norm"))
+            layer.post_attention_layernorm.register_forward_hook(timed(f"layer {i} post-attention norm"))
         layer.self_attn.register_forward_hook(timed(f"layer {i} attention"))
         layer.mlp.register_forward_hook(timed(f"layer {i} MLP"))
     model.model.norm.register_forward_hook(timed("final norm"))
@@ -78,8 +82,8 @@ def worker(tokens):
     return dict(peak=status_bytes("VmHWM") - before, phases=phases)
 
 
-def run(tokens):
-    command = [sys.executable, __file__, "--run", str(tokens)]
+def run(tokens, norms):
+    command = [sys.executable, __file__, "--run", str(tokens)] + (["--norms"] if norms else [])
     result = json.loads(subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True, env=user_env()).stdout)
     print(f"{tokens}: {result['peak'] / 2**20:.0f} MiB", flush=True)
     return result
@@ -110,12 +114,13 @@ def table(results):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="16384,32768,65536")
+    parser.add_argument("--norms", action="store_true", help="time each layer's two norms' phases too")
     parser.add_argument("--run", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
-        json.dump(worker(int(args.run)), sys.stdout)
+        json.dump(worker(int(args.run), args.norms), sys.stdout)
         return
-    print(table({t: run(t) for t in map(int, args.tokens.split(","))}))
+    print(table({t: run(t, args.norms) for t in map(int, args.tokens.split(","))}))
 
 
 if __name__ == "__main__":
