@@ -166,8 +166,8 @@ def test_use_cache_given_by_position_gets_the_decoders_own_error(tmp_path):
 
 @pytest.mark.parametrize("name", ["llama", "mixtral"])
 def test_a_call_asking_for_a_cache_takes_the_loop_and_returns_the_decoders_empty_cache(name, tmp_path):
-    """transformers' default (config.use_cache true, as a Trainer's calls leave it): the decoder makes a cache that
-    apply's layers leave empty in training mode, and apply's loop returns one alike."""
+    """transformers' default (config.use_cache true, as a loaded model's config has it): the decoder makes a cache
+    that apply's layers leave empty in training mode, and apply's loop returns one alike."""
     model, handle = applied(name, tmp_path)
     model.config.use_cache = True
     inputs = BATCHES["packed"]()
