@@ -8,8 +8,10 @@ TORCH_VERSION ?= 2.13.0
 # The linters pinned: a new release moves the lines they want.
 LINT_PACKAGES := ruff==0.17.6 clang-format==23.1.5
 # transformers, peft and trl pinned: their releases rename what apply() reads (5.24 renamed past_key_values to
-# cache), and trl's trainers patch the model's forward.
+# cache), and trl's trainers patch the model's forward. The Hugging Face packages under them pinned too, at the
+# versions the suite last passed with, so that a release of one cannot turn a fresh clone's CI red.
 DEV_PACKAGES := pytest pytest-xdist==3.8.0 numpy expecttest scikit-build-core ninja cmake transformers==5.24.0 peft==0.21.2 trl==1.16.0 \
+                accelerate==1.16.0 datasets==5.2.0 huggingface_hub==2.4.0 tokenizers==0.23.3 safetensors==0.8.0 \
                 matplotlib tqdm $(LINT_PACKAGES)
 BUILD_DIR := build/python
 # pytest on every core (pytest-xdist); the tests that spawn ranks share one worker (python_tests/conftest.py), and
