@@ -48,11 +48,12 @@ test: lint build $(AXOLOTL_VENV)/.ready
 
 # axolotl 0.19.0 pins other transformers, peft and trl releases (5.16.1, 0.20.0, 1.9.0) than $(VENV): its plugin's
 # test (python_tests/test_axolotl.py, skipped in $(VENV)) runs in a venv of its own, on this checkout's Python
-# sources and the library `build` made (the same torch), with the packed and padded batch tests on that transformers.
+# sources and the library `build` made (the same torch), with the packed and padded batch tests and apply's loop over
+# the layers on that transformers.
 # Nothing may reach the Hugging Face hub, and axolotl's telemetry is opt-out. TRL 1.9's GRPO and DPO trainers score
 # tokens from the whole logits (no fused LM head): their tests there check the callback leaves that alone, saying so.
 # Its SFTTrainer patches the model's forward with a chunked loss of its own: its tests there check both orders.
-AXOLOTL_VENV_TESTS := python_tests/test_axolotl.py python_tests/test_real_batches.py \
+AXOLOTL_VENV_TESTS := python_tests/test_axolotl.py python_tests/test_real_batches.py python_tests/test_layer_loop.py \
 	python_tests/test_trainers.py::test_sft_trainer_losses_equal_step_by_step \
 	python_tests/test_trainers.py::test_sft_trainer_callback_losses_equal \
 	python_tests/test_trainers.py::test_grpo_trainer_callback_losses_and_gradients_equal \

@@ -6,6 +6,7 @@ since axolotl pins other transformers, peft and trl releases than the main one."
 import collections
 import json
 import os
+from unittest import mock
 
 import pydantic
 import pytest
@@ -28,6 +29,7 @@ from test_trainers import patches, texts, tokenizer
 
 import torch_offload
 from torch_offload.integrations import axolotl as plugin_module
+from torch_offload.integrations import layer_loop
 
 PLUGIN = "torch_offload.integrations.axolotl.TorchOffloadPlugin"
 
@@ -84,11 +86,15 @@ def run(tmp_path, monkeypatch):
 
 
 def test_plugin_losses_and_saved_weights_equal_step_by_step(run, tmp_path, monkeypatch):
-    tiled_during, handles = [], []
+    tiled_during, handles, layers_run = [], [], []
 
     class Recording(torch_offload.TorchOffloadCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            layers_run.append(layer_loop._run_layer.call_count)
+
         def on_step_end(self, args, state, control, model=None, **kwargs):
             tiled_during.append(isinstance(model.model.layers[0].mlp, torch_offload.TiledMLP))
+            layers_run[-1] = layer_loop._run_layer.call_count - layers_run[-1]
 
         def on_train_end(self, args, state, control, **kwargs):
             handles.append((self.handle, self.handle.mask_fallbacks))
@@ -98,7 +104,8 @@ def test_plugin_losses_and_saved_weights_equal_step_by_step(run, tmp_path, monke
     plain_losses, plain_weights, plain_model = run()
     (tmp_path / "spill").mkdir()
     options = dict(offload="disk", spill_directory=str(tmp_path / "spill"), min_bytes=0, num_shards=2)
-    losses, weights, model = run(plugins=[PLUGIN], torch_offload=options)
+    with mock.patch.object(layer_loop, "_run_layer", wraps=layer_loop._run_layer):  # counted by Recording
+        losses, weights, model = run(plugins=[PLUGIN], torch_offload=options)
 
     assert len(plain_losses) == 4
     torch.testing.assert_close(losses, plain_losses, rtol=1e-5, atol=1e-6)
@@ -108,6 +115,8 @@ def test_plugin_losses_and_saved_weights_equal_step_by_step(run, tmp_path, monke
     assert handle.loss == "linear_cross_entropy" and handle.stats()["disk_bytes"] > 0
     # transformers 5.16's SDPA masks are read as segment ids too: attention recomputed, no dense mask built.
     assert handle.attention_blocks > 0 and mask_fallbacks == {}
+    # apply's loop over the layers ran at every step, as on transformers 5.24 (its cache argument's name differs).
+    assert handle.layer_loop == "apply's" and layers_run == [model.config.num_hidden_layers] * 4
     assert patches(model) == patches(plain_model)  # removed: axolotl returns the model as it was given
 
 

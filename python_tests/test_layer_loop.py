@@ -3,6 +3,7 @@ gives the decoder's own loop's loss and gradients bit for bit, that it drops the
 and the calls and models that keep the decoder's own forward."""
 
 import functools
+import inspect
 import weakref
 from unittest import mock
 
@@ -17,6 +18,9 @@ from torch_offload.integrations import layer_loop
 
 # The tested families whose decoders get apply's loop (docs/apply.md, "The loop over the layers").
 LOOPED = ["llama", "qwen2", "qwen3", "gemma", "smollm3", "mixtral", "qwen3_moe", "deepseek_v3"]
+# The cache's argument and output field: ``cache`` from transformers 5.24, ``past_key_values`` before (axolotl's 5.16,
+# whose venv runs these tests too).
+CACHE = "cache" if "cache" in inspect.signature(transformers.LlamaModel.forward).parameters else "past_key_values"
 
 
 def applied(name, tmp_path, **overrides):
@@ -121,14 +125,20 @@ def _replace_layer(model, reference):
 CALLS = {
     "hidden_states_recorded": (dict(output_hidden_states=True), None),
     "attentions_recorded": (dict(output_attentions=True), None),
-    "cache_given": (dict(use_cache=True, cache=transformers.DynamicCache()), None),
+    "cache_given": (dict(use_cache=True, **{CACHE: transformers.DynamicCache()}), None),
     "cache_with_a_layer_in_eval_mode": (dict(use_cache=True), _on_both(lambda model: model.model.layers[1].eval())),
     "tuple_output": (dict(return_dict=False), None),
     "flash_attention_arguments": (dict(cu_seq_lens_q=torch.tensor([0, 24], dtype=torch.int32)), None),
     "not_causal": ({}, _on_both(lambda model: setattr(model.config, "is_causal", False))),
     "sliding_window_set_since": ({}, _on_both(lambda model: setattr(model.config, "sliding_window", 4))),
     "global_hook": ({}, _global_hook),
-    "hf_gradient_checkpointing": ({}, _on_both(lambda model: model.activation_checkpointing_enable())),
+    # activation_checkpointing_enable is 5.24's name for gradient_checkpointing_enable, which it deprecates.
+    "hf_gradient_checkpointing": (
+        {},
+        _on_both(
+            lambda model: getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+        ),
+    ),
     "layer_replaced": ({}, _replace_layer),
 }
 
@@ -186,9 +196,10 @@ def test_a_call_asking_for_a_cache_takes_the_loop_and_returns_the_decoders_empty
     with model.model.layers[0].register_forward_hook(lambda *args: None):  # the decoder's own loop
         own_out, own_grads, layers_run = cached_step()
     assert layers_run == 0
-    assert out.keys() == own_out.keys() and type(out.cache) is type(own_out.cache) is transformers.DynamicCache
-    assert out.cache.get_seq_length() == own_out.cache.get_seq_length() == 0
-    assert len(out.cache.layers) == len(own_out.cache.layers) == len(handle.layers)
+    cache, own_cache = out[CACHE], own_out[CACHE]
+    assert out.keys() == own_out.keys() and type(cache) is type(own_cache) is transformers.DynamicCache
+    assert cache.get_seq_length() == own_cache.get_seq_length() == 0
+    assert len(cache.layers) == len(own_cache.layers) == len(handle.layers)
     assert torch.equal(out.loss, own_out.loss) and grads.keys() == own_grads.keys()
     assert [n for n in grads if not torch.equal(grads[n], own_grads[n])] == []
     handle.remove()

@@ -34,8 +34,9 @@ from .probes import _PROBE_ERRORS
 if TYPE_CHECKING:
     from .handle import OffloadHandle
 
-# The families whose decoder forward and decoder layer forward were read to be Llama's in transformers 5.24 (the
-# probe then checks the instance: a subclass, a config value, a patched module).
+# The families whose decoder forward and decoder layer forward were read to be Llama's in transformers 5.24 and
+# 5.16 (axolotl's; the same but for the cache's name, ``_cache_name``); the probe then checks the instance: a
+# subclass, a config value, a patched module.
 _LLAMA_LOOP_MODEL_TYPES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "gemma", "smollm3", "mixtral", "qwen3_moe", "deepseek_v3"}
 )
@@ -167,7 +168,7 @@ def _call_allows(
     if _asks_for_cache(decoder, call.pop("use_cache", None)) and not (
         all(layer.training for layer, _ in layers)
         and callable(getattr(sys.modules[type(decoder).__module__], "DynamicCache", None))
-        and "cache" in getattr(output_type, "__dataclass_fields__", {})
+        and _cache_name(decoder) in getattr(output_type, "__dataclass_fields__", {})
     ):
         return False
     if any(
@@ -203,6 +204,13 @@ def _call_allows(
     )
 
 
+def _cache_name(decoder: nn.Module) -> str:
+    """What the family's ``create_causal_mask`` and output call the cache: ``cache`` from transformers 5.24,
+    ``past_key_values`` before."""
+    create_causal_mask = sys.modules[type(decoder).__module__].create_causal_mask
+    return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
+
 def _asks_for_cache(decoder: nn.Module, use_cache: bool | None) -> bool:
     """The call's ``use_cache``, else the config's, as transformers' ``merge_with_config_defaults`` reads it."""
     return bool(use_cache if use_cache is not None else getattr(decoder.config, "use_cache", False))
@@ -229,12 +237,13 @@ def _run(decoder, context, layers, output_type, input_ids, inputs_embeds, attent
     hidden = decoder.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
     if position_ids is None:
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    cache_argument = {_cache_name(decoder): cache}
     mask = sys.modules[type(decoder).__module__].create_causal_mask(
         config=decoder.config,
         inputs_embeds=hidden,
         attention_mask=attention_mask,
-        cache=cache,
         position_ids=position_ids,
+        **cache_argument,
     )
     rotary = decoder.rotary_emb(hidden, position_ids=position_ids)
     carried = [hidden]
@@ -244,7 +253,9 @@ def _run(decoder, context, layers, output_type, input_ids, inputs_embeds, attent
             carried.append(_run_layer(layer, carried, mask, rotary, position_ids))
     hidden = decoder.norm(carried.pop())
     return (
-        output_type(last_hidden_state=hidden) if cache is None else output_type(last_hidden_state=hidden, cache=cache)
+        output_type(last_hidden_state=hidden)
+        if cache is None
+        else output_type(last_hidden_state=hidden, **cache_argument)
     )
 
 
