@@ -205,6 +205,21 @@ def test_a_call_asking_for_a_cache_takes_the_loop_and_returns_the_decoders_empty
     handle.remove()
 
 
+def test_a_create_causal_mask_wrapped_without_its_signature_keeps_the_loop_and_the_caches_name(tmp_path):
+    """Libraries wrap a family's create_causal_mask without functools.wraps (axolotl does for Gemma 4): the cache's
+    name is the decoder forward's, so a call asking for a cache still takes the loop and returns the cache."""
+    modeling = transformers.models.llama.modeling_llama
+    create_causal_mask = modeling.create_causal_mask
+    with mock.patch.object(modeling, "create_causal_mask", lambda **kwargs: create_causal_mask(**kwargs)):
+        model, handle = applied("llama", tmp_path)
+        model.config.use_cache = True
+        with counting_layers() as run_layer, pytest.warns(UserWarning, match="returns an empty cache"):
+            out = model(**BATCHES["packed"]())
+        assert run_layer.call_count == len(handle.layers)
+        assert type(out[CACHE]) is transformers.DynamicCache and out[CACHE].get_seq_length() == 0
+        handle.remove()
+
+
 def test_without_gradients_or_in_eval_mode_the_decoders_own_forward_runs(tmp_path):
     model, handle = applied("llama", tmp_path)
     ids = BATCHES["packed"]()["input_ids"]

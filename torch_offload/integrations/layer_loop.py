@@ -71,7 +71,8 @@ def install_layer_loop(handle: OffloadHandle, model: nn.Module) -> str:
     signature = inspect.signature(original)
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
     layers = [(layer, vars(layer).get("forward")) for layer in handle.layers]  # and the forward apply gave each
-    run_layers = functools.partial(_run, decoder, handle.context, [layer for layer, _ in layers])
+    cache_name = _cache_name(decoder)
+    run_layers = functools.partial(_run, decoder, handle.context, [layer for layer, _ in layers], cache_name=cache_name)
     recorded = {
         f"output_{name}" for name in (*_RECORDED_OUTPUTS, *(getattr(decoder, "_can_record_outputs", None) or {}))
     }
@@ -94,7 +95,7 @@ def install_layer_loop(handle: OffloadHandle, model: nn.Module) -> str:
         if "use_cache" in call and "use_cache" not in kwargs:
             return original(*args, **kwargs)  # transformers' merge_with_config_defaults passes it again: a TypeError
         asks_for_cache = _asks_for_cache(decoder, call.get("use_cache"))
-        if not _call_allows(decoder, layers, recorded, output_type, call, extra):
+        if not _call_allows(decoder, layers, recorded, output_type, cache_name, call, extra):
             return original(*args, **kwargs)
         cache = None
         if asks_for_cache:
@@ -157,7 +158,13 @@ def _config_problem(decoder: nn.Module) -> str | None:
 
 
 def _call_allows(
-    decoder: nn.Module, layers: list, recorded: set[str], output_type: type, call: dict, extra: dict
+    decoder: nn.Module,
+    layers: list,
+    recorded: set[str],
+    output_type: type,
+    cache_name: str,
+    call: dict,
+    extra: dict,
 ) -> bool:
     """Whether apply's loop computes what this call of the decoder's own forward would, and nothing could tell the
     difference; ``call`` holds the named arguments, ``extra`` the others, ``output_type`` the decoder's output's."""
@@ -168,7 +175,7 @@ def _call_allows(
     if _asks_for_cache(decoder, call.pop("use_cache", None)) and not (
         all(layer.training for layer, _ in layers)
         and callable(getattr(sys.modules[type(decoder).__module__], "DynamicCache", None))
-        and _cache_name(decoder) in getattr(output_type, "__dataclass_fields__", {})
+        and cache_name in getattr(output_type, "__dataclass_fields__", {})
     ):
         return False
     if any(
@@ -205,10 +212,11 @@ def _call_allows(
 
 
 def _cache_name(decoder: nn.Module) -> str:
-    """What the family's ``create_causal_mask`` and output call the cache: ``cache`` from transformers 5.24,
-    ``past_key_values`` before."""
-    create_causal_mask = sys.modules[type(decoder).__module__].create_causal_mask
-    return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+    """What the family's decoder forward, ``create_causal_mask`` and output call the cache: ``cache`` from
+    transformers 5.24, ``past_key_values`` before. Read off the decoder class's own forward (the probe has proven it
+    is Llama's), not off ``create_causal_mask``: libraries wrap that one without keeping its signature."""
+    forward = inspect.signature(type(decoder).forward)
+    return "cache" if "cache" in forward.parameters else "past_key_values"
 
 
 def _asks_for_cache(decoder: nn.Module, use_cache: bool | None) -> bool:
@@ -231,13 +239,25 @@ def _recording_outside() -> bool:
     return capturing is not None and bool(capturing._active_collector.get())
 
 
-def _run(decoder, context, layers, output_type, input_ids, inputs_embeds, attention_mask, position_ids, cache=None):
+def _run(
+    decoder,
+    context,
+    layers,
+    output_type,
+    input_ids,
+    inputs_embeds,
+    attention_mask,
+    position_ids,
+    cache=None,
+    *,
+    cache_name,
+):
     """The decoder's forward as Llama's writes it, for a call whose cache, if any, stays empty: the layers' input
     carried in a list that each layer empties, so that no frame holds it past its residual add."""
     hidden = decoder.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
     if position_ids is None:
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-    cache_argument = {_cache_name(decoder): cache}
+    cache_argument = {cache_name: cache}
     mask = sys.modules[type(decoder).__module__].create_causal_mask(
         config=decoder.config,
         inputs_embeds=hidden,
