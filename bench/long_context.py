@@ -16,10 +16,9 @@ apply() that one option (a section of its own): how much the last layers, kept a
 
 import argparse
 import json
-import subprocess
 import sys
 
-from measure import demo_llama, machine, reset_peak_rss, slope, status_bytes, user_env, write_section
+from measure import demo_llama, machine, reset_peak_rss, run_worker, slope, status_bytes, user_env, write_section
 
 TITLE = "Long context"
 
@@ -62,30 +61,37 @@ def quadratic_time(points):
     return lambda t: float(numpy.polyval(coefficients, t))
 
 
+def slopes(measured, plain):
+    """KiB per token of the measured lengths from 16K up (shorter ones hold the fixed buffers' warm-up), and of plain
+    training's."""
+    return slope({t: p for t, p in measured.items() if t >= 16384}), slope(plain)
+
+
+def plain_seconds(plain, tokens):
+    """Plain training's step time at tokens, measured there or else the quadratic through its points, and as shown."""
+    if tokens in plain:
+        return plain[tokens]["seconds"], f"{plain[tokens]['seconds']:.1f}"
+    seconds = quadratic_time(plain)(tokens)
+    return seconds, f"{seconds:.1f} (extrapolated)"
+
+
 def run(method, tokens, apply_options):
-    command = [sys.executable, __file__, "--run", method, str(tokens), json.dumps(apply_options)]
-    result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True, env=user_env()).stdout)
-    print(f"{method} {tokens}: {result['peak'] / 2**20:.0f} MiB, {result['seconds']:.1f} s", flush=True)
-    return result
+    return run_worker(__file__, [method, tokens, json.dumps(apply_options)], user_env())
 
 
 def table(applied, plain, apply_options):
-    per_token = slope({t: p for t, p in applied.items() if t >= 16384})
-    plain_per_token = slope(plain)
-    plain_time = quadratic_time(plain)
+    per_token, plain_per_token = slopes(applied, plain)
     rows = [
         "| tokens | apply(model) MiB | KiB per token so far | written to disk (KiB per token) | step (s) | "
         "plain step (s) | vs plain |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for tokens, point in applied.items():
-        measured = tokens in plain
-        plain_seconds = plain[tokens]["seconds"] if measured else plain_time(tokens)
+        seconds, shown = plain_seconds(plain, tokens)
         rows.append(
             f"| {tokens:,} | {point['peak'] / 2**20:.0f} | {point['peak'] / tokens / 1024:.1f} | "
-            f"{point['written'] / tokens / 1024:.1f} | "
-            f"{point['seconds']:.1f} | {plain_seconds:.1f}{'' if measured else ' (extrapolated)'} | "
-            f"{point['seconds'] / plain_seconds:.2f}x |"
+            f"{point['written'] / tokens / 1024:.1f} | {point['seconds']:.1f} | {shown} | "
+            f"{point['seconds'] / seconds:.2f}x |"
         )
     plain_points = ", ".join(f"{t // 1024}K {p['peak'] / 2**20:.0f} MiB {p['seconds']:.1f} s" for t, p in plain.items())
     command = "`.venv/bin/python bench/long_context.py " + " ".join(sys.argv[1:]) + "`"

@@ -1,8 +1,11 @@
 """What the benchmark scripts share: peak resident memory of a worker process, its slope over token lengths,
 the machine, and their BENCHMARKS.md sections."""
 
+import json
 import os
 import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -42,6 +45,25 @@ def measured_step(step, gpu):
     seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() if gpu else status_bytes("VmHWM")
     return value, seconds, peak - before
+
+
+def measured_long_step(step, tokens):
+    """step(128) to warm up, then step(tokens) measured on the CPU: its value, its seconds, and the growth of the
+    resident set during it."""
+    step(128)
+    before = reset_peak_rss()
+    start = time.perf_counter()
+    value = step(tokens)
+    seconds = time.perf_counter() - start
+    return value, seconds, status_bytes("VmHWM") - before
+
+
+def run_worker(script, arguments, env):
+    """``script --run *arguments`` in a fresh process with env: its JSON result, its peak and seconds printed."""
+    command = [sys.executable, script, "--run", *map(str, arguments)]
+    result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout)
+    print(f"{arguments[0]} {arguments[1]}: {result['peak'] / 2**20:.0f} MiB, {result['seconds']:.1f} s", flush=True)
+    return result
 
 
 def demo_llama(hidden, intermediate, layers, tokens):

@@ -20,7 +20,7 @@ import json
 import subprocess
 import sys
 
-from measure import demo_llama, machine, reset_peak_rss, slope, status_bytes, worker_env, write_section
+from measure import demo_llama, machine, measured_long_step, slope, worker_env, write_section
 
 TITLE = "RL: a GRPO step's scoring"
 WAYS = ("TRL's head", "apply() + TRL's head", "apply() + token_logprobs")
@@ -28,8 +28,6 @@ PROMPT = 64
 
 
 def worker(way, tokens):
-    import time
-
     import torch
     import trl.trainer.utils as trl_utils
 
@@ -57,12 +55,8 @@ def worker(way, tokens):
         model.zero_grad(set_to_none=True)
         return loss.item()
 
-    step(128)
-    before = reset_peak_rss()
-    start = time.perf_counter()
-    loss = step(tokens)
-    seconds = time.perf_counter() - start
-    return dict(peak=status_bytes("VmHWM") - before, seconds=seconds, loss=loss, calls=head.calls if head else 0)
+    loss, seconds, peak = measured_long_step(step, tokens)
+    return dict(peak=peak, seconds=seconds, loss=loss, calls=head.calls if head else 0)
 
 
 def run(way, tokens):
