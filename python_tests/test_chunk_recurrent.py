@@ -91,6 +91,15 @@ def test_a_kept_graph_runs_backward_again_and_a_freed_one_says_so(tmp_path):
         got.backward()
 
 
+def test_frozen_embeddings_and_one_trained_projection(tmp_path):
+    model, (ids, labels) = build("qwen2").double(), tokens_and_labels()
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name == "model.layers.1.self_attn.q_proj.weight")  # as LoRA leaves a base model
+    want = reference(model, ids, labels)
+    assert list(want[1]) == ["model.layers.1.self_attn.q_proj.weight"]
+    assert_equal_to_rounding(want, chunked(model, ids, labels, tmp_path, chunk_tokens=7))
+
+
 def test_float32_equals_the_models_own_step(tmp_path):
     model, (ids, labels) = build("llama"), tokens_and_labels()
     model.zero_grad(set_to_none=True)

@@ -268,8 +268,10 @@ class _ChunkRecurrentStep(torch.autograd.Function):
             for index in reversed(range(len(parts.layers))):
                 _layer_backward(parts, store, index, bounds, gradients, keep)
             for chunk, (start, end) in enumerate(bounds):
-                with torch.enable_grad():
-                    _add(gradients, parts.embed(ids[start:end]), store.read(("grad", 0, chunk)), [parts.embed.weight])
+                if parts.embed.weight.requires_grad:  # frozen under LoRA, say
+                    with torch.enable_grad():
+                        grad_hidden = store.read(("grad", 0, chunk))
+                        _add(gradients, parts.embed(ids[start:end]), grad_hidden, [parts.embed.weight])
                 store.release(("grad", 0, chunk))
         finally:
             if not keep:
