@@ -1,16 +1,19 @@
 """chunk_recurrent_loss: the loss and every gradient of the model's own step, in float64 to rounding, for the
-families it takes, chunks that do and do not divide the sequence, tied heads, frozen weights and a scaled loss;
-nothing left open; bad input refused by name."""
+families it takes, one row, several, packed documents and padded rows, chunks that do and do not divide the
+sequence, tied heads, frozen weights and a scaled loss; nothing left open; bad input refused by name."""
 
 import gc
 import os
+import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from test_apply import assert_close_runs, make_model
 
 import torch_offload
+from torch_offload.integrations.chunk_attention import Segments
 
 TOKENS = 23
 
@@ -22,19 +25,45 @@ def tokens_and_labels():
     return ids, labels
 
 
+def batches():
+    """Each kind of batch the step reads, as keyword arguments of the model's call (and chunk_recurrent_loss's)."""
+    ids = torch.randint(3, 128, (2, TOKENS), generator=torch.Generator().manual_seed(4))
+    labels = ids.clone()
+    labels[:, 4:9] = -100
+    padding = torch.ones_like(ids)
+    padding[0, :6] = 0  # left padding: its queries see no key
+    padding[1, -7:] = 0  # right padding: its queries see the row's text
+    documents = torch.cat([torch.arange(7), torch.arange(10), torch.arange(6)])  # across chunks of 5 and 7
+    return {
+        "one row": dict(input_ids=ids[:1], labels=labels[:1]),
+        "two rows": dict(input_ids=ids, labels=labels),
+        "padded rows": dict(input_ids=ids, labels=ids, attention_mask=padding),  # the pads' labels counted
+        "padded rows, pads ignored": dict(
+            input_ids=ids, labels=ids.masked_fill(padding == 0, -100), attention_mask=padding
+        ),
+        "packed documents": dict(input_ids=ids[:1], labels=labels[:1], position_ids=documents[None]),
+        "packed rows": dict(input_ids=ids, labels=labels, position_ids=torch.stack([documents, documents.roll(5)])),
+        "num_items_in_batch": dict(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(17)),
+        "ignore_index": dict(input_ids=ids[:1], labels=labels[:1].masked_fill(labels[:1] == -100, 7), ignore_index=7),
+    }
+
+
 def build(name, **overrides):
     if name == "mistral":
         overrides.setdefault("sliding_window", None)
     return make_model(name, **overrides)
 
 
-def reference(model, ids, labels):
+def reference(model, ids, labels, *, num_items_in_batch=None, ignore_index=-100, **call):
     """Plain PyTorch's loss and gradients: transformers' shifted cross-entropy on the model's logits, in the logits'
     dtype (transformers' own loss is float32 even for a float64 model)."""
     model.zero_grad(set_to_none=True)
-    logits = model(input_ids=ids, use_cache=False).logits[0]
-    targets = torch.cat([labels[0, 1:], labels.new_full((1,), -100)])
-    loss = torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100)
+    logits = model(input_ids=ids, use_cache=False, **call).logits
+    targets = F.pad(labels, (0, 1), value=ignore_index)[:, 1:]
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index, reduction=reduction)
+    if num_items_in_batch is not None:
+        loss = loss / num_items_in_batch
     loss.backward()
     return loss.detach(), gradients(model)
 
@@ -58,7 +87,7 @@ def assert_equal_to_rounding(want, got):
 
 
 @pytest.mark.parametrize("chunk_tokens", [1, 5, TOKENS, 64])
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3"])
 def test_float64_loss_and_gradients_equal_plain_pytorch(name, chunk_tokens, tmp_path):
     model, (ids, labels) = build(name).double(), tokens_and_labels()
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped queries
@@ -66,6 +95,47 @@ def test_float64_loss_and_gradients_equal_plain_pytorch(name, chunk_tokens, tmp_
     got = chunked(model, ids, labels, tmp_path, chunk_tokens=chunk_tokens)
     assert got[0].dtype == torch.float64
     assert_equal_to_rounding(want, got)
+
+
+@pytest.mark.parametrize("chunk_tokens", [5, 2 * TOKENS])
+@pytest.mark.parametrize("kind", list(batches()))
+def test_float64_batches_equal_plain_pytorch(kind, chunk_tokens, tmp_path):
+    model, call = build("qwen3" if kind == "packed rows" else "llama").double(), batches()[kind]
+    want = reference(model, call.pop("input_ids"), call.pop("labels"), **call)
+    assert torch.isfinite(want[0])
+    model.zero_grad(set_to_none=True)
+    loss = torch_offload.chunk_recurrent_loss(model, **batches()[kind], chunk_tokens=chunk_tokens, directory=tmp_path)
+    loss.backward()
+    assert_equal_to_rounding(want, (loss.detach(), gradients(model)))
+
+
+def test_pairs_of_chunks_are_cut_into_blocks_by_segment():
+    """Two documents of one chunk each: the second's queries never read the first's keys, a chunk against itself
+    runs causal; padded rows: a left pad's queries see nothing, a right pad's the text of its row."""
+    bounds = [(0, 4), (4, 8)]
+    documents = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    segments = Segments(bounds, documents, documents)
+    assert segments.blocks(1, 0) == [] and segments.blocks(1, 1) == [(slice(0, 4), slice(0, 4), True)]
+    # Row 0: two pads, then six tokens; row 1 (from token 8): five tokens, then three pads.
+    keys = torch.tensor([-1, -1, 0, 0, 0, 0, 0, 0, 9, 9, 9, 9, 9, -1, -1, -1])
+    queries = torch.tensor([-1, -1, 0, 0, 0, 0, 0, 0, 9, 9, 9, 9, 9, 9, 9, 9])
+    padded = Segments([(0, 6), (6, 12), (12, 16)], queries, keys)
+    assert padded.blocks(0, 0) == [(slice(2, 6), slice(2, 6), True)]
+    assert padded.blocks(1, 0) == [(slice(0, 2), slice(2, 6), False)]
+    assert padded.blocks(1, 1) == [(slice(0, 2), slice(0, 2), True), (slice(2, 6), slice(2, 6), True)]
+    assert padded.blocks(2, 1) == [(slice(0, 4), slice(2, 6), False)]  # the pads see their row's text
+    assert padded.blocks(2, 2) == [(slice(0, 4), slice(0, 1), True)]
+
+
+def test_the_padding_tokens_embedding_row_gets_no_gradient(tmp_path):
+    """The embedding's gradient is added row by row (no dense gradient per chunk): its padding_idx row stays zero, as
+    nn.Embedding's backward leaves it, and a row seen in several chunks adds up."""
+    model, (ids, labels) = build("llama").double(), tokens_and_labels()
+    ids[0, ::4] = model.model.embed_tokens.padding_idx
+    ids[0, 1::7] = 5
+    want = reference(model, ids, labels)
+    assert torch.count_nonzero(want[1]["model.embed_tokens.weight"][model.model.embed_tokens.padding_idx]) == 0
+    assert_equal_to_rounding(want, chunked(model, ids, labels, tmp_path, chunk_tokens=5))
 
 
 def test_tied_head_frozen_weights_and_a_scaled_loss(tmp_path):
@@ -111,7 +181,15 @@ def test_float32_equals_the_models_own_step(tmp_path):
     assert_close_runs(want, got)
 
 
-def test_gradcheck_float64(tmp_path):
+GRADCHECK_BATCHES = {
+    "one row": dict(rows=1),
+    "padded rows": dict(rows=2, attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0, 0]])),
+    "packed documents": dict(rows=1, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]])),
+}
+
+
+@pytest.mark.parametrize("kind", list(GRADCHECK_BATCHES))
+def test_gradcheck_float64(kind, tmp_path):
     config = transformers.LlamaConfig(
         vocab_size=11, hidden_size=8, intermediate_size=12, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=16,
@@ -120,13 +198,14 @@ def test_gradcheck_float64(tmp_path):
     model = transformers.LlamaForCausalLM(config).double().train()
     for norm in (m for m in model.modules() if isinstance(m, transformers.models.llama.modeling_llama.LlamaRMSNorm)):
         norm.forward = float64_rms_norm(norm)  # transformers' computes in float32: too coarse for finite differences
-    ids = torch.randint(0, 11, (1, 7), generator=torch.Generator().manual_seed(1))
+    call = dict(GRADCHECK_BATCHES[kind])
+    ids = torch.randint(0, 11, (call.pop("rows"), 7), generator=torch.Generator().manual_seed(1))
     parameters = [p for p in model.parameters()]
 
     def step(*_parameters):  # the model's own parameters: gradcheck perturbs them in place
-        return torch_offload.chunk_recurrent_loss(model, ids, ids, chunk_tokens=3, directory=tmp_path)
+        return torch_offload.chunk_recurrent_loss(model, ids, ids, chunk_tokens=3, directory=tmp_path, **call)
 
-    assert torch.autograd.gradcheck(step, parameters, eps=1e-6, atol=1e-6)
+    assert torch.autograd.gradcheck(step, parameters, eps=1e-6, atol=1e-6, fast_mode=kind != "one row")
 
 
 def float64_rms_norm(norm):
@@ -159,13 +238,22 @@ def with_query_norm(model):
     return model
 
 
+def with_dropout(model):
+    model.model.layers[0].mlp.dropout = torch.nn.Dropout(0.1)  # as LoRA's, which its forward would call
+    return model
+
+
 def skip_a_layer(model):
     model.model.layers[1].forward = lambda hidden_states, **_: hidden_states  # its modules as before
     return model
 
 
 BAD_MODELS = {
-    "qwen3": (lambda: build("qwen3"), "model type 'qwen3'"),
+    "dropout": (lambda: with_dropout(build("llama")), "model.layers.0.mlp.dropout drops out in training mode"),
+    "dynamic_rope": (
+        lambda: build("llama", rope_parameters=dict(rope_type="dynamic", factor=2.0)),
+        "rotary embedding ('dynamic') depends on a call's longest position",
+    ),
     "attention_child": (lambda: with_query_norm(build("llama")), "an attention's children are not"),
     "gpt2": (lambda: build("gpt2"), "model type 'gpt2'"),
     "sliding_window": (lambda: build("mistral", sliding_window=8), "a sliding window"),
@@ -178,7 +266,7 @@ BAD_MODELS = {
 def test_a_model_it_does_not_compute_exactly_is_refused(case, tmp_path):
     make, message = BAD_MODELS[case]
     ids, labels = tokens_and_labels()
-    with pytest.raises(ValueError, match="chunk_recurrent_loss: model: .*" + message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match="chunk_recurrent_loss: model: .*" + re.escape(message)):
         torch_offload.chunk_recurrent_loss(make(), ids, labels, directory=tmp_path)
     assert os.listdir(tmp_path) == []
 
@@ -186,9 +274,17 @@ def test_a_model_it_does_not_compute_exactly_is_refused(case, tmp_path):
 BAD_INPUTS = {
     "float_ids": (dict(input_ids=torch.ones(1, 8)), TypeError, "input_ids must be an int64 CPU tensor"),
     "int32_labels": (dict(labels=torch.ones(1, 8, dtype=torch.int32)), TypeError, "labels must be an int64"),
-    "two_rows": (dict(input_ids=torch.ones(2, 4, dtype=torch.long)), ValueError, r"input_ids must be \[1, T\]"),
+    "three_dimensions": (dict(input_ids=torch.ones(1, 2, 4, dtype=torch.long)), ValueError, r"input_ids must be \["),
     "empty": (dict(input_ids=torch.ones(1, 0, dtype=torch.long)), ValueError, "input_ids must be"),
-    "shapes": (dict(labels=torch.ones(1, 7, dtype=torch.long)), ValueError, "labels' shape"),
+    "shapes": (dict(labels=torch.ones(1, 7, dtype=torch.long)), ValueError, r"labels: shape \[1, 7\]"),
+    "mask_shape": (dict(attention_mask=torch.ones(2, 8, dtype=torch.long)), ValueError, "attention_mask: shape"),
+    "float_mask": (dict(attention_mask=torch.ones(1, 8)), TypeError, "attention_mask must be an int64"),
+    "mask_holes": (
+        dict(attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1]])),
+        ValueError,
+        "attention_mask: a row's real tokens are not contiguous",
+    ),
+    "positions_shape": (dict(position_ids=torch.arange(7)[None]), ValueError, "position_ids: shape"),
     "zero_chunk": (dict(chunk_tokens=0), ValueError, "chunk_tokens must be a positive int"),
     "bool_chunk": (dict(chunk_tokens=True), ValueError, "chunk_tokens must be a positive int"),
     "float_chunk": (dict(chunk_tokens=4.0), ValueError, "chunk_tokens must be a positive int"),

@@ -1,102 +1,111 @@
-"""One training step of a Llama-built causal LM, chunk-recurrent: ``chunk_recurrent_loss(model, input_ids, labels)``.
+"""One training step of a Llama-built causal LM, chunk-recurrent: ``chunk_recurrent_loss(model, input_ids, labels)``,
+and apply()'s step for training calls with labels (chunk_recurrent_route.py).
 
 Why: apply()'s layers run module at a time, so autograd's backward of a layer holds ``[T, h]`` tensors (its
 output's gradient, its input's, the residual's) whatever the tiers keep: about three hidden vectors per token at the
 peak (BENCHMARKS.md, "Peaks by phase"). Here one autograd Function owns the whole step, and everything that grows
 with the sequence (each layer's input, queries, keys, values, attention output and log-sum-exp, and the gradients
-flowing back) lives in an unnamed file in chunks of ``chunk_tokens`` tokens (``_ChunkFile``). The process holds one
-chunk's working set, one chunk of keys and values at a time, the weights' gradients and the token ids: its memory
-grows by 16 bytes per token (the ids and labels), whatever the context.
+flowing back) lives in an unnamed file in chunks of ``chunk_tokens`` tokens (chunk_file.py). The process holds one
+chunk's working set, one chunk of keys and values at a time, the weights' gradients and the batch's token ids,
+positions and labels: its memory grows by a few bytes per token (the batch's own tensors), whatever the context.
 
 How, per layer: forward attends one chunk of queries to the keys and values of every chunk up to it, read back one
-chunk at a time, each pair of chunks through PyTorch's CPU flash kernel and the pairs joined by their log-sum-exps
-(an online softmax); the log-sum-exp it keeps makes backward exact without the probabilities. Backward runs the
+chunk at a time (chunk_attention.py: pairs of chunks, within the batch's documents and rows). Backward runs the
 token-local parts (the residual adds, norms, projections, rotary embedding and MLP) through autograd one chunk at a
-time, and attention's backward in FlashAttention-2's order: for each chunk of keys and values, every chunk of
-queries after it, the queries' gradient added up in the file. The loss's gradient is computed with its forward
+time, and attention's backward pair by pair. The loss's gradient is computed with its forward
 (``linear_cross_entropy``'s gradients in forward), chunk by chunk.
 
-What it takes (``_parts``, and a probe at each call that the step's loss is the model's own on a short sequence):
-the decoder's children ``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``; each layer's ``input_layernorm``,
-``self_attn`` (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``), ``post_attention_layernorm``, ``mlp``; a bias-free
-``lm_head``; full causal attention (no sliding window, no attention dropout in training); one row of tokens on the
-CPU, without padding or packed documents. Not yet apply()'s path (docs/apply.md, "Chunk-recurrent step").
+What it takes (``_parts``): the decoder's children ``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``; each
+layer's ``input_layernorm``, ``self_attn`` (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, and Qwen3's ``q_norm``
+and ``k_norm``), ``post_attention_layernorm``, ``mlp``; a bias-free ``lm_head``; full causal attention (no sliding
+window), no dropout in training, a rotary embedding that does not depend on the call's longest position. Rows of
+tokens on the CPU: one row, several, packed documents (``position_ids`` restarting), padded rows
+(``attention_mask``), read as transformers reads them without a key/value cache (batch_of).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
-import tempfile
-from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ..attention_block import attention_block_segment_ids
 from ..disk import default_spill_directory, spill_directory_in_ram
 from ..linear_cross_entropy import linear_cross_entropy
+from .chunk_attention import Segments, attend, attention_backward
+from .chunk_file import ChunkFile, return_freed_memory
+from .sequence_parallelism import rope_of_the_calls_positions
 
 __all__ = ["chunk_recurrent_loss"]
 
-_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})  # decoder layers read to be Llama's, q/k/v bias aside
+CHUNK_TOKENS = 2048  # tokens per chunk: attention's pairs of chunks work in [heads, C, C] blocks
+_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})  # decoder layers read to be Llama's, as below
 _DECODER_CHILDREN = {"embed_tokens", "layers", "norm", "rotary_emb"}
 _LAYER_CHILDREN = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
 _ATTENTION_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
+_QUERY_KEY_NORMS = {"q_norm", "k_norm"}  # Qwen3's: each head's query and key normalized before the rotary embedding
 _PROBE_TOKENS = 12
-# Attention over one pair of chunks ([1, heads, C, d]): the output and log-sum-exp, and the backward given them.
-_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None with another C library
-_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-class _ChunkFile:
-    """Tensors by key in one unnamed file (gone on any exit), each written and read whole; a released tensor's bytes
-    are taken by the next tensor of the same size."""
+@dataclass
+class Batch:
+    """A batch's rows laid end to end, as the step reads them: ``[tokens]`` ids, rotary positions and targets (the
+    labels shifted within each row), what the summed loss is divided by, and which keys each query sees."""
 
-    def __init__(self, directory: str):
-        self._file = tempfile.TemporaryFile(dir=directory)  # O_TMPFILE, or unlinked at once
-        self._end = 0
-        self._slots: dict = {}  # key: (offset, shape, dtype)
-        self._free: defaultdict[int, list[int]] = defaultdict(list)  # bytes: offsets
+    ids: torch.Tensor
+    positions: torch.Tensor
+    targets: torch.Tensor
+    count: Any
+    ignore_index: int
+    query_segments: torch.Tensor | None  # None: one causal sequence (chunk_attention.Segments)
+    key_segments: torch.Tensor | None
 
-    def write(self, key, tensor: torch.Tensor) -> None:
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        self.release(key)
-        size = data.numel()
-        offset = self._free[size].pop() if self._free[size] else self._grow(size)
-        view, done = memoryview(data.numpy()), 0
-        while done < size:
-            done += os.pwrite(self._file.fileno(), view[done:], offset + done)
-        self._slots[key] = (offset, tensor.shape, tensor.dtype)
 
-    def read(self, key) -> torch.Tensor:
-        offset, shape, dtype = self._slots[key]
-        out = torch.empty(shape, dtype=dtype)
-        view, done = memoryview(out.reshape(-1).view(torch.uint8).numpy()), 0
-        while done < len(view):
-            read = os.preadv(self._file.fileno(), [view[done:]], offset + done)
-            if read == 0:
-                raise OSError(f"chunk_recurrent_loss: the chunk file ended inside {key}")
-            done += read
-        return out
-
-    def release(self, key) -> None:
-        slot = self._slots.pop(key, None)
-        if slot is not None:
-            offset, shape, dtype = slot
-            self._free[shape.numel() * dtype.itemsize].append(offset)
-
-    def close(self) -> None:
-        self._file.close()
-
-    def __del__(self):  # a graph freed without backward, or kept for a second one
-        if hasattr(self, "_file"):  # not when the file could not be made
-            self.close()
-
-    def _grow(self, size: int) -> int:
-        offset, self._end = self._end, self._end + size
-        return offset
+def batch_of(
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    shift_labels: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    num_items_in_batch: Any = None,
+    packed: bool = True,
+) -> Batch:
+    """``[rows, T]`` inputs as transformers reads them: rows apart, padding (``attention_mask``; its real tokens
+    contiguous in each row) and else packed documents (``position_ids`` restarting, where ``packed``: transformers
+    reads them so only without a key/value cache); rotary positions ``position_ids``, else each row's 0..T-1; targets
+    ``shift_labels``, else ``labels`` shifted by one within each row; the loss over ``num_items_in_batch``, else over
+    the counted targets."""
+    rows, length = input_ids.shape
+    if attention_mask is not None:
+        keys = attention_block_segment_ids(attention_mask=attention_mask)  # padding -1
+    elif position_ids is not None and packed:
+        keys = attention_block_segment_ids(position_ids=position_ids, batch=rows)
+    else:
+        keys = torch.zeros_like(input_ids)
+    query_segments = key_segments = None
+    if rows > 1 or bool((keys != keys[0, 0]).any()) or keys[0, 0] < 0:
+        keys = torch.where(keys >= 0, keys + torch.arange(rows)[:, None] * (length + 1), -1)  # each row's own ids
+        # Ids grow along a row: a pad sees the last segment before it (transformers' causal mask over real keys).
+        query_segments, key_segments = keys.cummax(dim=1).values.reshape(-1), keys.reshape(-1)
+    positions = torch.arange(length) if position_ids is None else position_ids
+    targets = shift_labels if shift_labels is not None else F.pad(labels, (0, 1), value=ignore_index)[:, 1:]
+    count = num_items_in_batch if num_items_in_batch is not None else (targets != ignore_index).sum()
+    return Batch(
+        input_ids.reshape(-1),
+        positions.expand(rows, length).reshape(-1),
+        targets.reshape(-1),
+        count,
+        ignore_index,
+        query_segments,
+        key_segments,
+    )
 
 
 class _Parts:
@@ -118,11 +127,16 @@ class _Parts:
         self.scaling = attention.scaling
 
     def before_attention(self, layer, hidden, positions):
-        """Queries ``[heads, C, d]``, keys and values ``[kv heads, C, d]`` of one chunk, as Llama's attention."""
+        """Queries ``[heads, C, d]``, keys and values ``[kv heads, C, d]`` of one chunk, as Llama's attention (and
+        Qwen3's, which normalizes each head's queries and keys first)."""
         attention = layer.self_attn
         x = layer.input_layernorm(hidden[None])
         shape = (1, hidden.shape[0], -1, self.head_dim)
-        q, k, v = (projection(x).view(shape).transpose(1, 2) for projection in _attention_projections(attention))
+        norms = (getattr(attention, "q_norm", None), getattr(attention, "k_norm", None), None)
+        q, k, v = (
+            (projection(x).view(shape) if norm is None else norm(projection(x).view(shape))).transpose(1, 2)
+            for projection, norm in zip(_attention_projections(attention), norms)
+        )
         cos, sin = self.rotary(x, position_ids=positions[None])
         q, k = self.rope(q, k, cos, sin)
         return q[0], k[0], v[0]
@@ -142,35 +156,44 @@ def _attention_projections(attention):
     return attention.q_proj, attention.k_proj, attention.v_proj
 
 
-def _parts(model: nn.Module) -> _Parts:
-    """The model's parts, or a ValueError saying what is not Llama's."""
+def parts_problem(model: nn.Module) -> str | None:
+    """What in ``model`` the step would not compute as its own forward does, or None."""
     config = getattr(model, "config", None)
     decoder = getattr(model, "model", None)
-    if getattr(config, "model_type", None) not in _MODEL_TYPES:
-        raise ValueError(
-            f"chunk_recurrent_loss: model: model type {getattr(config, 'model_type', None)!r} is not one of "
-            f"{sorted(_MODEL_TYPES)}"
-        )
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _MODEL_TYPES:
+        return f"model type {model_type!r} is not one of {sorted(_MODEL_TYPES)}"
     if not isinstance(decoder, nn.Module) or set(dict(decoder.named_children())) != _DECODER_CHILDREN:
-        raise ValueError(f"chunk_recurrent_loss: model: its decoder's children are not {sorted(_DECODER_CHILDREN)}")
+        return f"its decoder's children are not {sorted(_DECODER_CHILDREN)}"
+    attention_children = _ATTENTION_CHILDREN | (_QUERY_KEY_NORMS if model_type == "qwen3" else set())
     for layer in decoder.layers:
         if set(dict(layer.named_children())) != _LAYER_CHILDREN:
-            raise ValueError(f"chunk_recurrent_loss: model: a layer's children are not {sorted(_LAYER_CHILDREN)}")
-        if set(dict(layer.self_attn.named_children())) != _ATTENTION_CHILDREN:
-            raise ValueError(
-                f"chunk_recurrent_loss: model: an attention's children are not {sorted(_ATTENTION_CHILDREN)} "
-                "(Qwen3's query and key norms are not taken yet)"
-            )
+            return f"a layer's children are not {sorted(_LAYER_CHILDREN)}"
+        if set(dict(layer.self_attn.named_children())) != attention_children:
+            return f"an attention's children are not {sorted(attention_children)}"
         if layer.training and getattr(layer.self_attn, "attention_dropout", 0.0):
-            raise ValueError("chunk_recurrent_loss: model: attention dropout in training mode")
+            return "attention dropout in training mode"
+        if getattr(layer.self_attn, "is_causal", True) is not True:
+            return "an attention module that is not causal"
+    dropout = next((name for name, m in model.named_modules() if _drops_out(m)), None)
+    if dropout is not None:
+        return f"{dropout} drops out in training mode (backward's recomputation would draw other masks)"
     if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
-        raise ValueError("chunk_recurrent_loss: model: a sliding window")
+        return "a sliding window"
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return "layers of other kinds than full attention"
+    if rope_of_the_calls_positions(config) is not None:
+        return f"its rotary embedding ({rope_of_the_calls_positions(config)!r}) depends on a call's longest position"
     head = getattr(model, "lm_head", None)
     if not isinstance(head, nn.Linear) or head.bias is not None:
-        raise ValueError("chunk_recurrent_loss: model: lm_head is not a bias-free nn.Linear")
+        return "lm_head is not a bias-free nn.Linear"
     if getattr(config, "num_hidden_layers", None) != len(decoder.layers):
-        raise ValueError("chunk_recurrent_loss: model: config.num_hidden_layers is not the number of layers")
-    return _Parts(model)
+        return "config.num_hidden_layers is not the number of layers"
+    return None
+
+
+def _drops_out(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0
 
 
 def chunk_recurrent_loss(
@@ -178,25 +201,36 @@ def chunk_recurrent_loss(
     input_ids: torch.Tensor,
     labels: torch.Tensor,
     *,
-    chunk_tokens: int = 2048,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    num_items_in_batch: Any = None,
+    ignore_index: int = -100,
+    chunk_tokens: int = CHUNK_TOKENS,
     directory: str | os.PathLike | None = None,
 ) -> torch.Tensor:
-    """``model(input_ids=input_ids, labels=labels).loss``, differentiable in the model's parameters, in memory that
-    does not grow with the sequence but for 16 bytes per token (see the module's docstring).
+    """``model(input_ids=..., labels=..., attention_mask=..., position_ids=..., use_cache=False).loss``,
+    differentiable in the model's parameters, in memory that does not grow with the sequence but for the batch's own
+    tensors (see the module's docstring).
 
-    ``input_ids`` and ``labels`` are ``[1, T]`` (or ``[T]``) int64 on the CPU; labels of -100 are not counted.
-    ``chunk_tokens`` sets the chunk (the working set grows with its square: attention's ``[heads, C, C]`` scores);
-    ``directory`` where the chunk file lives (the disk tier's default; RAM file systems are refused)."""
-    parts = _parts(model)
-    for name, value in (("input_ids", input_ids), ("labels", labels)):
-        if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.device.type != "cpu":
-            raise TypeError(f"chunk_recurrent_loss: {name} must be an int64 CPU tensor")
-        if value.dim() not in (1, 2) or (value.dim() == 2 and value.shape[0] != 1) or value.numel() == 0:
-            raise ValueError(f"chunk_recurrent_loss: {name} must be [1, T] or [T] with T > 0, got {list(value.shape)}")
-    if input_ids.shape != labels.shape:
-        raise ValueError(
-            f"chunk_recurrent_loss: labels' shape {list(labels.shape)} is not input_ids' {list(input_ids.shape)}"
+    ``input_ids`` and ``labels`` are ``[rows, T]`` (or ``[T]``) int64 on the CPU; labels equal to ``ignore_index``
+    are not counted, and ``num_items_in_batch`` divides the summed loss where given (transformers' gradient
+    accumulation). ``attention_mask`` (1 for real tokens, contiguous in each row) and ``position_ids`` (packed
+    documents restart at 0) are transformers'. ``chunk_tokens`` sets the chunk (the working set grows with its square:
+    attention's ``[heads, C, C]`` blocks); ``directory`` where the chunk file lives (the disk tier's default; RAM file
+    systems are refused)."""
+    if parts_problem(model) is not None:
+        raise ValueError(f"chunk_recurrent_loss: model: {parts_problem(model)}")
+    input_ids, labels, attention_mask, position_ids = (
+        _checked_rows(name, value, optional, input_ids)
+        for name, value, optional in (
+            ("input_ids", input_ids, False),
+            ("labels", labels, False),
+            ("attention_mask", attention_mask, True),
+            ("position_ids", position_ids, True),
         )
+    )
+    if attention_mask is not None and bool((_runs_of_real_tokens(attention_mask) > 1).any()):
+        raise ValueError("chunk_recurrent_loss: attention_mask: a row's real tokens are not contiguous")
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_recurrent_loss: chunk_tokens must be a positive int, got {chunk_tokens!r}")
     directory = os.fspath(directory) if directory is not None else default_spill_directory()
@@ -206,50 +240,84 @@ def chunk_recurrent_loss(
         raise ValueError(f"chunk_recurrent_loss: directory {directory!r} is on a RAM file system")
     if any(p.device.type != "cpu" for p in model.parameters()):
         raise ValueError("chunk_recurrent_loss: model: its parameters must be on the CPU")
-    ids = input_ids.reshape(-1)
-    targets = torch.cat([labels.reshape(-1)[1:], labels.new_full((1,), -100)])  # transformers' shift
-    _probe(model, parts, ids, directory)
-    named = dict(model.named_parameters())  # a tied head's weight once
-    trained = [p for p in named.values() if p.requires_grad]
-    return _ChunkRecurrentStep.apply(parts, ids, targets, chunk_tokens, directory, trained, *trained)
+    _probe(model, input_ids[0], directory)
+    batch = batch_of(
+        input_ids,
+        labels,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        ignore_index=ignore_index,
+        num_items_in_batch=num_items_in_batch,
+    )
+    return chunk_recurrent_step(model, batch, chunk_tokens, directory)
 
 
-def _probe(model: nn.Module, parts: _Parts, ids: torch.Tensor, directory: str) -> None:
+def _checked_rows(name: str, value, optional: bool, input_ids) -> torch.Tensor | None:
+    """``value`` as ``[rows, T]`` (from ``[T]``), after checking it names what is wrong."""
+    if value is None and optional:
+        return None
+    dtypes = (torch.int64, torch.int32, torch.bool) if name == "attention_mask" else (torch.int64,)
+    if not isinstance(value, torch.Tensor) or value.dtype not in dtypes or value.device.type != "cpu":
+        kinds = ", ".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
+        raise TypeError(f"chunk_recurrent_loss: {name} must be an {kinds} CPU tensor")
+    if value.dim() not in (1, 2) or value.shape[-1] == 0:
+        raise ValueError(f"chunk_recurrent_loss: {name} must be [rows, T] or [T] with T > 0, got {list(value.shape)}")
+    rows = value if value.dim() == 2 else value[None]
+    shape = input_ids.shape if input_ids.dim() == 2 else (1, *input_ids.shape)
+    if rows.shape != shape and not (name == "position_ids" and rows.shape == (1, shape[1])):
+        raise ValueError(f"chunk_recurrent_loss: {name}: shape {list(value.shape)} is not input_ids' {list(shape)}")
+    return rows
+
+
+def _runs_of_real_tokens(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The runs of real tokens in each row of a ``[rows, T]`` mask."""
+    real = attention_mask.bool()
+    return (real & ~F.pad(real[:, :-1], (1, 0), value=False)).sum(1)
+
+
+def _probe(model: nn.Module, ids: torch.Tensor, directory: str) -> None:
     """Refuse a model whose own loss on the sequence's first tokens is not the step's: a forward of its own."""
-    probe = ids[:_PROBE_TOKENS]
+    probe = ids[None, :_PROBE_TOKENS]
     with torch.no_grad():
-        want = model(input_ids=probe[None], labels=probe[None], use_cache=False).loss
-        targets = torch.cat([probe[1:], probe.new_full((1,), -100)])
-        got = _ChunkRecurrentStep.apply(parts, probe, targets, max(1, len(probe) // 2), directory, [])
+        want = model(input_ids=probe, labels=probe, use_cache=False).loss
+        got = chunk_recurrent_step(model, batch_of(probe, probe), max(1, probe.shape[1] // 2), directory)
     if not torch.allclose(got.to(want.dtype), want, rtol=1e-4, atol=1e-5):  # transformers: a float32 loss
         raise ValueError(
-            f"chunk_recurrent_loss: model: its own loss on {len(probe)} tokens is {want.item()}, the chunk-recurrent "
-            f"step's {got.item()}: its forward is not Llama's"
+            f"chunk_recurrent_loss: model: its own loss on {probe.shape[1]} tokens is {want.item()}, the "
+            f"chunk-recurrent step's {got.item()}: its forward is not Llama's"
         )
+
+
+def chunk_recurrent_step(model: nn.Module, batch: Batch, chunk_tokens: int, directory: str) -> torch.Tensor:
+    """The step's loss, differentiable in ``model``'s trained parameters (checked by the caller)."""
+    named = dict(model.named_parameters())  # a tied head's weight once
+    trained = [p for p in named.values() if p.requires_grad]
+    return _ChunkRecurrentStep.apply(_Parts(model), batch, chunk_tokens, directory, trained, *trained)
 
 
 class _ChunkRecurrentStep(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, parts, ids, targets, chunk_tokens, directory, trained, *parameters):
-        store = _ChunkFile(directory)
-        bounds = [(start, min(start + chunk_tokens, len(ids))) for start in range(0, len(ids), chunk_tokens)]
-        wants_gradients = any(ctx.needs_input_grad[6:])
+    def forward(ctx, parts, batch, chunk_tokens, directory, trained, *parameters):
+        store = ChunkFile(directory)
+        tokens = len(batch.ids)
+        bounds = [(start, min(start + chunk_tokens, tokens)) for start in range(0, tokens, chunk_tokens)]
+        segments = Segments(bounds, batch.query_segments, batch.key_segments)
+        wants_gradients = any(ctx.needs_input_grad[5:])
         try:
             for chunk, (start, end) in enumerate(bounds):
-                store.write(("hidden", 0, chunk), parts.embed(ids[start:end]))
+                store.write(("hidden", 0, chunk), parts.embed(batch.ids[start:end]))
             for index, layer in enumerate(parts.layers):
                 for chunk, (start, end) in enumerate(bounds):
-                    _layer_forward(parts, store, index, layer, chunk, start, end)
-                    _return_freed_memory()
-            count = (targets != -100).sum()
-            loss, loss_weights = _loss_and_gradients(parts, store, bounds, targets, count, wants_gradients)
+                    _layer_forward(parts, store, segments, index, layer, chunk, batch.positions[start:end])
+                    return_freed_memory()
+            loss, loss_weights = _loss_and_gradients(parts, store, bounds, batch, wants_gradients)
         except BaseException:
             store.close()
             raise
         if not wants_gradients:
             store.close()
             return loss
-        ctx.step = (parts, store, bounds, ids, trained, loss_weights)
+        ctx.step = (parts, store, segments, batch, trained, loss_weights)
         return loss
 
     @staticmethod
@@ -259,19 +327,17 @@ class _ChunkRecurrentStep(torch.autograd.Function):
                 "chunk_recurrent_loss: a second backward through the step, whose file went with the first "
                 "(pass retain_graph=True to the first)"
             )
-        parts, store, bounds, ids, trained, loss_weights = ctx.step
+        parts, store, segments, batch, trained, loss_weights = ctx.step
         keep = _keeps_graph()
         if not keep:
             del ctx.step  # the file closes at the end, whatever happens
         try:
             gradients = {weight: store.read(("loss weight grad", i)) for i, weight in enumerate(loss_weights)}
             for index in reversed(range(len(parts.layers))):
-                _layer_backward(parts, store, index, bounds, gradients, keep)
-            for chunk, (start, end) in enumerate(bounds):
+                _layer_backward(parts, store, segments, index, batch.positions, gradients, keep)
+            for chunk, (start, end) in enumerate(segments.bounds):
                 if parts.embed.weight.requires_grad:  # frozen under LoRA, say
-                    with torch.enable_grad():
-                        grad_hidden = store.read(("grad", 0, chunk))
-                        _add(gradients, parts.embed(ids[start:end]), grad_hidden, [parts.embed.weight])
+                    _embedding_backward(parts.embed, batch.ids[start:end], store.read(("grad", 0, chunk)), gradients)
                 store.release(("grad", 0, chunk))
         finally:
             if not keep:
@@ -280,15 +346,22 @@ class _ChunkRecurrentStep(torch.autograd.Function):
         grads = [gradients.get(p) for p in trained]
         if scale is not None:
             grads = [g if g is None else g.mul_(scale) for g in grads]
-        return (None, None, None, None, None, None, *grads)
+        return (None, None, None, None, None, *grads)
 
 
-def _return_freed_memory() -> None:
-    """Hand the heap's free pages back to the system (glibc's malloc_trim): glibc keeps freed blocks of up to 32 MiB
-    resident by default, and a chunk's tensors, freed and taken again in other sizes, would pile them up layer after
-    layer."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
+def _embedding_backward(embed, ids, grad_hidden, gradients) -> None:
+    """Add one chunk's embedding gradient into ``gradients``: a plain ``nn.Embedding``'s rows added in place (autograd
+    would make a dense ``[vocab, hidden]`` gradient per chunk, the step's largest transient), else through autograd."""
+    plain = type(embed) is nn.Embedding and embed.max_norm is None and not embed.scale_grad_by_freq
+    if not plain:
+        with torch.enable_grad():
+            _add(gradients, embed(ids), grad_hidden, [embed.weight])
+        return
+    if embed.padding_idx is not None:  # its row gets no gradient
+        grad_hidden[ids == embed.padding_idx] = 0
+    if embed.weight not in gradients:
+        gradients[embed.weight] = torch.zeros_like(embed.weight)
+    gradients[embed.weight].index_add_(0, ids, grad_hidden.to(embed.weight.dtype))
 
 
 def _keeps_graph() -> bool:
@@ -297,42 +370,23 @@ def _keeps_graph() -> bool:
     return True if keep_graph is None else keep_graph()
 
 
-def _layer_forward(parts, store, index, layer, chunk, start, end):
+def _layer_forward(parts, store, segments, index, layer, chunk, positions):
     hidden = store.read(("hidden", index, chunk))
-    positions = torch.arange(start, end)
     q, k, v = parts.before_attention(layer, hidden, positions)
     for name, value in (("q", q), ("k", k), ("v", v)):
         store.write((name, index, chunk), value)
-    attended, log_sum_exp = _attend(parts, store, index, chunk, q, k, v)
+
+    def earlier_keys_and_values(earlier):
+        return store.read(("k", index, earlier)), store.read(("v", index, earlier))
+
+    attended, log_sum_exp = attend(parts, segments, chunk, q, k, v, earlier_keys_and_values)
     store.write(("attended", index, chunk), attended)
     store.write(("lse", index, chunk), log_sum_exp)
     store.write(("hidden", index + 1, chunk), parts.after_attention(layer, hidden, attended))
 
 
-def _attend(parts, store, index, chunk, q, k_here, v_here):
-    """Attention of one chunk of queries to every chunk of keys up to it, read one chunk at a time, each pair through
-    PyTorch's CPU flash kernel and the pairs joined by their log-sum-exps: the output in the queries' dtype and the
-    log-sum-exp (float32, float64 for float64) per head and query."""
-    compute = torch.promote_types(q.dtype, torch.float32)
-    q = q.to(compute)[None]
-    out, log_sum_exp = torch.zeros_like(q), torch.full(q.shape[:3], float("-inf"), dtype=compute)
-    for earlier in range(chunk + 1):
-        k, v = (
-            (k_here, v_here)
-            if earlier == chunk
-            else (store.read(("k", index, earlier)), store.read(("v", index, earlier)))
-        )
-        pair_out, pair_log_sum_exp = _FLASH(
-            q, parts.by_head(k.to(compute)), parts.by_head(v.to(compute)), 0.0, earlier == chunk, scale=parts.scaling
-        )
-        joined = torch.logaddexp(log_sum_exp, pair_log_sum_exp)
-        out = out * (log_sum_exp - joined).exp()[..., None] + pair_out * (pair_log_sum_exp - joined).exp()[..., None]
-        log_sum_exp = joined
-    return out[0].to(k_here.dtype), log_sum_exp[0]
-
-
-def _loss_and_gradients(parts, store, bounds, targets, count, wants_gradients):
-    """The loss (the sum over chunks of the fused head's, over the counted tokens) and the weights whose gradients,
+def _loss_and_gradients(parts, store, bounds, batch, wants_gradients):
+    """The loss (the sum over chunks of the fused head's, over ``batch.count``) and the weights whose gradients,
     when wanted, it wrote to the file with the last layer's output gradient per chunk (for a loss gradient of 1)."""
     loss = torch.zeros((), dtype=torch.promote_types(parts.head.weight.dtype, torch.float32))
     gradients: dict = {}
@@ -342,9 +396,13 @@ def _loss_and_gradients(parts, store, bounds, targets, count, wants_gradients):
         hidden = store.read(("hidden", last, chunk))
         with torch.set_grad_enabled(wants_gradients):
             hidden.requires_grad_(wants_gradients)
-            chunk_loss = (
-                linear_cross_entropy(parts.norm(hidden), parts.head.weight, targets[start:end], reduction="sum") / count
-            )
+            chunk_loss = linear_cross_entropy(
+                parts.norm(hidden),
+                parts.head.weight,
+                batch.targets[start:end],
+                ignore_index=batch.ignore_index,
+                reduction="sum",
+            ) / (batch.count.to(hidden.device) if isinstance(batch.count, torch.Tensor) else batch.count)
             if wants_gradients:
                 (grad_hidden,) = _add(gradients, chunk_loss, torch.ones_like(chunk_loss), weights, hidden)
                 store.write(("grad", last, chunk), grad_hidden)
@@ -355,12 +413,17 @@ def _loss_and_gradients(parts, store, bounds, targets, count, wants_gradients):
     return loss.to(chunk_loss.dtype), weights
 
 
-def _layer_backward(parts, store, index, bounds, gradients, keep):
+def _layer_backward(parts, store, segments, index, positions, gradients, keep):
     """One layer's backward, chunk by chunk; with ``keep``, what forward wrote stays for another backward."""
     layer = parts.layers[index]
     after = [p for m in (layer.self_attn.o_proj, layer.post_attention_layernorm, layer.mlp) for p in m.parameters()]
-    before = [p for m in (layer.input_layernorm, *_attention_projections(layer.self_attn)) for p in m.parameters()]
-    for chunk in range(len(bounds)):  # the residual adds, the norm, o_proj and the MLP, for each chunk
+    before = [
+        p
+        for m in (layer.input_layernorm, *_attention_projections(layer.self_attn), *_query_key_norms(layer.self_attn))
+        for p in m.parameters()
+    ]
+    chunks = len(segments.bounds)
+    for chunk in range(chunks):  # the residual adds, the norm, o_proj and the MLP, for each chunk
         hidden = store.read(("hidden", index, chunk)).requires_grad_()
         attended = store.read(("attended", index, chunk)).requires_grad_()
         with torch.enable_grad():
@@ -375,12 +438,19 @@ def _layer_backward(parts, store, index, bounds, gradients, keep):
         store.write(("grad", index, chunk), grad_hidden)
         store.write(("grad attended", index, chunk), grad_attended)
         del output, grad_hidden, grad_attended
-        _return_freed_memory()
-    _attention_backward(parts, store, index, len(bounds))
-    for chunk, (start, end) in enumerate(bounds):  # the norm, the projections and the rotary embedding
+        return_freed_memory()
+
+    def read(name, chunk):
+        return store.read((name, index, chunk))
+
+    def write(name, chunk, tensor):
+        store.write((name, index, chunk), tensor)
+
+    attention_backward(parts, segments, read, write)
+    for chunk, (start, end) in enumerate(segments.bounds):  # the norms, the projections and the rotary embedding
         hidden = store.read(("hidden", index, chunk)).requires_grad_()
         with torch.enable_grad():
-            q, k, v = parts.before_attention(layer, hidden, torch.arange(start, end))
+            q, k, v = parts.before_attention(layer, hidden, positions[start:end])
             incoming = [store.read((name, index, chunk)).to(q.dtype) for name in ("grad q", "grad k", "grad v")]
             (grad_hidden,) = _add(gradients, (q, k, v), incoming, _trained(before), hidden)
         store.write(("grad", index, chunk), store.read(("grad", index, chunk)) + grad_hidden)
@@ -394,37 +464,11 @@ def _layer_backward(parts, store, index, bounds, gradients, keep):
         for name in released:
             store.release((name, index, chunk))
         del q, k, v, incoming, grad_hidden
-        _return_freed_memory()
+        return_freed_memory()
 
 
-def _attention_backward(parts, store, index, chunks):
-    """FlashAttention-2's backward over chunks: for each chunk of keys and values, every chunk of queries at or
-    after it, each pair through PyTorch's CPU flash kernel given the whole row's output and log-sum-exp (which makes
-    a pair's gradients its exact share); the keys' and values' gradients added up here, the queries' in the file."""
-    for keys_chunk in range(chunks):
-        k, v = store.read(("k", index, keys_chunk)), store.read(("v", index, keys_chunk))
-        compute = torch.promote_types(k.dtype, torch.float32)
-        k_heads, v_heads = parts.by_head(k.to(compute)), parts.by_head(v.to(compute))
-        grad_k, grad_v = torch.zeros_like(k_heads), torch.zeros_like(v_heads)
-        for queries_chunk in range(keys_chunk, chunks):
-            q, grad_out, attended = (
-                store.read((name, index, queries_chunk)).to(compute)[None]
-                for name in ("q", "grad attended", "attended")
-            )
-            log_sum_exp = store.read(("lse", index, queries_chunk))[None]
-            diagonal = queries_chunk == keys_chunk
-            grad_q, pair_grad_k, pair_grad_v = _FLASH_BACKWARD(
-                grad_out, q, k_heads, v_heads, attended, log_sum_exp, 0.0, diagonal, scale=parts.scaling
-            )
-            grad_k += pair_grad_k
-            grad_v += pair_grad_v
-            if keys_chunk > 0:
-                grad_q += store.read(("grad q", index, queries_chunk))
-            store.write(("grad q", index, queries_chunk), grad_q[0])
-        kv_shape = (k.shape[0], parts.groups, *k.shape[1:])
-        _return_freed_memory()
-        store.write(("grad k", index, keys_chunk), grad_k.view(kv_shape).sum(1))
-        store.write(("grad v", index, keys_chunk), grad_v.view(kv_shape).sum(1))
+def _query_key_norms(attention):
+    return [getattr(attention, name) for name in sorted(_QUERY_KEY_NORMS) if hasattr(attention, name)]
 
 
 def _trained(parameters):

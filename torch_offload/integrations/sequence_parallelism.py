@@ -66,6 +66,13 @@ _MASKS_WITHOUT_POSITION_IDS = frozenset({"gpt_oss"})
 _ROPE_OF_THE_CALLS_POSITIONS = ("dynamic", "longrope")
 
 
+def rope_of_the_calls_positions(config: Any) -> str | None:
+    """The config's rotary embedding type where its frequencies depend on a call's largest position, else None."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    return rope_type if rope_type in _ROPE_OF_THE_CALLS_POSITIONS else None
+
+
 def _attend_over_ranks(
     handle: OffloadHandle, model: nn.Module, names: list[str], layers: nn.ModuleList, group: Any
 ) -> None:
@@ -101,12 +108,11 @@ def _attend_over_ranks(
                 f"attention; {type(config).__name__} has model_type "
                 f"{getattr(config, 'model_type', None)!r} and attention {implementation!r}"
             )
-        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in _ROPE_OF_THE_CALLS_POSITIONS:
+        rope_type = rope_of_the_calls_positions(config)
+        if rope_type is not None:
             raise ValueError(
                 f"torch_offload.apply: sequence_parallel: {type(config).__name__}'s rotary embedding "
-                f"({rope.get('rope_type', rope.get('type'))!r}) scales with the largest position of a "
-                "call, which differs between ranks"
+                f"({rope_type!r}) scales with the largest position of a call, which differs between ranks"
             )
         if getattr(config, "output_router_logits", False):
             raise ValueError(
