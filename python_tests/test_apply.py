@@ -91,6 +91,12 @@ def loss_and_grads(model, ids, run=None):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def applied_work(handle):
+    """What grows with each applied training step with labels: the chunk-recurrent step's calls where it is on
+    (test_chunk_recurrent_route.py), else the bytes the disk tier wrote."""
+    return handle.chunk_recurrent_calls if handle.chunk_recurrent == "on" else handle.stats()["disk_bytes"]
+
+
 def assert_close_runs(a, b):
     torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-6)
     assert a[1].keys() == b[1].keys()
@@ -112,8 +118,7 @@ def test_apply_matches_unpatched_and_remove_restores(name, tmp_path):
     assert handle.loss == "linear_cross_entropy"
     got = loss_and_grads(model, ids)
     assert_close_runs(want, got)
-    stats = handle.stats()
-    assert stats["disk_bytes"] > 0 and stats["live_entries"] == 0
+    assert applied_work(handle) > 0 and handle.stats()["live_entries"] == 0
     handle.remove()
     assert [type(m) for m in model.modules()] == mlp_types
     assert not any("forward" in vars(m) or "__getstate__" in vars(m) for m in model.modules())
@@ -591,9 +596,9 @@ def test_copies_and_pickles_of_an_applied_model_are_the_model_before_apply(name,
         model.zero_grad(set_to_none=True)
         assert_close_runs(want, loss_and_grads(other, ids))
         assert all(p.grad is None for p in model.parameters())  # the copy trains its own parameters
-    disk_bytes = handle.stats()["disk_bytes"]
+    work = applied_work(handle)
     assert_close_runs(want, loss_and_grads(model, ids))
-    assert handle.stats()["disk_bytes"] > disk_bytes
+    assert applied_work(handle) > work
     copy_handle = torch_offload.apply(copied, offload=None)  # a copy is applied on its own
     assert_close_runs(want, loss_and_grads(copied, ids))
     copy_handle.remove()
@@ -657,6 +662,10 @@ def test_paths_may_be_path_objects(tmp_path):
     model, ids = make_model("llama"), batch()
     want = loss_and_grads(model, ids)
     handle = torch_offload.apply(model, offload="disk", spill_directory=tmp_path, min_bytes=0, num_shards=2)
+    assert_close_runs(want, loss_and_grads(model, ids))
+    assert handle.chunk_recurrent == "on" and handle.chunk_recurrent_calls == 1  # its file in tmp_path
+    handle.remove()
+    handle = torch_offload.apply(model, spill_directory=tmp_path, min_bytes=0, num_shards=2, chunk_recurrent=False)
     assert_close_runs(want, loss_and_grads(model, ids))
     assert handle.stats()["disk_bytes"] > 0
     handle.remove()
@@ -747,7 +756,11 @@ def test_offload_default_on_a_cpu_model_says_what_it_does(tmp_path, monkeypatch)
         handle = torch_offload.apply(model, min_bytes=0)
     assert handle.offload == "disk" and set(handle.checkpointing.values()) <= {"attention", "layer"}
     assert_close_runs(want, loss_and_grads(model, ids))
-    assert handle.stats()["disk_bytes"] > 0
+    assert handle.chunk_recurrent_calls == 1  # training with labels: the chunk-recurrent step, its file on the disk
+    assert_close_runs(want, loss_and_grads(model, ids, run=lambda **call: model(**call, logits_to_keep=0)))
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert handle.chunk_recurrent_calls == 2
     handle.remove()
     # A spill directory in RAM would hold what the tier is meant to free: plain checkpointing instead.
     monkeypatch.setenv("TORCH_OFFLOAD_SPILL_DIR", "/dev/shm")
@@ -1010,7 +1023,13 @@ def test_backward_recomputes_what_checkpoint_names(checkpoint, tmp_path):
             lambda *_: calls.__setitem__("norm", calls["norm"] + 1)
         )
     handle = torch_offload.apply(
-        model, offload="disk", checkpoint=checkpoint, keep_last=0, min_bytes=0, spill_directory=str(tmp_path)
+        model,
+        offload="disk",
+        checkpoint=checkpoint,
+        keep_last=0,
+        min_bytes=0,
+        spill_directory=str(tmp_path),
+        chunk_recurrent=False,  # the layers' path: what backward recomputes there
     )
     assert set(handle.checkpointing.values()) == {checkpoint}
     calls.update(attention=0, norm=0)  # apply's probes ran the model
@@ -1078,7 +1097,12 @@ def test_attention_block_runs_for_plain_causal_calls_and_the_module_for_the_othe
         for mask, m in (("none", None), ("padded", padded))
     }
     handle = torch_offload.apply(
-        model, offload="disk", checkpoint=checkpoint, spill_directory=str(tmp_path), min_bytes=0
+        model,
+        offload="disk",
+        checkpoint=checkpoint,
+        spill_directory=str(tmp_path),
+        min_bytes=0,
+        chunk_recurrent=False,  # the layers' path, where the op runs
     )
     assert handle.attention_blocks == 3
     got = {}
@@ -1227,7 +1251,9 @@ def test_accelerate_hooks_put_on_projections_after_apply_are_honoured(tmp_path):
     hook_projections(reference)
     want = loss_and_grads(reference, ids)
     model = make_model("llama")
-    handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0, num_shards=2)
+    # The layers' path, where the ops run (the chunk-recurrent step's: test_chunk_recurrent_route.py).
+    options = dict(spill_directory=str(tmp_path), min_bytes=0, num_shards=2, chunk_recurrent=False)
+    handle = torch_offload.apply(model, offload="disk", **options)
     assert (handle.tiled_mlps, handle.attention_blocks) == (3, 3)
     hook_projections(model)
     tiled_mlp_op = torch.ops.offload.tiled_mlp.default
@@ -1302,7 +1328,9 @@ def test_two_handles_on_one_model_are_undone_together_in_copies_and_one_by_one_b
 
 def test_attention_block_leaves_projections_wrapped_or_hooked_after_apply_to_the_module(tmp_path):
     model, ids = make_model("llama"), batch()
-    handle = torch_offload.apply(model, offload="disk", spill_directory=str(tmp_path), min_bytes=0)
+    handle = torch_offload.apply(
+        model, offload="disk", spill_directory=str(tmp_path), min_bytes=0, chunk_recurrent=False
+    )
     assert handle.attention_blocks == 3
     # LoRA added after apply replaces q_proj and v_proj in every layer: the op would bypass the adapters.
     lora = peft.LoraConfig(
@@ -1314,7 +1342,9 @@ def test_attention_block_leaves_projections_wrapped_or_hooked_after_apply_to_the
     handle.remove()
     assert_close_runs(loss_and_grads(model, ids), got["lora"])
     plain = make_model("llama")
-    handle = torch_offload.apply(plain, offload="disk", spill_directory=str(tmp_path), min_bytes=0)
+    handle = torch_offload.apply(
+        plain, offload="disk", spill_directory=str(tmp_path), min_bytes=0, chunk_recurrent=False
+    )
     calls = []
     plain.model.layers[1].self_attn.k_proj.register_forward_hook(lambda *_: calls.append(1))
     assert op_calls(lambda: loss_and_grads(plain, ids)) == (2, 2)  # layer 1 runs its module: the hook fires

@@ -1,5 +1,5 @@
-"""apply() (tiled MLPs, checkpointing, the fused loss) on a Hugging Face model under DDP and FSDP2,
-2 CPU ranks with Gloo: each rank's gradients equal one process training on the whole batch."""
+"""apply() (tiled MLPs, checkpointing, the fused loss; under DDP the chunk-recurrent step) on a Hugging Face model
+under DDP and FSDP2, 2 CPU ranks with Gloo: each rank's gradients equal one process training on the whole batch."""
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,8 @@ def rank_main(rank, world_size, out_path, spill_directory):
         else:
             model = DistributedDataParallel(model)
         results[wrapper] = grads_of_one_step(model, ids[rank * per_rank : (rank + 1) * per_rank])
+        # The chunk-recurrent step under DDP (one gradient per parameter); FSDP2's hooks send calls to the layers.
+        results[f"{wrapper} chunk-recurrent steps"] = handle.chunk_recurrent_calls
     dist.barrier()
     if rank == 0:
         torch.save(results, out_path)
@@ -48,6 +50,7 @@ def test_applied_model_under_ddp_and_fsdp2_matches_one_process(tmp_path):
     run_ranks(rank_main, 2, str(out_path), str(tmp_path))
     results = torch.load(out_path)
     want = grads_of_one_step(make_model("llama"), batch())  # plain model, plain loss, whole batch
+    assert (results["ddp chunk-recurrent steps"], results["fsdp2 chunk-recurrent steps"]) == (1, 0)
     for wrapper in WRAPPERS:
         got = results[wrapper]
         assert got.keys() == want.keys()

@@ -26,7 +26,9 @@ CACHE = "cache" if "cache" in inspect.signature(transformers.LlamaModel.forward)
 def applied(name, tmp_path, **overrides):
     model = make_model(name, **overrides) if overrides else build(name)
     model.config.output_router_logits = False  # the tests' mixtures record them; released configs ask per call
-    return model, torch_offload.apply(model, **tier_options("disk", tmp_path))
+    # The chunk-recurrent step, which would take these tests' training calls with labels, off: the loop runs for
+    # the calls it does not take (test_chunk_recurrent_route.py).
+    return model, torch_offload.apply(model, **tier_options("disk", tmp_path), chunk_recurrent=False)
 
 
 def counting_layers():

@@ -17,7 +17,7 @@ import trl
 from test_real_batches import make_model
 
 import torch_offload
-from torch_offload.integrations import layer_loop
+from torch_offload.integrations import chunk_recurrent_route, layer_loop
 
 WORDS = [f"w{i}" for i in range(120)]
 
@@ -201,24 +201,35 @@ def test_trainer_callback_applies_for_training_only_with_equal_losses(tmp_path):
     torch.testing.assert_close(applied, plain, rtol=1e-4, atol=1e-5)
 
 
-def test_trainer_callback_runs_applys_layer_loop_at_every_step(tmp_path):
+# What each step of a Trainer with the callback runs: the chunk-recurrent step (apply's default for training calls
+# with labels on a CPU), or with it off, apply's loop over the layers; patched to count the calls with gradients.
+STEPS = {
+    "chunk-recurrent step": ({}, chunk_recurrent_route, "chunk_recurrent_step", 1),
+    "layer loop": (dict(chunk_recurrent=False), layer_loop, "_run_layer", "layers"),
+}
+
+
+@pytest.mark.parametrize("step", list(STEPS))
+def test_trainer_callback_runs_applys_step_at_every_step(step, tmp_path):
     """A model as transformers makes it (config.use_cache true; the Trainer sets it from its arguments, false by
-    default): every training step runs apply's loop over the layers (torch_offload/integrations/layer_loop.py), with
-    the un-applied model's losses."""
+    default): every training step runs apply's chunk-recurrent step, or with it off apply's loop over the layers,
+    with the un-applied model's losses."""
+    options, module, name, per_step = STEPS[step]
     make_trainer, runs, with_gradients = packed_trainer(tmp_path), [], []
+    original = getattr(module, name)
 
-    def run_layer(*args):
-        with_gradients.append(torch.is_grad_enabled())  # apply's probe runs the loop without
-        return original(*args)
+    def counted(*args, **kwargs):
+        with_gradients.append(torch.is_grad_enabled())  # apply's probes run them without
+        return original(*args, **kwargs)
 
-    original = layer_loop._run_layer
     for applied in (False, True):
         model = make_model("llama", max_position_embeddings=256)
         assert model.config.use_cache
-        callbacks = [torch_offload.TorchOffloadCallback(num_shards=2)] if applied else []
-        with mock.patch.object(layer_loop, "_run_layer", run_layer):
+        callbacks = [torch_offload.TorchOffloadCallback(num_shards=2, **options)] if applied else []
+        with mock.patch.object(module, name, counted):
             runs.append(losses(make_trainer(model, callbacks)))
-    assert with_gradients.count(True) == 4 * model.config.num_hidden_layers  # 4 steps
+    calls = model.config.num_hidden_layers if per_step == "layers" else per_step
+    assert with_gradients.count(True) == 4 * calls  # 4 steps
     assert len(runs[0]) == 4
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-4, atol=1e-5)
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from .. import masking
 from ..causal_lm_loss import fuse_causal_lm_loss
+from .chunk_recurrent_route import install_chunk_recurrent
 from .compiled import _offload_in_compiled_graphs
 from .handle import OffloadHandle, _refuse_patched
 from .implementations import _use_segment_masks
@@ -65,6 +66,7 @@ def apply(
     attention_block: bool = True,
     rms_norm: bool = True,
     sequence_parallel: Any = None,
+    chunk_recurrent: bool = True,
     **offload_options,
 ) -> OffloadHandle:
     """Make ``model`` (a Hugging Face style causal LM or VLM) train with less memory, in place.
@@ -137,6 +139,14 @@ def apply(
       in training calls with gradients, no cache, no recorded outputs and no hooks on the layers, so that neither
       the embeddings nor a layer's input stay alive past their last use (``handle.layer_loop`` says which loop
       runs, and why; docs/apply.md, "The loop over the layers").
+    - ``chunk_recurrent``: where apply runs the loop over the layers (above), the loss is fused and the model is
+      Llama, Mistral (no sliding window), Qwen2 or Qwen3 in host memory, a training call with labels runs the
+      chunk-recurrent step (``chunk_recurrent_loss``'s): the whole step in chunks of 2048 tokens kept in a file in
+      the spill directory, in memory that does not grow with the sequence, where a probe at apply time shows its
+      loss is the model's own on one row, padded rows, packed documents and with ``num_items_in_batch``; per call
+      only eagerly, without autocast, a cache given, logits asked for or outputs recorded (``handle.chunk_recurrent``
+      says whether it is on and why not, ``handle.chunk_recurrent_calls`` counts its calls; docs/apply.md, "The
+      chunk-recurrent step"). Other calls run as described above.
     - ``sequence_parallel``: a ``torch.distributed`` ProcessGroup (or a 1-D DeviceMesh, or a
       mesh's dimension ``mesh["sp"]``) whose ranks each hold a contiguous chunk of every row's
       tokens, as ``torch_offload.shard_batch(batch, group)`` gives them; call the model with
@@ -179,7 +189,13 @@ def apply(
     """
     _check_arguments(
         offload,
-        {"tiled_mlp": tiled_mlp, "loss": loss, "attention_block": attention_block, "rms_norm": rms_norm},
+        {
+            "tiled_mlp": tiled_mlp,
+            "loss": loss,
+            "attention_block": attention_block,
+            "rms_norm": rms_norm,
+            "chunk_recurrent": chunk_recurrent,
+        },
         keep_last,
         num_shards,
     )
@@ -204,12 +220,14 @@ def apply(
         "attention_block": attention_block,
         "keep_last": keep_last,
         "rms_norm": rms_norm,
+        "chunk_recurrent": chunk_recurrent,
     }
     try:
         _install_layers(handle, model, names, layer_list, recompute, offloaded, tiled_mlp, num_shards, attention_block)
         if rms_norm:
             fuse_norms(handle, model, names, layer_list)
-        _install_above_layers(handle, model, names, layer_list, group, offloaded, attention_block, loss)
+        above = dict(attention_block=attention_block, loss=loss, chunk_recurrent=chunk_recurrent)
+        _install_above_layers(handle, model, names, layer_list, group, offloaded, offload_options, **above)
         if not handle._patches:
             raise ValueError(
                 f"torch_offload.apply: nothing to change in {layer_path} with tiled_mlp={tiled_mlp}, "
@@ -266,11 +284,15 @@ def _install_above_layers(
     layers: nn.ModuleList,
     group: Any,
     offloaded: set[int],
+    offload_options: dict[str, Any],
+    *,
     attention_block: bool,
     loss: bool,
+    chunk_recurrent: bool,
 ) -> None:
     """What the model gets above its layers: segment-id masks, the fused loss, attention over the
-    sequence-parallel group's ranks, and the offload in compiled graphs."""
+    sequence-parallel group's ranks, the loop over the layers, the chunk-recurrent step, and the offload in
+    compiled graphs (last: its forward hands compiled code what it calls)."""
     if group is not None:
         handle._masks = "each rank's real-token flags, the whole rows' segments gathered (sequence_parallel)"
     elif attention_block:
@@ -284,6 +306,9 @@ def _install_above_layers(
     if group is not None:
         _attend_over_ranks(handle, model, names, layers, group)
     handle.layer_loop = install_layer_loop(handle, model)
+    handle.chunk_recurrent = (
+        install_chunk_recurrent(handle, model, offload_options) if chunk_recurrent else "off (chunk_recurrent=False)"
+    )
     if handle.context is not None:
         _offload_in_compiled_graphs(handle, model, offloaded)
 

@@ -132,6 +132,10 @@ class OffloadHandle:
       ``"module: <why not>"``.
     - ``norms``: each RMSNorm apply found (each layer's, the one after the layers), by name: ``"rms_norm"``
       (the op) or ``"module: <why not>"``.
+    - ``layer_loop``: ``"apply's"`` where apply runs the loop over the decoder layers (layer_loop.py), else
+      ``"the model's own: <why>"``.
+    - ``chunk_recurrent``: ``"on"`` where training calls with labels run the chunk-recurrent step
+      (chunk_recurrent_route.py), else ``"off: <why>"``; ``chunk_recurrent_calls`` counts the calls it ran.
     - ``mask_fallbacks``: calls for which transformers built its dense ``[batch, 1, T, T]`` mask
       although the model's masks are apply's segment ids (``torch_offload.masking``), by reason.
 
@@ -153,6 +157,11 @@ class OffloadHandle:
         self.norms: dict[str, str] = {}
         self.sequence_parallel: str | None = None  # the name of apply()'s sequence-parallel group
         self.layer_loop = "the model's own"  # or "apply's" (layer_loop.py), or "the model's own: <why>"
+        self._layer_loop_allows = None  # with apply's loop: whether a decoder call runs it (layer_loop.py)
+        # With the fused loss: the module whose forward it patched, its head, and whether that forward was the class's.
+        self._fused_loss_owner = None
+        self.chunk_recurrent = "off"  # or "on" (chunk_recurrent_route.py), or "off: <why>"
+        self.chunk_recurrent_calls = 0  # training calls the chunk-recurrent step ran
         self._sequence_parallel_ranks = 1
         # For the report: the model's class, apply's options, the offloaded layers' indices, what the masks are.
         self._model_name = ""

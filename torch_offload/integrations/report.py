@@ -87,6 +87,7 @@ def report(handle: OffloadHandle) -> dict[str, Any]:
         "norms": _norms(handle),
         "masks": handle._masks,
         "layer_loop": handle.layer_loop,
+        "chunk_recurrent": handle.chunk_recurrent,
         "sequence_parallel": handle.sequence_parallel,
         "removed": handle._removed,
     }
@@ -112,6 +113,7 @@ def _model_lines(data: dict[str, Any]) -> list[str]:
         f"norms: {data['norms']}",
         f"masks: {data['masks']}",
         f"layer loop: {data['layer_loop']}",
+        f"chunk-recurrent step: {data['chunk_recurrent']}",
     ]
     if data["sequence_parallel"] is not None:
         lines.append(f"sequence_parallel: group {data['sequence_parallel']}")
