@@ -3,7 +3,8 @@ activations Python can reach, by what they are, beside the resident set's growth
 
     .venv/bin/python bench/forward_holders.py [--tokens 16384,32768] [--layer 4] [--write]
 
-The step is bench/long_context.py's forward (the demo's Llama, `apply(model)` with no option, one row of T tokens,
+The step is the layers' path of bench/long_context.py's forward (the demo's Llama, `apply(model,
+chunk_recurrent=False)`, whose chunk-recurrent step would otherwise take it, one row of T tokens,
 after a 128-token training step), one fresh process per T, with glibc returning every block of 1 MiB or more when
 it is freed, so that the resident set's growth is the live bytes. When the chosen layer's attention and MLP return
 (their forward hooks), every tensor the garbage collector reaches whose storage has 1 MiB or more and was not
@@ -96,7 +97,7 @@ def worker(tokens, layer_index):
 
     torch.manual_seed(0)
     model = demo_llama(512, 1408, 8, tokens).train()
-    torch_offload.apply(model)
+    torch_offload.apply(model, chunk_recurrent=False)
     warm = torch.randint(3, 32000, (1, 128), generator=torch.Generator().manual_seed(1))
     model(input_ids=warm, labels=warm, use_cache=False).loss.backward()
     model.zero_grad(set_to_none=True)
@@ -126,8 +127,8 @@ def table(results, args):
     command = "`.venv/bin/python bench/forward_holders.py " + " ".join(sys.argv[1:]) + "`"
     return (
         f"## {TITLE}\n\n{command} ({machine()}). Layer {args.layer} of the demo's Llama (hidden 512, 8 layers, "
-        "float32) with `apply(model)` and no option, in the forward of one step per fresh process, every block of "
-        "1 MiB or more returned when freed: when its attention and its MLP return, the tensors Python reaches "
+        "float32) with `apply(model, chunk_recurrent=False)`, in the forward of one step per fresh process, every "
+        "block of 1 MiB or more returned when freed: when its attention and its MLP return, the tensors Python reaches "
         "(1 MiB or more, each storage once, none of the weights') by what they are, in MiB and in `[T, 512]` float32 "
         "vectors.\n\n" + "\n".join(lines) + "\n"
     )

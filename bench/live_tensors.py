@@ -3,7 +3,8 @@
     .venv/bin/python bench/live_tensors.py [--tokens 16384,32768] [--hidden 512 --intermediate 1408 --layers 8]
                                            [--write]
 
-The demo's Llama (vocabulary 32K, float32, random weights) with `torch_offload.apply(model)` and no option takes
+The demo's Llama (vocabulary 32K, float32, random weights) with `torch_offload.apply(model, chunk_recurrent=False)`
+(the layers offloaded to the disk tier: the path the chunk-recurrent step, apply's default here, replaces) takes
 one training step of one row of T tokens in a fresh process per T, after a 128-token warm-up step, in no
 special environment (glibc's defaults, as users run it), under `torch.profiler` with memory and Python stacks: every
 CPU allocation through PyTorch's allocator (C++ kernels' temporaries included), with its owner: the phase (forward,
@@ -35,7 +36,7 @@ def trace(tokens, hidden, intermediate, layers):
 
     torch.manual_seed(0)
     model = demo_llama(hidden, intermediate, layers, tokens).train()
-    handle = torch_offload.apply(model)
+    handle = torch_offload.apply(model, chunk_recurrent=False)  # the store's tensors are marked below
 
     def step(length):
         ids = torch.randint(3, 32000, (1, length), generator=torch.Generator().manual_seed(1))
@@ -157,12 +158,12 @@ def table(results, args):
     command = "`.venv/bin/python bench/live_tensors.py " + " ".join(sys.argv[1:]) + "`"
     return (
         f"## {TITLE}\n\n{command} ({machine()}). The demo's Llama (hidden {args.hidden}, MLP {args.intermediate}, "
-        f"{args.layers} layers, vocabulary 32K, float32) with `apply(model)` and no option, one training step per "
-        "fresh process in no special environment, under `torch.profiler` (memory, Python stacks). The allocations live "
-        "at the step's largest total, summed by owner (phase, innermost module, outermost op, allocating op), the "
-        f"{TOP} that grow most with T; bytes per token is an owner's growth over the growth of T. Not traced: what "
-        "the disk tier's I/O threads free (counted as freed when handed to the store) and memory from outside "
-        "PyTorch's allocator (the restore buffers): the resident set's growth is the last row.\n\n"
+        f"{args.layers} layers, vocabulary 32K, float32) with `apply(model, chunk_recurrent=False)`, one training "
+        "step per fresh process in no special environment, under `torch.profiler` (memory, Python stacks). The "
+        "allocations live at the step's largest total, summed by owner (phase, innermost module, outermost op, "
+        f"allocating op), the {TOP} that grow most with T; bytes per token is an owner's growth over the growth of T. "
+        "Not traced: what the disk tier's I/O threads free (counted as freed when handed to the store) and memory "
+        "from outside PyTorch's allocator (the restore buffers): the resident set's growth is the last row.\n\n"
         + "\n".join(rows)
         + "\n"
     )

@@ -3,12 +3,13 @@ phase of the step, by layer, at several lengths, and how each phase grows per to
 
     .venv/bin/python bench/peak_phases.py [--tokens 16384,32768,65536] [--norms]
 
-The step is bench/long_context.py's (the demo's Llama, `apply(model)` with no option, one row of T tokens, one step
-per fresh process after a 128-token warm-up, glibc's and the disk tier's defaults). A thread samples VmRSS every
-2 ms and keeps the highest value of each phase (a list of samples would grow the resident set by itself); hooks on
-the final norm and each layer's attention and MLP (with --norms, its two norms too) time the phases: a module's
-forward ends when its forward hook runs and its backward starts when the gradient of its output arrives. A phase runs
-from its event to the next one.
+The step is the layers' path of bench/long_context.py's (the demo's Llama, `apply(model,
+chunk_recurrent=False)`: the layers offloaded to the disk tier, the path the chunk-recurrent step, apply's default
+here, replaces; one row of T tokens, one step per fresh process after a 128-token warm-up, glibc's and the disk
+tier's defaults). A thread samples VmRSS every 2 ms and keeps the highest value of each phase (a list of samples
+would grow the resident set by itself); hooks on the final norm and each layer's attention and MLP (with --norms, its
+two norms too) time the phases: a module's forward ends when its forward hook runs and its backward starts when the
+gradient of its output arrives. A phase runs from its event to the next one.
 """
 
 import argparse
@@ -28,7 +29,7 @@ def worker(tokens, norms):
 
     torch.manual_seed(0)
     model = demo_llama(512, 1408, 8, tokens).train()
-    torch_offload.apply(model)
+    torch_offload.apply(model, chunk_recurrent=False)  # its hooks would send the step to the layers' path anyway
     phases_begun = []  # the names of the phases in the order they begin
 
     def timed(name):
