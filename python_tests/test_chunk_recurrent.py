@@ -161,6 +161,23 @@ def test_a_kept_graph_runs_backward_again_and_a_freed_one_says_so(tmp_path):
         got.backward()
 
 
+def test_a_gradient_of_the_gradients_raises_rather_than_reads_them_as_constants(tmp_path):
+    model, (ids, labels) = build("llama").double(), tokens_and_labels()
+    loss = torch_offload.chunk_recurrent_loss(model, ids, labels, chunk_tokens=5, directory=tmp_path)
+    with pytest.raises(RuntimeError, match="the step's gradients have no graph of their own"):
+        torch.autograd.grad(loss, [model.lm_head.weight], create_graph=True)  # as a gradient penalty takes them
+
+
+def test_a_batch_without_a_counted_label_gives_plain_pytorchs_nan_loss_and_zero_gradients(tmp_path):
+    """Every label ignored (a completion truncated away): a NaN loss and zero gradients, not 0 x 1/0 = NaN ones."""
+    model, (ids, _) = build("llama").double(), tokens_and_labels()
+    labels = torch.full_like(ids, -100)
+    want, got = reference(model, ids, labels), chunked(model, ids, labels, tmp_path, chunk_tokens=5)
+    assert want[0].isnan() and got[0].isnan() and want[1].keys() == got[1].keys()
+    for name, gradient in want[1].items():
+        assert not gradient.any() and not got[1][name].any(), name
+
+
 def test_frozen_embeddings_and_one_trained_projection(tmp_path):
     model, (ids, labels) = build("qwen2").double(), tokens_and_labels()
     for name, parameter in model.named_parameters():
@@ -259,6 +276,7 @@ BAD_MODELS = {
     "sliding_window": (lambda: build("mistral", sliding_window=8), "a sliding window"),
     "attention_dropout": (lambda: build("llama", attention_dropout=0.1), "attention dropout"),
     "forward_not_llamas": (lambda: skip_a_layer(build("llama")), "its forward is not Llama's"),
+    "bfloat16": (lambda: build("llama").bfloat16(), "parameters in torch.bfloat16: the step would round"),
 }
 
 

@@ -171,7 +171,7 @@ def parts_problem(model: nn.Module) -> str | None:
             return f"a layer's children are not {sorted(_LAYER_CHILDREN)}"
         if set(dict(layer.self_attn.named_children())) != attention_children:
             return f"an attention's children are not {sorted(attention_children)}"
-        if layer.training and getattr(layer.self_attn, "attention_dropout", 0.0):
+        if layer.self_attn.training and getattr(layer.self_attn, "attention_dropout", 0.0):
             return "attention dropout in training mode"
         if getattr(layer.self_attn, "is_causal", True) is not True:
             return "an attention module that is not causal"
@@ -189,6 +189,9 @@ def parts_problem(model: nn.Module) -> str | None:
         return "lm_head is not a bias-free nn.Linear"
     if getattr(config, "num_hidden_layers", None) != len(decoder.layers):
         return "config.num_hidden_layers is not the number of layers"
+    low_precision = sorted({str(p.dtype) for p in model.parameters()} - {"torch.float32", "torch.float64"})
+    if low_precision:  # one matmul over every token, as the model's backward, rounds once
+        return f"parameters in {', '.join(low_precision)}: the step would round each chunk's share of their gradients"
     return None
 
 
@@ -298,10 +301,10 @@ def chunk_recurrent_step(model: nn.Module, batch: Batch, chunk_tokens: int, dire
 class _ChunkRecurrentStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, parts, batch, chunk_tokens, directory, trained, *parameters):
-        store = ChunkFile(directory)
         tokens = len(batch.ids)
         bounds = [(start, min(start + chunk_tokens, tokens)) for start in range(0, tokens, chunk_tokens)]
         segments = Segments(bounds, batch.query_segments, batch.key_segments)
+        store = ChunkFile(directory)
         wants_gradients = any(ctx.needs_input_grad[5:])
         try:
             for chunk, (start, end) in enumerate(bounds):
@@ -322,6 +325,11 @@ class _ChunkRecurrentStep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if torch.is_grad_enabled():  # create_graph=True: its gradients carry no graph, so say so, not read as constants
+            raise RuntimeError(
+                "chunk_recurrent_loss: the step's gradients have no graph of their own (create_graph=True, as a "
+                "gradient penalty asks): run that step without it"
+            )
         if not hasattr(ctx, "step"):
             raise RuntimeError(
                 "chunk_recurrent_loss: a second backward through the step, whose file went with the first "
@@ -392,21 +400,24 @@ def _loss_and_gradients(parts, store, bounds, batch, wants_gradients):
     gradients: dict = {}
     weights = [p for p in (parts.norm.weight, parts.head.weight) if p.requires_grad] if wants_gradients else []
     last = len(parts.layers)
+    count = batch.count.to(loss.device) if isinstance(batch.count, torch.Tensor) else batch.count
     for chunk, (start, end) in enumerate(bounds):
         hidden = store.read(("hidden", last, chunk))
+        targets = batch.targets[start:end]
         with torch.set_grad_enabled(wants_gradients):
             hidden.requires_grad_(wants_gradients)
-            chunk_loss = linear_cross_entropy(
-                parts.norm(hidden),
-                parts.head.weight,
-                batch.targets[start:end],
-                ignore_index=batch.ignore_index,
-                reduction="sum",
-            ) / (batch.count.to(hidden.device) if isinstance(batch.count, torch.Tensor) else batch.count)
+            chunk_sum = linear_cross_entropy(
+                parts.norm(hidden), parts.head.weight, targets, ignore_index=batch.ignore_index, reduction="sum"
+            )
             if wants_gradients:
-                (grad_hidden,) = _add(gradients, chunk_loss, torch.ones_like(chunk_loss), weights, hidden)
+                # A chunk without a counted target adds no gradient; 1 / count of a batch with none (count 0)
+                # would turn its zeros into NaN, where transformers' loss gives zeros.
+                counted = bool((targets != batch.ignore_index).any())
+                scale = torch.ones_like(chunk_sum) / count if counted else torch.zeros_like(chunk_sum)
+                (grad_hidden,) = _add(gradients, chunk_sum, scale, weights, hidden)
                 store.write(("grad", last, chunk), grad_hidden)
-        loss += chunk_loss.detach()
+        chunk_loss = chunk_sum.detach() / count
+        loss += chunk_loss
         store.release(("hidden", last, chunk))
     for i, weight in enumerate(weights):
         store.write(("loss weight grad", i), gradients.pop(weight))
