@@ -2,6 +2,7 @@
 gives the un-applied model's loss and gradients (float64, to rounding) on every kind of batch, for the families it
 takes; the calls and models that keep apply's other path get it, with the same results; remove() restores."""
 
+import copy
 import functools
 import re
 import warnings
@@ -136,6 +137,22 @@ def test_calls_the_step_does_not_take_keep_applys_other_path(case, tmp_path):
         torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
     else:
         torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("replaced", ["the attention class's forward", "a layer's attention module"])
+def test_an_attention_replaced_after_apply_sends_calls_to_the_installed_forward(replaced, tmp_path, monkeypatch):
+    """The step does not call the attention modules: one replaced since the probe, or its class's forward, would
+    be bypassed, so the call keeps the path that calls them."""
+    model = build("llama")
+    handle = applied(model, tmp_path)
+    attention = model.model.layers[1].self_attn
+    if replaced == "a layer's attention module":
+        model.model.layers[1].self_attn = copy.deepcopy(attention)
+    else:
+        own = type(attention).forward
+        monkeypatch.setattr(type(attention), "forward", lambda self, *args, **kwargs: own(self, *args, **kwargs))
+    model(**batches()["two rows"], use_cache=False).loss.backward()
+    assert handle.chunk_recurrent_calls == 0
 
 
 def test_accelerate_hooks_put_on_projections_after_apply_are_honoured(tmp_path):

@@ -10,9 +10,9 @@ packed documents and with ``num_items_in_batch``; the causal LM's forward its cl
 put on the instance). Per call (``_batch_of_call``): gradients, training mode, eager, ``input_ids`` and ``labels`` on
 the CPU, no logits asked for, no autocast, a decoder call that would run apply's loop (no cache given, nothing
 recorded), no hook on any module under the causal LM (one would see chunks, or not run where the step does not call
-the module's forward: the decoder, its layers and their attention modules, the head), those forwards and the attention
-implementation as the probe found them, and an ``attention_mask`` whose real tokens are contiguous in each row. Any
-other call runs the forward apply installed before (the fused loss over apply's layers).
+the module's forward: the decoder, its layers and their attention modules, the head), those modules, their forwards
+and the attention implementation as the probe found them, and an ``attention_mask`` whose real tokens are
+contiguous in each row. Any other call runs the forward apply installed before (the fused loss over apply's layers).
 """
 
 from __future__ import annotations
@@ -68,10 +68,7 @@ def install_chunk_recurrent(handle: OffloadHandle, model: nn.Module, options: di
     problem, output_type = _probe(owner, installed, directory)
     if problem is not None:
         return f"off: {problem}"
-    # What the step does not call, as the probe found it: a forward replaced since, or another attention
-    # implementation, sends a call to the installed forward.
-    bypassed = [decoder, head, *(layer.self_attn for layer in decoder.layers)]
-    state = [vars(module).get("forward") for module in bypassed], decoder.config._attn_implementation
+    probed = _bypassed(decoder, head)
     signature = inspect.signature(installed)
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
     cache_name = _cache_name(decoder)
@@ -85,8 +82,8 @@ def install_chunk_recurrent(handle: OffloadHandle, model: nn.Module, options: di
         except TypeError:  # the model's own forward says what is wrong
             return installed(*args, **kwargs)
         extra = dict(call.pop(var_keyword, None) or {})
-        now = [vars(module).get("forward") for module in bypassed], decoder.config._attn_implementation
-        batch = _batch_of_call(handle, owner, head, decoder, call, extra) if _same(now, state) else None
+        unchanged = _bypassed(decoder, head) == probed
+        batch = _batch_of_call(handle, owner, head, decoder, call, extra) if unchanged else None
         if batch is None:
             return installed(*args, **kwargs)
         loss = chunk_recurrent_step(owner, batch, CHUNK_TOKENS, directory)
@@ -103,9 +100,15 @@ def install_chunk_recurrent(handle: OffloadHandle, model: nn.Module, options: di
     return "on"
 
 
-def _same(state, before) -> bool:
-    (forwards, implementation), (forwards_before, implementation_before) = state, before
-    return implementation == implementation_before and all(a is b for a, b in zip(forwards, forwards_before))
+def _bypassed(decoder, head) -> list:
+    """What the step does not call but the installed forward would, to compare with the probe's: the attention
+    implementation and each bypassed module (the decoder, the head, each layer's attention) with
+    a forward put on it and its class's forward. A change since sends a call to the installed forward."""
+    modules = [decoder, head, *(layer.self_attn for layer in decoder.layers)]
+    return [
+        decoder.config._attn_implementation,
+        *((module, vars(module).get("forward"), type(module).forward) for module in modules),
+    ]
 
 
 def _batch_of_call(handle, owner, head, decoder, call: dict, extra: dict):
