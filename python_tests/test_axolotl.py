@@ -85,7 +85,8 @@ def run(tmp_path, monkeypatch):
     return run
 
 
-def test_plugin_losses_and_saved_weights_equal_step_by_step(run, tmp_path, monkeypatch):
+@pytest.mark.parametrize("chunk_recurrent", [True, False], ids=["chunk-recurrent step", "layers' path"])
+def test_plugin_losses_and_saved_weights_equal_step_by_step(chunk_recurrent, run, tmp_path, monkeypatch):
     tiled_during, handles, layers_run = [], [], []
 
     class Recording(torch_offload.TorchOffloadCallback):
@@ -103,7 +104,13 @@ def test_plugin_losses_and_saved_weights_equal_step_by_step(run, tmp_path, monke
     monkeypatch.setattr(plugin_module, "TorchOffloadCallback", Recording)
     plain_losses, plain_weights, plain_model = run()
     (tmp_path / "spill").mkdir()
-    options = dict(offload="disk", spill_directory=str(tmp_path / "spill"), min_bytes=0, num_shards=2)
+    options = dict(
+        offload="disk",
+        spill_directory=str(tmp_path / "spill"),
+        min_bytes=0,
+        num_shards=2,
+        chunk_recurrent=chunk_recurrent,
+    )
     with mock.patch.object(layer_loop, "_run_layer", wraps=layer_loop._run_layer):  # counted by Recording
         losses, weights, model = run(plugins=[PLUGIN], torch_offload=options)
 
@@ -112,11 +119,16 @@ def test_plugin_losses_and_saved_weights_equal_step_by_step(run, tmp_path, monke
     torch.testing.assert_close(weights, plain_weights, rtol=1e-5, atol=1e-6)
     assert tiled_during == [True] * 4  # applied for every step
     ((handle, mask_fallbacks),) = handles
-    assert handle.loss == "linear_cross_entropy" and handle.stats()["disk_bytes"] > 0
+    assert handle.loss == "linear_cross_entropy" and handle.layer_loop == "apply's"
     # transformers 5.16's SDPA masks are read as segment ids too: attention recomputed, no dense mask built.
     assert handle.attention_blocks > 0 and mask_fallbacks == {}
-    # apply's loop over the layers ran at every step, as on transformers 5.24 (its cache argument's name differs).
-    assert handle.layer_loop == "apply's" and layers_run == [model.config.num_hidden_layers] * 4
+    if chunk_recurrent:  # every step the whole step in chunks: neither the tier nor apply's loop over the layers ran
+        assert handle.chunk_recurrent_calls == 4 and layers_run == [0] * 4
+        assert handle.stats()["disk_bytes"] == 0
+    else:
+        assert handle.stats()["disk_bytes"] > 0
+        # apply's loop over the layers ran at every step, as on transformers 5.24 (its cache argument's name differs).
+        assert layers_run == [model.config.num_hidden_layers] * 4
     assert patches(model) == patches(plain_model)  # removed: axolotl returns the model as it was given
 
 
