@@ -1,10 +1,18 @@
 """Under pytest-xdist (make test), the tests of modules that spawn ranks run on one worker, one after another: two
-process groups at once would halve each one's cores, and their rendezvous ports come from the same free pool."""
+process groups at once would halve each one's cores, and their rendezvous ports come from the same free pool. Each
+worker, and the processes it starts, gets its share of the cores as OpenMP threads: with torch's default of every
+core in every worker, the threads wait on each other (on 2 cores, test_chunk_recurrent*.py took 154 s, 24 s with
+one thread a worker). The kernels' threaded loops are tested on two threads where a test asks for
+``more_than_one_thread``."""
 
 import os
 import sys
 
 import pytest
+
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # before the test modules import torch; a user's setting stays
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
 
 RANK_MODULES = frozenset(
     {
@@ -21,6 +29,17 @@ RANK_MODULES = frozenset(
 def pytest_configure(config):
     # Registered here too, for runs without pytest-xdist (the GPU check), where the mark does nothing.
     config.addinivalue_line("markers", "xdist_group(name): run on the same pytest-xdist worker as the group")
+
+
+@pytest.fixture
+def more_than_one_thread():
+    """Two threads for this test, whatever the worker's share: the CPU kernels' at::parallel_for loops split."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
 
 
 def pytest_collection_modifyitems(items):

@@ -187,6 +187,19 @@ def test_gradcheck_float64():
         )
 
 
+@pytest.mark.usefixtures("path", "more_than_one_thread")
+@pytest.mark.parametrize("options", [{}, {"softcap": 3.0, "z_loss": 1e-2}], ids=["plain", "softcap_z_loss"])
+def test_the_row_loops_split_over_threads_match_eager(options):
+    # Tiles of 1024 classes: 32 rows a task, two tasks for the 64 tokens.
+    hidden, weight, b, target = make_inputs((64, 32), 4096, bias=True, ignored_every=5)
+    got = loss_and_grads(
+        lambda: call(hidden, weight, b, target, tile_tokens=64, tile_vocab=1024, **options), [hidden, weight, b]
+    )
+    want = loss_and_grads(lambda: reference(hidden, weight, target, b, **options), [hidden, weight, b])
+    for g, w in zip([got[0], *got[1]], [want[0], *want[1]]):
+        assert_close_f32(g, w)
+
+
 @pytest.mark.usefixtures("path")
 def test_tied_weight_gets_both_gradients():
     # The head's weight is the embedding matrix: its gradient is the embedding's plus the head's.

@@ -165,6 +165,18 @@ def test_shard_count_does_not_change_the_result():
             assert_close_f32(g, w)
 
 
+@pytest.mark.usefixtures("more_than_one_thread")
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+def test_the_activation_loops_split_over_threads_match_the_reference(gated):
+    # 64 x 1024 activations: two of the loops' 32768-element tasks.
+    inputs = mlp_inputs((64, 32), intermediate=1024, gated=gated)
+    out, grads = outputs_and_grads(lambda: call_tiled(inputs, num_shards=1), inputs)
+    want_out, want_grads = outputs_and_grads(lambda: reference_mlp(*inputs), inputs)
+    assert_close_f32(out, want_out)
+    for got, want in zip(grads, want_grads):
+        assert_close_f32(got, want)
+
+
 def relative_error(got, want):
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
