@@ -141,14 +141,14 @@ OP_TESTS := test_offload_ops.py test_tiled_mlp.py test_linear_cross_entropy.py t
   test_attention_block.py test_attention_block_norms.py test_segment_attention.py test_segment_attention_score_mods.py \
   test_segment_attention_value_head_dim.py test_attention_block_row_norms.py test_autocast_backward.py \
   test_disk_spill.py test_activations.py test_compile.py test_apply.py test_rms_norm_tiled_mlp.py
-# Sequence parallelism's file spawns Gloo ranks that share one xdist worker: about 10 minutes of CI per torch, so it
+# Sequence parallelism's file spawns Gloo ranks that share one xdist worker: about 5 minutes of CI per torch, so it
 # runs on $(TORCH_VERSION) (make test) and on the lent GPU machines' torch, the range's oldest end, only.
 GPU_TORCH := 2.11.0
 GPU_TORCH_TESTS := test_sequence_parallel.py
 
 # The op tests on the second torch: the CUDA wheel that cuda-check built the package against. Without a GPU
 # their CUDA tests skip and the rest runs on the CPU. By hand: CI (.ci/run) runs cuda-check and leaves these files to
-# the range's ends, which run them on CUDA builds too (with them CI took 87 of its 90 minutes on a 2-core AMD EPYC).
+# the range's ends, which run them on CUDA builds too (CI's minutes: .ci/run).
 test-cuda-torch: cuda-check
 	cd python_tests && $(abspath $(CUDA_VENV))/bin/python -m pytest $(PYTEST_PARALLEL) $(OP_TESTS)
 
