@@ -320,6 +320,14 @@ def test_bad_input_is_refused_by_name(case, tmp_path):
         torch_offload.chunk_recurrent_loss(build("llama"), **arguments)
 
 
+def test_autocast_is_refused(tmp_path):
+    # Its forward would run in bfloat16 where backward's recomputation, outside the context, would not.
+    ids = torch.ones(1, 8, dtype=torch.long)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError, match="autocast is on"):
+        torch_offload.chunk_recurrent_loss(build("llama"), ids, ids, directory=tmp_path)
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
 def test_a_ram_directory_is_refused():
     ids = torch.ones(1, 8, dtype=torch.long)

@@ -20,92 +20,33 @@ layer's ``input_layernorm``, ``self_attn`` (``q_proj``, ``k_proj``, ``v_proj``, 
 and ``k_norm``), ``post_attention_layernorm``, ``mlp``; a bias-free ``lm_head``; full causal attention (no sliding
 window), no dropout in training, a rotary embedding that does not depend on the call's longest position. Rows of
 tokens on the CPU: one row, several, packed documents (``position_ids`` restarting), padded rows
-(``attention_mask``), read as transformers reads them without a key/value cache (batch_of).
+(``attention_mask``), read as transformers reads them without a key/value cache (chunk_batch.py).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..attention_block import attention_block_segment_ids
 from ..disk import default_spill_directory, spill_directory_in_ram
 from ..linear_cross_entropy import linear_cross_entropy
 from .chunk_attention import Segments, attend, attention_backward
+from .chunk_batch import Batch, batch_of, checked_rows, runs_of_real_tokens
 from .chunk_file import ChunkFile, return_freed_memory
+from .layer_loop import _DECODER_CHILDREN, _LAYER_CHILDREN
 from .sequence_parallelism import rope_of_the_calls_positions
 
 __all__ = ["chunk_recurrent_loss"]
 
 CHUNK_TOKENS = 2048  # tokens per chunk: attention's pairs of chunks work in [heads, C, C] blocks
 _MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})  # decoder layers read to be Llama's, as below
-_DECODER_CHILDREN = {"embed_tokens", "layers", "norm", "rotary_emb"}
-_LAYER_CHILDREN = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
 _ATTENTION_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _QUERY_KEY_NORMS = {"q_norm", "k_norm"}  # Qwen3's: each head's query and key normalized before the rotary embedding
 _PROBE_TOKENS = 12
-
-
-@dataclass
-class Batch:
-    """A batch's rows laid end to end, as the step reads them: ``[tokens]`` ids, rotary positions and targets (the
-    labels shifted within each row), what the summed loss is divided by, and which keys each query sees."""
-
-    ids: torch.Tensor
-    positions: torch.Tensor
-    targets: torch.Tensor
-    count: Any
-    ignore_index: int
-    query_segments: torch.Tensor | None  # None: one causal sequence (chunk_attention.Segments)
-    key_segments: torch.Tensor | None
-
-
-def batch_of(
-    input_ids: torch.Tensor,
-    labels: torch.Tensor | None,
-    *,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    shift_labels: torch.Tensor | None = None,
-    ignore_index: int = -100,
-    num_items_in_batch: Any = None,
-    packed: bool = True,
-) -> Batch:
-    """``[rows, T]`` inputs as transformers reads them: rows apart, padding (``attention_mask``; its real tokens
-    contiguous in each row) and else packed documents (``position_ids`` restarting, where ``packed``: transformers
-    reads them so only without a key/value cache); rotary positions ``position_ids``, else each row's 0..T-1; targets
-    ``shift_labels``, else ``labels`` shifted by one within each row; the loss over ``num_items_in_batch``, else over
-    the counted targets."""
-    rows, length = input_ids.shape
-    if attention_mask is not None:
-        keys = attention_block_segment_ids(attention_mask=attention_mask)  # padding -1
-    elif position_ids is not None and packed:
-        keys = attention_block_segment_ids(position_ids=position_ids, batch=rows)
-    else:
-        keys = torch.zeros_like(input_ids)
-    query_segments = key_segments = None
-    if rows > 1 or bool((keys != keys[0, 0]).any()) or keys[0, 0] < 0:
-        keys = torch.where(keys >= 0, keys + torch.arange(rows)[:, None] * (length + 1), -1)  # each row's own ids
-        # Ids grow along a row: a pad sees the last segment before it (transformers' causal mask over real keys).
-        query_segments, key_segments = keys.cummax(dim=1).values.reshape(-1), keys.reshape(-1)
-    positions = torch.arange(length) if position_ids is None else position_ids
-    targets = shift_labels if shift_labels is not None else F.pad(labels, (0, 1), value=ignore_index)[:, 1:]
-    count = num_items_in_batch if num_items_in_batch is not None else (targets != ignore_index).sum()
-    return Batch(
-        input_ids.reshape(-1),
-        positions.expand(rows, length).reshape(-1),
-        targets.reshape(-1),
-        count,
-        ignore_index,
-        query_segments,
-        key_segments,
-    )
 
 
 class _Parts:
@@ -195,6 +136,12 @@ def parts_problem(model: nn.Module) -> str | None:
     return None
 
 
+def autocast_on() -> bool:
+    """Whether torch.autocast is on, under which the step's forward would round where its backward's recomputation,
+    outside the context, does not."""
+    return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
+
+
 def _drops_out(module: nn.Module) -> bool:
     return isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0
 
@@ -224,7 +171,7 @@ def chunk_recurrent_loss(
     if parts_problem(model) is not None:
         raise ValueError(f"chunk_recurrent_loss: model: {parts_problem(model)}")
     input_ids, labels, attention_mask, position_ids = (
-        _checked_rows(name, value, optional, input_ids)
+        checked_rows(name, value, optional, input_ids)
         for name, value, optional in (
             ("input_ids", input_ids, False),
             ("labels", labels, False),
@@ -232,7 +179,7 @@ def chunk_recurrent_loss(
             ("position_ids", position_ids, True),
         )
     )
-    if attention_mask is not None and bool((_runs_of_real_tokens(attention_mask) > 1).any()):
+    if attention_mask is not None and bool((runs_of_real_tokens(attention_mask) > 1).any()):
         raise ValueError("chunk_recurrent_loss: attention_mask: a row's real tokens are not contiguous")
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_recurrent_loss: chunk_tokens must be a positive int, got {chunk_tokens!r}")
@@ -243,6 +190,8 @@ def chunk_recurrent_loss(
         raise ValueError(f"chunk_recurrent_loss: directory {directory!r} is on a RAM file system")
     if any(p.device.type != "cpu" for p in model.parameters()):
         raise ValueError("chunk_recurrent_loss: model: its parameters must be on the CPU")
+    if autocast_on():
+        raise RuntimeError("chunk_recurrent_loss: autocast is on: call the step outside torch.autocast")
     _probe(model, input_ids[0], directory)
     batch = batch_of(
         input_ids,
@@ -253,29 +202,6 @@ def chunk_recurrent_loss(
         num_items_in_batch=num_items_in_batch,
     )
     return chunk_recurrent_step(model, batch, chunk_tokens, directory)
-
-
-def _checked_rows(name: str, value, optional: bool, input_ids) -> torch.Tensor | None:
-    """``value`` as ``[rows, T]`` (from ``[T]``), after checking it names what is wrong."""
-    if value is None and optional:
-        return None
-    dtypes = (torch.int64, torch.int32, torch.bool) if name == "attention_mask" else (torch.int64,)
-    if not isinstance(value, torch.Tensor) or value.dtype not in dtypes or value.device.type != "cpu":
-        kinds = ", ".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
-        raise TypeError(f"chunk_recurrent_loss: {name} must be an {kinds} CPU tensor")
-    if value.dim() not in (1, 2) or value.shape[-1] == 0:
-        raise ValueError(f"chunk_recurrent_loss: {name} must be [rows, T] or [T] with T > 0, got {list(value.shape)}")
-    rows = value if value.dim() == 2 else value[None]
-    shape = input_ids.shape if input_ids.dim() == 2 else (1, *input_ids.shape)
-    if rows.shape != shape and not (name == "position_ids" and rows.shape == (1, shape[1])):
-        raise ValueError(f"chunk_recurrent_loss: {name}: shape {list(value.shape)} is not input_ids' {list(shape)}")
-    return rows
-
-
-def _runs_of_real_tokens(attention_mask: torch.Tensor) -> torch.Tensor:
-    """The runs of real tokens in each row of a ``[rows, T]`` mask."""
-    real = attention_mask.bool()
-    return (real & ~F.pad(real[:, :-1], (1, 0), value=False)).sum(1)
 
 
 def _probe(model: nn.Module, ids: torch.Tensor, directory: str) -> None:

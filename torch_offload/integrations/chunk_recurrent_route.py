@@ -29,7 +29,8 @@ from torch import nn
 from ..causal_lm_loss import _PROBE_RTOL
 from ..disk import default_spill_directory, spill_directory_in_ram
 from .checkpointing import warn_empty_cache_dropped
-from .chunk_recurrent import CHUNK_TOKENS, _runs_of_real_tokens, batch_of, chunk_recurrent_step, parts_problem
+from .chunk_batch import batch_of, runs_of_real_tokens
+from .chunk_recurrent import CHUNK_TOKENS, autocast_on, chunk_recurrent_step, parts_problem
 from .layer_loop import _asks_for_cache, _cache_name, _runs_hooks
 from .options import _on_accelerator
 from .probes import _PROBE_ERRORS
@@ -132,7 +133,7 @@ def _batch_of_call(handle, owner, head, decoder, call: dict, extra: dict):
         and isinstance(keep, int)
         and keep == 0
         and isinstance(ignore_index, int)
-        and not any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
+        and not autocast_on()
         and owner.get_output_embeddings() is head
         and head.weight.device.type == "cpu"
         # A hook would see chunks, or not run (on the modules whose forwards the step does not call).
@@ -141,7 +142,7 @@ def _batch_of_call(handle, owner, head, decoder, call: dict, extra: dict):
         and handle._layer_loop_allows(dict(call), dict(extra))
     ):
         return None
-    if mask is not None and bool((_runs_of_real_tokens(mask) > 1).any()):
+    if mask is not None and bool((runs_of_real_tokens(mask) > 1).any()):
         return None  # real tokens with holes: transformers' dense mask, which segments do not describe
     return batch_of(
         input_ids,
