@@ -56,7 +56,7 @@ class Segments:
         return [(rows, keys[segment], diagonal) for segment, rows in queries.items() if segment in keys]
 
 
-def attend(parts, segments: Segments, chunk: int, q, k_here, v_here, earlier_keys_and_values):
+def attend(heads, segments: Segments, chunk: int, q, k_here, v_here, earlier_keys_and_values):
     """Attention of one chunk of queries ``[heads, C, d]`` to the keys and values of every chunk up to it (this
     chunk's given, an earlier one's from ``earlier_keys_and_values(chunk)``), block by block, the pairs joined by
     their log-sum-exps: the output in the queries' dtype and the log-sum-exp (float32, float64 for float64) per head
@@ -69,14 +69,14 @@ def attend(parts, segments: Segments, chunk: int, q, k_here, v_here, earlier_key
         if not blocks:
             continue
         k, v = (k_here, v_here) if earlier == chunk else earlier_keys_and_values(earlier)
-        k, v = parts.by_head(k.to(compute)), parts.by_head(v.to(compute))
+        k, v = heads.by_head(k.to(compute)), heads.by_head(v.to(compute))
         if blocks[0][0] == slice(None):  # one sequence: the whole pair in one call
-            pair_out, pair_log_sum_exp = _FLASH(q, k, v, 0.0, blocks[0][2], scale=parts.scaling)
+            pair_out, pair_log_sum_exp = _FLASH(q, k, v, 0.0, blocks[0][2], scale=heads.scaling)
         else:
             pair_out, pair_log_sum_exp = torch.zeros_like(q), torch.full(q.shape[:3], float("-inf"), dtype=compute)
             for rows, keys, causal in blocks:
                 pair_out[:, :, rows], pair_log_sum_exp[:, :, rows] = _FLASH(
-                    q[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, causal, scale=parts.scaling
+                    q[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, causal, scale=heads.scaling
                 )
         if out is None:  # the first pair: its output and log-sum-exp as they are
             out, log_sum_exp = pair_out, pair_log_sum_exp
@@ -92,7 +92,7 @@ def attend(parts, segments: Segments, chunk: int, q, k_here, v_here, earlier_key
     return out[0].to(k_here.dtype), log_sum_exp[0]
 
 
-def attention_backward(parts, segments: Segments, read, write) -> None:
+def attention_backward(heads, segments: Segments, read, write) -> None:
     """FlashAttention-2's backward over chunks: for each chunk of keys and values, every chunk of queries at or
     after it that sees them. ``read(name, chunk)`` gives what forward kept ("q", "k", "v", "attended", "lse") and the
     output's gradient ("grad attended"); ``write(name, chunk, tensor)`` takes each chunk's "grad q", "grad k" and
@@ -102,7 +102,7 @@ def attention_backward(parts, segments: Segments, read, write) -> None:
     for keys_chunk in range(chunks):
         k, v = read("k", keys_chunk), read("v", keys_chunk)
         compute = torch.promote_types(k.dtype, torch.float32)
-        k_heads, v_heads = parts.by_head(k.to(compute)), parts.by_head(v.to(compute))
+        k_heads, v_heads = heads.by_head(k.to(compute)), heads.by_head(v.to(compute))
         grad_k, grad_v = torch.zeros_like(k_heads), torch.zeros_like(v_heads)
         for queries_chunk in range(keys_chunk, chunks):
             blocks = segments.blocks(queries_chunk, keys_chunk)
@@ -125,7 +125,7 @@ def attention_backward(parts, segments: Segments, read, write) -> None:
                     log_sum_exp[:, :, rows],
                     0.0,
                     causal,
-                    scale=parts.scaling,
+                    scale=heads.scaling,
                 )
                 if grad_q is None:  # the first pair of one sequence: its gradient as it is
                     grad_q = block_grad_q
@@ -135,7 +135,7 @@ def attention_backward(parts, segments: Segments, read, write) -> None:
                 grad_v[:, :, keys].add_(block_grad_v)
             write("grad q", queries_chunk, grad_q[0])
             started.add(queries_chunk)
-        kv_shape = (k.shape[0], parts.groups, *k.shape[1:])
+        kv_shape = (k.shape[0], heads.groups, *k.shape[1:])
         return_freed_memory()
         write("grad k", keys_chunk, grad_k.view(kv_shape).sum(1))
         write("grad v", keys_chunk, grad_v.view(kv_shape).sum(1))

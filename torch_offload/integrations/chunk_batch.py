@@ -61,7 +61,7 @@ def batch_of(
     count = num_items_in_batch if num_items_in_batch is not None else (targets != ignore_index).sum()
     return Batch(
         input_ids.reshape(-1),
-        positions.expand(rows, length).reshape(-1),
+        positions.expand(rows, length).reshape(-1).clone(),  # backward reads them again: not the caller's
         targets.reshape(-1),
         count,
         ignore_index,

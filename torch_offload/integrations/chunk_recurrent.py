@@ -53,7 +53,7 @@ class _Parts:
     """The modules of a Llama-built causal LM, and its layers' token-local halves as functions of one chunk."""
 
     def __init__(self, model: nn.Module):
-        decoder, config = model.model, model.config
+        decoder = model.model
         self.embed, self.layers, self.norm, self.rotary = (
             decoder.embed_tokens,
             list(decoder.layers),
@@ -61,31 +61,47 @@ class _Parts:
             decoder.rotary_emb,
         )
         self.head = model.lm_head
-        attention = self.layers[0].self_attn
-        self.rope = sys.modules[type(attention).__module__].apply_rotary_pos_emb
-        self.head_dim = attention.head_dim
-        self.groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = attention.scaling
+        self.attentions = [_Attention(layer.self_attn) for layer in self.layers]
 
-    def before_attention(self, layer, hidden, positions):
+    def before_attention(self, index, hidden, positions):
         """Queries ``[heads, C, d]``, keys and values ``[kv heads, C, d]`` of one chunk, as Llama's attention (and
         Qwen3's, which normalizes each head's queries and keys first)."""
-        attention = layer.self_attn
+        layer, attention = self.layers[index], self.layers[index].self_attn
         x = layer.input_layernorm(hidden[None])
-        shape = (1, hidden.shape[0], -1, self.head_dim)
+        shape = (1, hidden.shape[0], -1, self.attentions[index].head_dim)
         norms = (getattr(attention, "q_norm", None), getattr(attention, "k_norm", None), None)
         q, k, v = (
             (projection(x).view(shape) if norm is None else norm(projection(x).view(shape))).transpose(1, 2)
             for projection, norm in zip(_attention_projections(attention), norms)
         )
         cos, sin = self.rotary(x, position_ids=positions[None])
-        q, k = self.rope(q, k, cos, sin)
+        q, k = self.attentions[index].rope(q, k, cos, sin)
         return q[0], k[0], v[0]
 
-    def after_attention(self, layer, hidden, attended):
+    def after_attention(self, index, hidden, attended):
         """The layer's output for one chunk, from its input and attention's output ``[heads, C, d]``."""
+        layer = self.layers[index]
         hidden = hidden + layer.self_attn.o_proj(attended.transpose(0, 1).reshape(hidden.shape[0], -1))
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def differentiated(self) -> list[nn.Parameter]:
+        """Every parameter whose gradient the step computes: those of the modules whose forwards it calls (each
+        layer's norms, projections, query/key norms and MLP, the embedding, the final norm) and the head's weight."""
+        modules = [self.embed, self.norm]
+        for layer in self.layers:
+            modules += [layer.input_layernorm, layer.post_attention_layernorm, layer.mlp, layer.self_attn.o_proj]
+            modules += [*_attention_projections(layer.self_attn), *_query_key_norms(layer.self_attn)]
+        return [*(p for module in modules for p in module.parameters()), self.head.weight]
+
+
+class _Attention:
+    """What the step reads off one layer's attention module (each its own: a layer's scaling may differ): its
+    scaling, head width, query heads per key head and its module's rotary function."""
+
+    def __init__(self, attention: nn.Module):
+        self.scaling, self.head_dim = attention.scaling, attention.head_dim
+        self.groups = attention.num_key_value_groups
+        self.rope = sys.modules[type(attention).__module__].apply_rotary_pos_emb
 
     def by_head(self, keys):
         """Keys or values ``[kv heads, C, d]`` for every query head (transformers' repeat_kv), a batch of one."""
@@ -130,6 +146,22 @@ def parts_problem(model: nn.Module) -> str | None:
         return "lm_head is not a bias-free nn.Linear"
     if getattr(config, "num_hidden_layers", None) != len(decoder.layers):
         return "config.num_hidden_layers is not the number of layers"
+    for layer in decoder.layers:
+        attention = layer.self_attn
+        read = ("scaling", "head_dim", "num_key_value_groups")
+        if not all(hasattr(attention, name) for name in read):
+            return f"an attention module lacks one of {', '.join(read)}"
+        if not callable(getattr(sys.modules.get(type(attention).__module__), "apply_rotary_pos_emb", None)):
+            return f"{type(attention).__name__}'s module has no apply_rotary_pos_emb"
+    embeddings = [m for m in decoder.embed_tokens.modules() if isinstance(m, nn.Embedding)]
+    if any(embedding.scale_grad_by_freq for embedding in embeddings):
+        return "its embedding scales gradients by token frequency (scale_grad_by_freq): a chunk's counts differ"
+    if any(embedding.sparse for embedding in embeddings):
+        return "its embedding's gradient is sparse (sparse=True): the step's would be dense"
+    differentiated = {id(p) for p in _Parts(model).differentiated()}
+    missed = next((n for n, p in model.named_parameters() if p.requires_grad and id(p) not in differentiated), None)
+    if missed is not None:
+        return f"{missed} is trained and the step would not differentiate it (no module of the step's owns it)"
     low_precision = sorted({str(p.dtype) for p in model.parameters()} - {"torch.float32", "torch.float64"})
     if low_precision:  # one matmul over every token, as the model's backward, rounds once
         return f"parameters in {', '.join(low_precision)}: the step would round each chunk's share of their gradients"
@@ -221,12 +253,34 @@ def chunk_recurrent_step(model: nn.Module, batch: Batch, chunk_tokens: int, dire
     """The step's loss, differentiable in ``model``'s trained parameters (checked by the caller)."""
     named = dict(model.named_parameters())  # a tied head's weight once
     trained = [p for p in named.values() if p.requires_grad]
-    return _ChunkRecurrentStep.apply(_Parts(model), batch, chunk_tokens, directory, trained, *trained)
+    parts = _Parts(model)
+    read_again = _ReadAgain(model, batch.ids if _trained(parts.embed.parameters()) else None)
+    return _ChunkRecurrentStep.apply(parts, batch, chunk_tokens, directory, (trained, read_again), *trained)
+
+
+class _ReadAgain:
+    """The version counters of what backward reads again: every parameter and buffer (the recomputation's), and the
+    token ids where the embedding is trained. Plain PyTorch's backward raises where one changed in place since its
+    forward saved it; so does the step's, which would otherwise compute with the new values."""
+
+    def __init__(self, model: nn.Module, ids: torch.Tensor | None):
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        tensors += [("input_ids", ids)] if ids is not None else []
+        self._versions = [(name, tensor, tensor._version) for name, tensor in tensors]
+
+    def check(self) -> None:
+        changed = next((name for name, tensor, version in self._versions if tensor._version != version), None)
+        if changed is not None:
+            raise RuntimeError(
+                f"chunk_recurrent_loss: {changed}, which backward reads again, was modified by an inplace operation "
+                "since the step's forward (plain PyTorch's backward raises too)"
+            )
 
 
 class _ChunkRecurrentStep(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, parts, batch, chunk_tokens, directory, trained, *parameters):
+    def forward(ctx, parts, batch, chunk_tokens, directory, trained_and_read_again, *parameters):
+        trained, read_again = trained_and_read_again
         tokens = len(batch.ids)
         bounds = [(start, min(start + chunk_tokens, tokens)) for start in range(0, tokens, chunk_tokens)]
         segments = Segments(bounds, batch.query_segments, batch.key_segments)
@@ -235,9 +289,9 @@ class _ChunkRecurrentStep(torch.autograd.Function):
         try:
             for chunk, (start, end) in enumerate(bounds):
                 store.write(("hidden", 0, chunk), parts.embed(batch.ids[start:end]))
-            for index, layer in enumerate(parts.layers):
+            for index in range(len(parts.layers)):
                 for chunk, (start, end) in enumerate(bounds):
-                    _layer_forward(parts, store, segments, index, layer, chunk, batch.positions[start:end])
+                    _layer_forward(parts, store, segments, index, chunk, batch.positions[start:end])
                     return_freed_memory()
             loss, loss_weights = _loss_and_gradients(parts, store, bounds, batch, wants_gradients)
         except BaseException:
@@ -246,7 +300,7 @@ class _ChunkRecurrentStep(torch.autograd.Function):
         if not wants_gradients:
             store.close()
             return loss
-        ctx.step = (parts, store, segments, batch, trained, loss_weights)
+        ctx.step = (parts, store, segments, batch, trained, loss_weights, read_again)
         return loss
 
     @staticmethod
@@ -261,7 +315,8 @@ class _ChunkRecurrentStep(torch.autograd.Function):
                 "chunk_recurrent_loss: a second backward through the step, whose file went with the first "
                 "(pass retain_graph=True to the first)"
             )
-        parts, store, segments, batch, trained, loss_weights = ctx.step
+        parts, store, segments, batch, trained, loss_weights, read_again = ctx.step
+        read_again.check()
         keep = _keeps_graph()
         if not keep:
             del ctx.step  # the file closes at the end, whatever happens
@@ -269,9 +324,11 @@ class _ChunkRecurrentStep(torch.autograd.Function):
             gradients = {weight: store.read(("loss weight grad", i)) for i, weight in enumerate(loss_weights)}
             for index in reversed(range(len(parts.layers))):
                 _layer_backward(parts, store, segments, index, batch.positions, gradients, keep)
+            embedding = _trained(parts.embed.parameters())  # none when frozen, adapters' alone under LoRA
             for chunk, (start, end) in enumerate(segments.bounds):
-                if parts.embed.weight.requires_grad:  # frozen under LoRA, say
-                    _embedding_backward(parts.embed, batch.ids[start:end], store.read(("grad", 0, chunk)), gradients)
+                if embedding:
+                    grad_hidden = store.read(("grad", 0, chunk))
+                    _embedding_backward(parts.embed, embedding, batch.ids[start:end], grad_hidden, gradients)
                 store.release(("grad", 0, chunk))
         finally:
             if not keep:
@@ -283,13 +340,14 @@ class _ChunkRecurrentStep(torch.autograd.Function):
         return (None, None, None, None, None, *grads)
 
 
-def _embedding_backward(embed, ids, grad_hidden, gradients) -> None:
-    """Add one chunk's embedding gradient into ``gradients``: a plain ``nn.Embedding``'s rows added in place (autograd
-    would make a dense ``[vocab, hidden]`` gradient per chunk, the step's largest transient), else through autograd."""
+def _embedding_backward(embed, trained, ids, grad_hidden, gradients) -> None:
+    """Add one chunk's gradients of the embedding's ``trained`` parameters into ``gradients``: a plain
+    ``nn.Embedding``'s rows added in place (autograd would make a dense ``[vocab, hidden]`` gradient per chunk, the
+    step's largest transient), else through autograd (adapters, peft's trainable tokens)."""
     plain = type(embed) is nn.Embedding and embed.max_norm is None and not embed.scale_grad_by_freq
     if not plain:
         with torch.enable_grad():
-            _add(gradients, embed(ids), grad_hidden, [embed.weight])
+            _add(gradients, embed(ids), grad_hidden, trained)
         return
     if embed.padding_idx is not None:  # its row gets no gradient
         grad_hidden[ids == embed.padding_idx] = 0
@@ -304,19 +362,19 @@ def _keeps_graph() -> bool:
     return True if keep_graph is None else keep_graph()
 
 
-def _layer_forward(parts, store, segments, index, layer, chunk, positions):
+def _layer_forward(parts, store, segments, index, chunk, positions):
     hidden = store.read(("hidden", index, chunk))
-    q, k, v = parts.before_attention(layer, hidden, positions)
+    q, k, v = parts.before_attention(index, hidden, positions)
     for name, value in (("q", q), ("k", k), ("v", v)):
         store.write((name, index, chunk), value)
 
     def earlier_keys_and_values(earlier):
         return store.read(("k", index, earlier)), store.read(("v", index, earlier))
 
-    attended, log_sum_exp = attend(parts, segments, chunk, q, k, v, earlier_keys_and_values)
+    attended, log_sum_exp = attend(parts.attentions[index], segments, chunk, q, k, v, earlier_keys_and_values)
     store.write(("attended", index, chunk), attended)
     store.write(("lse", index, chunk), log_sum_exp)
-    store.write(("hidden", index + 1, chunk), parts.after_attention(layer, hidden, attended))
+    store.write(("hidden", index + 1, chunk), parts.after_attention(index, hidden, attended))
 
 
 def _loss_and_gradients(parts, store, bounds, batch, wants_gradients):
@@ -324,7 +382,7 @@ def _loss_and_gradients(parts, store, bounds, batch, wants_gradients):
     when wanted, it wrote to the file with the last layer's output gradient per chunk (for a loss gradient of 1)."""
     loss = torch.zeros((), dtype=torch.promote_types(parts.head.weight.dtype, torch.float32))
     gradients: dict = {}
-    weights = [p for p in (parts.norm.weight, parts.head.weight) if p.requires_grad] if wants_gradients else []
+    weights = _trained([*parts.norm.parameters(), parts.head.weight]) if wants_gradients else []
     last = len(parts.layers)
     count = batch.count.to(loss.device) if isinstance(batch.count, torch.Tensor) else batch.count
     for chunk, (start, end) in enumerate(bounds):
@@ -364,7 +422,7 @@ def _layer_backward(parts, store, segments, index, positions, gradients, keep):
         hidden = store.read(("hidden", index, chunk)).requires_grad_()
         attended = store.read(("attended", index, chunk)).requires_grad_()
         with torch.enable_grad():
-            output = parts.after_attention(layer, hidden, attended)
+            output = parts.after_attention(index, hidden, attended)
             grad_hidden, grad_attended = _add(
                 gradients, output, store.read(("grad", index + 1, chunk)), _trained(after), hidden, attended
             )
@@ -383,11 +441,11 @@ def _layer_backward(parts, store, segments, index, positions, gradients, keep):
     def write(name, chunk, tensor):
         store.write((name, index, chunk), tensor)
 
-    attention_backward(parts, segments, read, write)
+    attention_backward(parts.attentions[index], segments, read, write)
     for chunk, (start, end) in enumerate(segments.bounds):  # the norms, the projections and the rotary embedding
         hidden = store.read(("hidden", index, chunk)).requires_grad_()
         with torch.enable_grad():
-            q, k, v = parts.before_attention(layer, hidden, positions[start:end])
+            q, k, v = parts.before_attention(index, hidden, positions[start:end])
             incoming = [store.read((name, index, chunk)).to(q.dtype) for name in ("grad q", "grad k", "grad v")]
             (grad_hidden,) = _add(gradients, (q, k, v), incoming, _trained(before), hidden)
         store.write(("grad", index, chunk), store.read(("grad", index, chunk)) + grad_hidden)

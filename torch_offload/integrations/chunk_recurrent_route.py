@@ -103,9 +103,9 @@ def install_chunk_recurrent(handle: OffloadHandle, model: nn.Module, options: di
 
 def _bypassed(decoder, head) -> list:
     """What the step does not call but the installed forward would, to compare with the probe's: the attention
-    implementation and each bypassed module (the decoder, the head, each layer's attention) with
+    implementation and each bypassed module (the decoder, the head, each layer and its attention) with
     a forward put on it and its class's forward. A change since sends a call to the installed forward."""
-    modules = [decoder, head, *(layer.self_attn for layer in decoder.layers)]
+    modules = [decoder, head, *(m for layer in decoder.layers for m in (layer, layer.self_attn))]
     return [
         decoder.config._attn_implementation,
         *((module, vars(module).get("forward"), type(module).forward) for module in modules),

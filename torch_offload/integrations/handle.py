@@ -62,6 +62,23 @@ def bound_forward(owner: nn.Module, forward, dynamo_skips: bool = False) -> type
     return types.MethodType(method, owner)
 
 
+def _unless_its_class_changed(owner: nn.Module, forward, class_forward):
+    """``forward``, or, once ``owner``'s class's forward is no longer ``class_forward`` (the module's own before
+    apply, patched since by a library or a user), that new forward: what plain PyTorch would run, where apply's was
+    proven against the old one. ``class_forward`` None: the module had a forward of its own, which apply's calls."""
+    if class_forward is None:
+        return forward
+
+    @functools.wraps(forward)
+    def unless_changed(*args, **kwargs):
+        current = type(owner).forward
+        if current is not class_forward:
+            return current(owner, *args, **kwargs)
+        return forward(*args, **kwargs)
+
+    return unless_changed
+
+
 class _Patch:
     """One attribute of one module set by apply: ``store`` is the module's ``__dict__`` or ``_modules``."""
 
@@ -170,6 +187,8 @@ class OffloadHandle:
         self._masks = "the model's own"
         self._removed = False  # remove() ran: the report says so
         self._patches: list[_Patch] = []
+        # Each module whose forward apply patched: its class's forward where that was the module's before apply.
+        self._class_forwards: dict[nn.Module, Any] = {}
         # (config, its attention implementation before, the one apply set)
         self._attention_implementations: list[tuple[Any, Any, str]] = []
 
@@ -211,7 +230,8 @@ class OffloadHandle:
 
     def _patch(self, name: str, owner: nn.Module, key: str, value: Any) -> None:
         if key == "forward" and not isinstance(value, types.MethodType):
-            value = bound_forward(owner, value)
+            before = self._class_forwards.setdefault(owner, None if "forward" in vars(owner) else type(owner).forward)
+            value = bound_forward(owner, _unless_its_class_changed(owner, value, before))
         store = owner._modules if key in owner._modules else vars(owner)
         self._patches.append(_Patch(name, owner, store, key, value))
         if owner not in _PATCHED:

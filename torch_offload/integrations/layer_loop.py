@@ -70,9 +70,10 @@ def install_layer_loop(handle: OffloadHandle, model: nn.Module) -> str:
     original = decoder.forward
     signature = inspect.signature(original)
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
-    layers = [(layer, vars(layer).get("forward")) for layer in handle.layers]  # and the forward apply gave each
+    # Each layer with the forward apply gave it and its class's forward, which apply's loop stands for.
+    layers = [(layer, vars(layer).get("forward"), type(layer).forward) for layer in handle.layers]
     cache_name = _cache_name(decoder)
-    run_layers = functools.partial(_run, decoder, handle.context, [layer for layer, _ in layers], cache_name=cache_name)
+    run_layers = functools.partial(_run, decoder, handle.context, [each[0] for each in layers], cache_name=cache_name)
     recorded = {
         f"output_{name}" for name in (*_RECORDED_OUTPUTS, *(getattr(decoder, "_can_record_outputs", None) or {}))
     }
@@ -175,7 +176,7 @@ def _call_allows(
     # A cache asked for (transformers' default, even in training): the decoder makes an empty one, and each of
     # apply's layers drops it in training mode (checkpointing.py), as apply's loop does.
     if _asks_for_cache(decoder, call.pop("use_cache", None)) and not (
-        all(layer.training for layer, _ in layers)
+        all(layer.training for layer, *_ in layers)
         and callable(getattr(sys.modules[type(decoder).__module__], "DynamicCache", None))
         and cache_name in getattr(output_type, "__dataclass_fields__", {})
     ):
@@ -206,10 +207,11 @@ def _call_allows(
     return all(
         current is layer
         and vars(layer).get("forward") is installed  # a wrapper installed since apply would not run
+        and type(layer).forward is class_forward  # nor its class's forward patched since
         and layer._compiled_call_impl is None  # layer.compile() since apply
         and not _runs_hooks(layer)
         and not getattr(layer, "gradient_checkpointing", False)
-        for current, (layer, installed) in zip(decoder.layers, layers)
+        for current, (layer, installed, class_forward) in zip(decoder.layers, layers)
     )
 
 
