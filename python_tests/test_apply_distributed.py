@@ -29,7 +29,7 @@ def rank_main(rank, world_size, out_path, spill_directory):
     results = {}
     for wrapper in WRAPPERS:
         model = make_model("llama")
-        handle = torch_offload.apply(model, offload="disk", spill_directory=spill_directory, min_bytes=0, num_shards=2)
+        handle = torch_offload.apply(model, offload="disk", spill_directory=spill_directory)  # the step's route
         assert handle.loss == "linear_cross_entropy"
         if wrapper == "fsdp2":
             for layer in model.model.layers:

@@ -104,28 +104,24 @@ def test_plugin_losses_and_saved_weights_equal_step_by_step(chunk_recurrent, run
     monkeypatch.setattr(plugin_module, "TorchOffloadCallback", Recording)
     plain_losses, plain_weights, plain_model = run()
     (tmp_path / "spill").mkdir()
-    options = dict(
-        offload="disk",
-        spill_directory=str(tmp_path / "spill"),
-        min_bytes=0,
-        num_shards=2,
-        chunk_recurrent=chunk_recurrent,
-    )
+    options = dict(offload="disk", spill_directory=str(tmp_path / "spill"), chunk_recurrent=chunk_recurrent)
+    if not chunk_recurrent:
+        options.update(min_bytes=0, num_shards=2)
     with mock.patch.object(layer_loop, "_run_layer", wraps=layer_loop._run_layer):  # counted by Recording
         losses, weights, model = run(plugins=[PLUGIN], torch_offload=options)
 
     assert len(plain_losses) == 4
     torch.testing.assert_close(losses, plain_losses, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(weights, plain_weights, rtol=1e-5, atol=1e-6)
-    assert tiled_during == [True] * 4  # applied for every step
     ((handle, mask_fallbacks),) = handles
-    assert handle.loss == "linear_cross_entropy" and handle.layer_loop == "apply's"
-    # transformers 5.16's SDPA masks are read as segment ids too: attention recomputed, no dense mask built.
-    assert handle.attention_blocks > 0 and mask_fallbacks == {}
-    if chunk_recurrent:  # every step the whole step in chunks: neither the tier nor apply's loop over the layers ran
-        assert handle.chunk_recurrent_calls == 4 and layers_run == [0] * 4
-        assert handle.stats()["disk_bytes"] == 0
+    assert handle.loss == "linear_cross_entropy"
+    if chunk_recurrent:  # every step the whole step in chunks, the model's own modules: nothing on the layers
+        assert handle.route == "chunk-recurrent step" and handle.chunk_recurrent_calls == 4
+        assert tiled_during == [False] * 4 and layers_run == [0] * 4
     else:
+        assert tiled_during == [True] * 4 and handle.layer_loop == "apply's"  # applied for every step
+        # transformers 5.16's SDPA masks are read as segment ids too: attention recomputed, no dense mask built.
+        assert handle.attention_blocks > 0 and mask_fallbacks == {}
         assert handle.stats()["disk_bytes"] > 0
         # apply's loop over the layers ran at every step, as on transformers 5.24 (its cache argument's name differs).
         assert layers_run == [model.config.num_hidden_layers] * 4

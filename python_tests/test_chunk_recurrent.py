@@ -251,11 +251,6 @@ def test_without_gradients_and_without_backward_nothing_stays_open(tmp_path):
     assert len(os.listdir("/proc/self/fd")) == descriptors and os.listdir(tmp_path) == []
 
 
-def with_query_norm(model):
-    model.model.layers[0].self_attn.q_norm = torch.nn.Identity()  # as Qwen3's, which its forward would call
-    return model
-
-
 def with_dropout(model):
     model.model.layers[0].mlp.dropout = torch.nn.Dropout(0.1)  # as LoRA's, which its forward would call
     return model
@@ -272,11 +267,12 @@ BAD_MODELS = {
         lambda: build("llama", rope_parameters=dict(rope_type="dynamic", factor=2.0)),
         "rotary embedding ('dynamic') depends on a call's longest position",
     ),
-    "attention_child": (lambda: with_query_norm(build("llama")), "an attention's children are not"),
-    "gpt2": (lambda: build("gpt2"), "model type 'gpt2'"),
-    "sliding_window": (lambda: build("mistral", sliding_window=8), "a sliding window"),
+    "sliding_window": (lambda: build("mistral", sliding_window=8), "its attention passes sliding_window=8"),
     "attention_dropout": (lambda: build("llama", attention_dropout=0.1), "attention dropout"),
-    "forward_not_llamas": (lambda: skip_a_layer(build("llama")), "its forward is not Llama's"),
+    "a_layer_without_attention": (
+        lambda: skip_a_layer(build("llama")),
+        "layer 1's attention did not call the attention implementation",
+    ),
     "bfloat16": (lambda: build("llama").bfloat16(), "parameters in torch.bfloat16: the step would round"),
 }
 

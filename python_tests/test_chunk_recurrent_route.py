@@ -3,7 +3,10 @@ gives the un-applied model's loss and gradients (float64, to rounding) on every 
 takes; the calls and models that keep apply's other path get it, with the same results; remove() restores."""
 
 import copy
+import errno
 import functools
+import gc
+import os
 import re
 import warnings
 
@@ -15,7 +18,7 @@ from test_apply import HalveOutput, make_model, tier_options
 from test_chunk_recurrent import assert_equal_to_rounding, batches, gradients, reference
 
 import torch_offload
-from torch_offload.integrations import chunk_recurrent_route
+from torch_offload.integrations import chunk_file, chunk_recurrent_route
 
 STEPPED = ["llama", "mistral_without_window", "qwen2", "qwen3"]
 
@@ -116,14 +119,19 @@ KEPT = {
     ),
     "an attention_mask with holes": (lambda model: None, holes),
     "autocast": (lambda model: None, lambda call: None),
+    "a window shorter than the rows": (lambda model: None, lambda call: None),  # found in the step's first chunk
 }
+# The model of a case, where not Llama: a window longer than the probe's rows, shorter than the test's.
+KEPT_MODELS = {"a window shorter than the rows": lambda: make_model("mistral", sliding_window=16)}
 
 
 @pytest.mark.parametrize("case", list(KEPT))
 def test_calls_the_step_does_not_take_keep_applys_other_path(case, tmp_path):
     change_model, change_call = KEPT[case]
-    reference_model, model = build("llama"), build("llama")
+    make = KEPT_MODELS.get(case, lambda: build("llama"))
+    reference_model, model = make(), make()
     handle = applied(model, tmp_path)
+    assert handle.chunk_recurrent == "on"
     call = batches()["two rows"]
     change_call(call)
     for each in (model, reference_model):
@@ -140,19 +148,25 @@ def test_calls_the_step_does_not_take_keep_applys_other_path(case, tmp_path):
 
 
 @pytest.mark.parametrize("replaced", ["the attention class's forward", "a layer's attention module"])
-def test_an_attention_replaced_after_apply_sends_calls_to_the_installed_forward(replaced, tmp_path, monkeypatch):
-    """The step does not call the attention modules: one replaced since the probe, or its class's forward, would
-    be bypassed, so the call keeps the path that calls them."""
-    model = build("llama")
+def test_an_attention_replaced_after_apply_runs_in_the_step(replaced, tmp_path, monkeypatch):
+    """The step runs the attention modules' own forwards: one replaced since apply, or its class's forward, runs in
+    it, with the un-applied model's results."""
+    reference_model, model = build("llama").double(), build("llama").double()
     handle = applied(model, tmp_path)
-    attention = model.model.layers[1].self_attn
     if replaced == "a layer's attention module":
-        model.model.layers[1].self_attn = copy.deepcopy(attention)
+        for each in (reference_model, model):
+            each.model.layers[1].self_attn = copy.deepcopy(each.model.layers[1].self_attn)
+            each.model.layers[1].self_attn.o_proj.weight.data.mul_(2)
     else:
-        own = type(attention).forward
-        monkeypatch.setattr(type(attention), "forward", lambda self, *args, **kwargs: own(self, *args, **kwargs))
-    model(**batches()["two rows"], use_cache=False).loss.backward()
-    assert handle.chunk_recurrent_calls == 0
+        own = type(model.model.layers[1].self_attn).forward
+        halved = lambda self, *args, **kwargs: (own(self, *args, **kwargs)[0] / 2, None)  # noqa: E731
+        monkeypatch.setattr(type(model.model.layers[1].self_attn), "forward", halved)
+    call = batches()["two rows"]
+    arguments = dict(call)
+    want = reference(reference_model, arguments.pop("input_ids"), arguments.pop("labels"), **arguments)
+    output, grads = applied_step(model, call)
+    assert handle.chunk_recurrent_calls == 1
+    assert_equal_to_rounding((want[0].float(), want[1]), (output.loss.detach(), grads))
 
 
 def test_accelerate_hooks_put_on_projections_after_apply_are_honoured(tmp_path):
@@ -196,15 +210,17 @@ def test_a_lora_model_takes_the_step_with_its_adapters_gradients(tmp_path):
 
 
 OFF = {
-    "gpt2": (lambda: make_model("gpt2"), {}, "off: apply does not run the loop over the layers"),
-    "a sliding window": (lambda: make_model("mistral"), {}, "off: apply does not run the loop over the layers"),
-    "the option": (lambda: build("llama"), dict(chunk_recurrent=False), r"off \(chunk_recurrent=False\)"),
+    "a window shorter than the probe's rows": (
+        lambda: make_model("mistral", sliding_window=4),
+        {},
+        "off: its attention passes sliding_window=4, which the step does not compute yet",
+    ),
+    "the option": (lambda: build("llama"), dict(chunk_recurrent=False), "off: chunk_recurrent=False"),
     "lora dropout": (
         lambda: peft.get_peft_model(build("llama"), peft.LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.1)),
         {},
         "off: .*lora_dropout.* drops out in training mode",
     ),
-    "gemma": (lambda: make_model("gemma"), {}, "off: model type 'gemma' is not one of"),
     "a forward on the instance": (
         lambda: forward_on_the_instance(build("llama")),
         {},
@@ -232,3 +248,39 @@ def test_models_the_step_does_not_take_say_why(case, tmp_path):
 def test_a_bad_option_is_refused_by_name():
     with pytest.raises(TypeError, match="chunk_recurrent must be True or False"):
         torch_offload.apply(build("llama"), chunk_recurrent="yes")
+
+
+def test_a_spill_directory_removed_after_apply_is_named_and_nothing_is_left(tmp_path):
+    directory = tmp_path / "spill"
+    directory.mkdir()
+    model = build("llama")
+    handle = applied(model, directory)
+    directory.rmdir()
+    with pytest.raises(OSError, match=f"the spill directory '{directory}' cannot hold the step's file"):
+        model(**batches()["two rows"], use_cache=False)
+    directory.mkdir()  # back: the next call runs
+    model(**batches()["two rows"], use_cache=False).loss.backward()
+    assert handle.chunk_recurrent_calls == 1 and os.listdir(directory) == []
+
+
+def test_a_full_spill_directory_is_named_and_nothing_is_left(tmp_path, monkeypatch):
+    model = build("llama")
+    handle = applied(model, tmp_path)
+    written = []
+
+    def full_disk(descriptor, data, offset):
+        written.append(len(data))
+        if len(written) > 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return _pwrite(descriptor, data, offset)
+
+    _pwrite = os.pwrite
+    gc.collect()
+    descriptors = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(chunk_file.os, "pwrite", full_disk)
+    with pytest.raises(OSError, match="the spill directory .* took .* bytes and no more: No space left on device"):
+        model(**batches()["two rows"], use_cache=False)
+    monkeypatch.undo()
+    gc.collect()
+    assert handle.chunk_recurrent_calls == 0 and os.listdir(tmp_path) == []
+    assert len(os.listdir("/proc/self/fd")) == descriptors  # the step's file closed

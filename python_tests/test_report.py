@@ -214,11 +214,12 @@ def test_rows_and_reasons_follow_the_options(tmp_path, caplog):
             "torch_offload.apply(LlamaForCausalLM): 3 layers at model.layers",
             "layers 0-2: mlp tiled_mlp, attention own (attention_block=False), recompute none, "
             "saved in place (neither checkpointed nor offloaded)",
+            "route: layers' path",
             "loss: off",
             "norms: 7 of 7 through rms_norm",
             "masks: the model's own (attention_block=False)",
             "layer loop: the model's own: no layer is offloaded",
-            "chunk-recurrent step: off: apply does not run the loop over the layers (handle.layer_loop)",
+            "chunk-recurrent step: off: loss=False (the step computes the fused loss)",
         ]
     )
     handle.remove()

@@ -205,7 +205,7 @@ def test_trainer_callback_applies_for_training_only_with_equal_losses(tmp_path):
 # with labels on a CPU), or with it off, apply's loop over the layers; patched to count the calls with gradients.
 STEPS = {
     "chunk-recurrent step": ({}, chunk_recurrent_route, "chunk_recurrent_step", 1),
-    "layer loop": (dict(chunk_recurrent=False), layer_loop, "_run_layer", "layers"),
+    "layer loop": (dict(chunk_recurrent=False, num_shards=2), layer_loop, "_run_layer", "layers"),
 }
 
 
@@ -225,7 +225,7 @@ def test_trainer_callback_runs_applys_step_at_every_step(step, tmp_path):
     for applied in (False, True):
         model = make_model("llama", max_position_embeddings=256)
         assert model.config.use_cache
-        callbacks = [torch_offload.TorchOffloadCallback(num_shards=2, **options)] if applied else []
+        callbacks = [torch_offload.TorchOffloadCallback(**options)] if applied else []
         with mock.patch.object(module, name, counted):
             runs.append(losses(make_trainer(model, callbacks)))
     calls = model.config.num_hidden_layers if per_step == "layers" else per_step

@@ -388,7 +388,6 @@ def fuse_causal_lm_loss(handle, model: nn.Module, sequence_parallel_group: str |
     if isinstance(math, str):
         return f"unfused: {math}"
     original = owner.forward
-    class_forward = "forward" not in vars(owner)  # not a forward put on the instance before apply (accelerate's, TRL's)
     forward, fused_forward, head_forward = _patched_forwards(owner, head, math)
     owner_name = next(name for name, module in model.named_modules() if module is owner) or "model"
     head_name = next(name for name, module in owner.named_children() if module is head)
@@ -400,5 +399,4 @@ def fuse_causal_lm_loss(handle, model: nn.Module, sequence_parallel_group: str |
     if sequence_parallel_group is not None:  # probed on one process's batches above, installed for the group's
         forward = _patched_forwards(owner, head, math, sequence_parallel_group)[0]
     handle._patch(f"{owner_name}.forward", owner, "forward", forward)
-    handle._fused_loss_owner = owner, head, class_forward
     return "linear_cross_entropy"

@@ -20,7 +20,7 @@ from torch import nn
 
 from .. import masking
 from ..causal_lm_loss import fuse_causal_lm_loss
-from .chunk_recurrent_route import install_chunk_recurrent
+from .chunk_recurrent_route import install_step_route
 from .compiled import _offload_in_compiled_graphs
 from .handle import OffloadHandle, _refuse_patched
 from .implementations import _use_segment_masks
@@ -39,6 +39,7 @@ from .options import (
     _resolve_offload,
     check_option_names,
 )
+from .plan import LAYERS, STEP, Plan, plan_route
 from .report import summary_line
 from .sequence_parallelism import _attend_over_ranks, _sequence_parallel_group
 
@@ -139,14 +140,18 @@ def apply(
       in training calls with gradients, no cache, no recorded outputs and no hooks on the layers, so that neither
       the embeddings nor a layer's input stay alive past their last use (``handle.layer_loop`` says which loop
       runs, and why; docs/apply.md, "The loop over the layers").
-    - ``chunk_recurrent``: where apply runs the loop over the layers (above), the loss is fused and the model is
-      Llama, Mistral (no sliding window), Qwen2 or Qwen3 in host memory, a training call with labels runs the
-      chunk-recurrent step (``chunk_recurrent_loss``'s): the whole step in chunks of 2048 tokens kept in a file in
-      the spill directory, in memory that does not grow with the sequence, where a probe at apply time shows its
-      loss is the model's own on one row, padded rows, packed documents and with ``num_items_in_batch``; per call
-      only eagerly, without autocast, a cache given, logits asked for or outputs recorded (``handle.chunk_recurrent``
-      says whether it is on and why not, ``handle.chunk_recurrent_calls`` counts its calls; docs/apply.md, "The
-      chunk-recurrent step"). Other calls run as described above.
+    - ``chunk_recurrent``: apply first plans one route (``handle.route``). On a CPU, with the options above as their
+      defaults (the disk tier, no option only the layers' path reads, no sequence parallelism, the loss fused), for a
+      model whose decoder and output layer the step runs, where a probe at apply time shows the step's loss is the
+      model's own on one row, padded rows, packed documents and with ``num_items_in_batch``, the route is the
+      chunk-recurrent step (``chunk_recurrent_loss``'s): a training call with labels runs the whole step in chunks
+      of 2048 tokens kept in a file in the spill directory, through the model's own modules, in memory that does not
+      grow with the sequence; apply installs the fused loss and the step's forward, and nothing on the layers, so
+      any other call (evaluation, no labels, a hook on a module, autocast, ``torch.compile``, a cache or logits
+      asked for, attention the step does not compute yet: soft-capped scores, sinks, a window shorter than the
+      batch) runs the model's own layers with the fused loss. ``handle.chunk_recurrent`` says whether it is on and
+      why not, ``handle.chunk_recurrent_calls`` counts its calls (docs/apply.md, "The chunk-recurrent step").
+      Otherwise the route is the layers' path, described above.
     - ``sequence_parallel``: a ``torch.distributed`` ProcessGroup (or a 1-D DeviceMesh, or a
       mesh's dimension ``mesh["sp"]``) whose ranks each hold a contiguous chunk of every row's
       tokens, as ``torch_offload.shard_batch(batch, group)`` gives them; call the model with
@@ -208,7 +213,29 @@ def apply(
     _check_offload_options(offload_options, offload, requested, _on_accelerator(model))
     recompute = _resolve_checkpoint(checkpoint, offload)
     keep_last = _resolve_keep_last(keep_last, recompute)
-    handle = OffloadHandle(layer_path, layer_list, offload, _offload_context(model, offload, offload_options))
+    context = _offload_context(model, offload, offload_options)  # checks the options and the spill directory
+    plan = plan_route(
+        model,
+        chunk_recurrent=chunk_recurrent,
+        loss=loss,
+        sequence_parallel=group is not None,
+        offload=offload,
+        recompute=recompute,
+        keep_last=keep_last,
+        layers=layers,
+        layer_path=layer_path,
+        layers_path_options=dict(
+            tiled_mlp=tiled_mlp, attention_block=attention_block, rms_norm=rms_norm, num_shards=num_shards
+        ),
+        offload_options=offload_options,
+    )
+    if plan.route == STEP:
+        installed = _install_step(model, layer_path, layer_list, plan, offload, offload_options)
+        if isinstance(installed, OffloadHandle):
+            return installed
+        plan = Plan(LAYERS, installed)
+    handle = OffloadHandle(layer_path, layer_list, offload, context)
+    handle.chunk_recurrent = f"off: {plan.why}"
     if group is not None:
         handle.sequence_parallel, handle._sequence_parallel_ranks = group.group_name, group.size()
     # The plan: every layer's MLP tiled (where a probe allows), each layer checkpointed as `recompute`
@@ -226,8 +253,8 @@ def apply(
         _install_layers(handle, model, names, layer_list, recompute, offloaded, tiled_mlp, num_shards, attention_block)
         if rms_norm:
             fuse_norms(handle, model, names, layer_list)
-        above = dict(attention_block=attention_block, loss=loss, chunk_recurrent=chunk_recurrent)
-        _install_above_layers(handle, model, names, layer_list, group, offloaded, offload_options, **above)
+        above = dict(attention_block=attention_block, loss=loss)
+        _install_above_layers(handle, model, names, layer_list, group, offloaded, **above)
         if not handle._patches:
             raise ValueError(
                 f"torch_offload.apply: nothing to change in {layer_path} with tiled_mlp={tiled_mlp}, "
@@ -238,6 +265,31 @@ def apply(
         handle.remove()
         raise
     _warn_what_stays(handle)
+    if _log.isEnabledFor(logging.INFO):
+        _log.info("%s", summary_line(handle.report()))
+    return handle
+
+
+def _install_step(
+    model: nn.Module,
+    layer_path: str,
+    layers: nn.ModuleList,
+    plan: Plan,
+    offload: str | None,
+    offload_options: dict[str, Any],
+) -> OffloadHandle | str:
+    """The step's route (plan.py): the fused loss and the step's forward, nothing on the layers; or, where the fused
+    loss refuses the model (nothing installed then), why not."""
+    handle = OffloadHandle(layer_path, layers, offload, None)
+    handle._model_name, handle.route = type(model).__name__, STEP
+    try:
+        handle.chunk_recurrent = install_step_route(handle, model, plan.owner, plan.output_type, offload_options)
+    except BaseException:
+        handle.remove()
+        raise
+    if handle.chunk_recurrent != "on":
+        handle.remove()
+        return handle.chunk_recurrent.removeprefix("off: ")
     if _log.isEnabledFor(logging.INFO):
         _log.info("%s", summary_line(handle.report()))
     return handle
@@ -284,15 +336,13 @@ def _install_above_layers(
     layers: nn.ModuleList,
     group: Any,
     offloaded: set[int],
-    offload_options: dict[str, Any],
     *,
     attention_block: bool,
     loss: bool,
-    chunk_recurrent: bool,
 ) -> None:
     """What the model gets above its layers: segment-id masks, the fused loss, attention over the
-    sequence-parallel group's ranks, the loop over the layers, the chunk-recurrent step, and the offload in
-    compiled graphs (last: its forward hands compiled code what it calls)."""
+    sequence-parallel group's ranks, the loop over the layers, and the offload in compiled graphs (last: its
+    forward hands compiled code what it calls)."""
     if group is not None:
         handle._masks = "each rank's real-token flags, the whole rows' segments gathered (sequence_parallel)"
     elif attention_block:
@@ -306,9 +356,6 @@ def _install_above_layers(
     if group is not None:
         _attend_over_ranks(handle, model, names, layers, group)
     handle.layer_loop = install_layer_loop(handle, model)
-    handle.chunk_recurrent = (
-        install_chunk_recurrent(handle, model, offload_options) if chunk_recurrent else "off (chunk_recurrent=False)"
-    )
     if handle.context is not None:
         _offload_in_compiled_graphs(handle, model, offloaded)
 

@@ -9,21 +9,45 @@ queries against a contiguous run of keys: all of it before the queries (another 
 token (the same chunk). Each block runs through PyTorch's CPU flash-attention kernel unmasked, so no mask is ever
 built, and a pair with no block (documents apart) reads nothing.
 
-Forward joins a chunk of queries' pairs by their log-sum-exps (an online softmax). Backward runs FlashAttention-2's
-order, each chunk of keys against every chunk of queries at or after it, each block given the whole row's output and
-log-sum-exp, which makes its gradients its exact share.
+Forward joins a chunk of queries' pairs by their log-sum-exps (an online softmax). Backward takes one chunk of
+queries against every chunk of keys up to it, each block given the whole row's output and log-sum-exp, which makes
+its gradients its exact share: the queries' gradient whole, the keys' and values' each pair's share.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 from .chunk_file import return_freed_memory
 
-__all__ = ["Segments", "attend", "attention_backward"]
+__all__ = ["Heads", "Segments", "attend", "attend_backward"]
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+@dataclass(frozen=True)
+class Heads:
+    """What one attention call's heads need: the scores' scale and the query heads per key/value head."""
+
+    scaling: float
+    groups: int
+
+    def by_head(self, keys: torch.Tensor, width: int) -> torch.Tensor:
+        """Keys or values ``[kv heads, C, d]`` for every query head (transformers' repeat_kv), a batch of one, their
+        last dimension zero-padded to ``width``: the flash kernel takes one head width, and zeros change no score
+        (keys) and give outputs' columns that are cut off (values)."""
+        kv_heads, length, dim = keys.shape
+        expanded = keys[:, None].expand(kv_heads, self.groups, length, dim).reshape(1, -1, length, dim)
+        return F.pad(expanded, (0, width - dim)) if width > dim else expanded
+
+    def by_key_head(self, gradient: torch.Tensor, dim: int) -> torch.Tensor:
+        """A gradient ``[1, heads, C, width]`` of by_head's output back to ``[kv heads, C, dim]``."""
+        _, heads, length, _ = gradient.shape
+        return gradient[0, :, :, :dim].reshape(heads // self.groups, self.groups, length, dim).sum(1)
 
 
 def _runs(segments: torch.Tensor) -> dict[int, slice]:
@@ -56,89 +80,74 @@ class Segments:
         return [(rows, keys[segment], diagonal) for segment, rows in queries.items() if segment in keys]
 
 
-def attend(heads, segments: Segments, chunk: int, q, k_here, v_here, earlier_keys_and_values):
-    """Attention of one chunk of queries ``[heads, C, d]`` to the keys and values of every chunk up to it (this
-    chunk's given, an earlier one's from ``earlier_keys_and_values(chunk)``), block by block, the pairs joined by
-    their log-sum-exps: the output in the queries' dtype and the log-sum-exp (float32, float64 for float64) per head
-    and query, -inf for a query that sees no key."""
+def attend(heads: Heads, segments: Segments, chunk: int, q, keys_and_values):
+    """Attention of one chunk of queries ``[heads, C, d]`` to the keys and values ``[kv heads, C', d]`` (``[.., dv]``)
+    of every chunk up to it (``keys_and_values(chunk)``), block by block, the pairs joined by their log-sum-exps: the
+    output ``[heads, C, dv]`` in the queries' dtype and the log-sum-exp (float32, float64 for float64) per head and
+    query, -inf for a query that sees no key."""
     compute = torch.promote_types(q.dtype, torch.float32)
-    q = q.to(compute)[None]
-    out = log_sum_exp = None
+    value_dim = keys_and_values(chunk)[1].shape[-1]
+    width = max(q.shape[-1], value_dim)
+    query = F.pad(q.to(compute), (0, width - q.shape[-1]))[None]
+    out = torch.zeros((1, q.shape[0], q.shape[1], value_dim), dtype=compute)
+    log_sum_exp = torch.full(query.shape[:3], float("-inf"), dtype=compute)  # a query that sees no key: output 0
     for earlier in range(chunk + 1):
         blocks = segments.blocks(chunk, earlier)
         if not blocks:
             continue
-        k, v = (k_here, v_here) if earlier == chunk else earlier_keys_and_values(earlier)
-        k, v = heads.by_head(k.to(compute)), heads.by_head(v.to(compute))
+        k, v = (heads.by_head(t.to(compute), width) for t in keys_and_values(earlier))
         if blocks[0][0] == slice(None):  # one sequence: the whole pair in one call
-            pair_out, pair_log_sum_exp = _FLASH(q, k, v, 0.0, blocks[0][2], scale=heads.scaling)
+            pair_out, pair_log_sum_exp = _FLASH(query, k, v, 0.0, blocks[0][2], scale=heads.scaling)
         else:
-            pair_out, pair_log_sum_exp = torch.zeros_like(q), torch.full(q.shape[:3], float("-inf"), dtype=compute)
+            pair_out, pair_log_sum_exp = torch.zeros_like(query), torch.full_like(log_sum_exp, float("-inf"))
             for rows, keys, causal in blocks:
                 pair_out[:, :, rows], pair_log_sum_exp[:, :, rows] = _FLASH(
-                    q[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, causal, scale=heads.scaling
+                    query[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, causal, scale=heads.scaling
                 )
-        if out is None:  # the first pair: its output and log-sum-exp as they are
-            out, log_sum_exp = pair_out, pair_log_sum_exp
-            continue
         joined = torch.logaddexp(log_sum_exp, pair_log_sum_exp)
-        base = joined.masked_fill(joined == float("-inf"), 0.0)  # a query that sees no key yet keeps output 0
+        base = joined.masked_fill(joined == float("-inf"), 0.0)
         out.mul_(log_sum_exp.sub_(base).exp_()[..., None]).add_(
-            pair_out.mul_(pair_log_sum_exp.sub_(base).exp_()[..., None])
+            pair_out[..., :value_dim].mul_(pair_log_sum_exp.sub_(base).exp_()[..., None])
         )
         log_sum_exp = joined
-    if out is None:  # padding that sees no key
-        out, log_sum_exp = torch.zeros_like(q), torch.full(q.shape[:3], float("-inf"), dtype=compute)
-    return out[0].to(k_here.dtype), log_sum_exp[0]
+    return out[0].to(q.dtype), log_sum_exp[0]
 
 
-def attention_backward(heads, segments: Segments, read, write) -> None:
-    """FlashAttention-2's backward over chunks: for each chunk of keys and values, every chunk of queries at or
-    after it that sees them. ``read(name, chunk)`` gives what forward kept ("q", "k", "v", "attended", "lse") and the
-    output's gradient ("grad attended"); ``write(name, chunk, tensor)`` takes each chunk's "grad q", "grad k" and
-    "grad v" (zeros where no block had any)."""
-    chunks = len(segments.bounds)
-    started = set()  # the chunks of queries whose gradient is in the file
-    for keys_chunk in range(chunks):
-        k, v = read("k", keys_chunk), read("v", keys_chunk)
-        compute = torch.promote_types(k.dtype, torch.float32)
-        k_heads, v_heads = heads.by_head(k.to(compute)), heads.by_head(v.to(compute))
+def attend_backward(heads: Heads, segments: Segments, chunk: int, q, grad_out, out, log_sum_exp, keys_and_values):
+    """attend's gradients for one chunk of queries: the queries' gradient ``[heads, C, d]``, and for each chunk of
+    keys up to it, its share of the keys' and values' gradients, as ``{earlier: (grad k, grad v)}`` (``[kv heads,
+    C', d]``, in the compute dtype; no entry for a chunk no block reads). ``out`` and ``log_sum_exp`` are the whole
+    row's (attend's), ``grad_out`` their output's gradient."""
+    compute = torch.promote_types(q.dtype, torch.float32)
+    value_dim = out.shape[-1]
+    width = max(q.shape[-1], value_dim)
+    query = F.pad(q.to(compute), (0, width - q.shape[-1]))[None]
+    grad_out, out = (F.pad(t.to(compute), (0, width - value_dim))[None] for t in (grad_out, out))
+    log_sum_exp = log_sum_exp[None]
+    grad_q = torch.zeros_like(query)
+    shares = {}
+    for earlier in range(chunk + 1):
+        blocks = segments.blocks(chunk, earlier)
+        if not blocks:
+            continue
+        k, v = keys_and_values(earlier)
+        k_heads, v_heads = heads.by_head(k.to(compute), width), heads.by_head(v.to(compute), width)
         grad_k, grad_v = torch.zeros_like(k_heads), torch.zeros_like(v_heads)
-        for queries_chunk in range(keys_chunk, chunks):
-            blocks = segments.blocks(queries_chunk, keys_chunk)
-            if not blocks:
-                continue
-            q, grad_out, attended = (
-                read(name, queries_chunk).to(compute)[None] for name in ("q", "grad attended", "attended")
+        for rows, keys, causal in blocks:
+            block_grad_q, block_grad_k, block_grad_v = _FLASH_BACKWARD(
+                grad_out[:, :, rows],
+                query[:, :, rows],
+                k_heads[:, :, keys],
+                v_heads[:, :, keys],
+                out[:, :, rows],
+                log_sum_exp[:, :, rows],
+                0.0,
+                causal,
+                scale=heads.scaling,
             )
-            log_sum_exp = read("lse", queries_chunk)[None]
-            grad_q = read("grad q", queries_chunk)[None] if queries_chunk in started else None
-            if grad_q is None and blocks[0][0] != slice(None):
-                grad_q = torch.zeros_like(q)
-            for rows, keys, causal in blocks:
-                block_grad_q, block_grad_k, block_grad_v = _FLASH_BACKWARD(
-                    grad_out[:, :, rows],
-                    q[:, :, rows],
-                    k_heads[:, :, keys],
-                    v_heads[:, :, keys],
-                    attended[:, :, rows],
-                    log_sum_exp[:, :, rows],
-                    0.0,
-                    causal,
-                    scale=heads.scaling,
-                )
-                if grad_q is None:  # the first pair of one sequence: its gradient as it is
-                    grad_q = block_grad_q
-                else:
-                    grad_q[:, :, rows].add_(block_grad_q)  # in place through views: no copy back
-                grad_k[:, :, keys].add_(block_grad_k)
-                grad_v[:, :, keys].add_(block_grad_v)
-            write("grad q", queries_chunk, grad_q[0])
-            started.add(queries_chunk)
-        kv_shape = (k.shape[0], heads.groups, *k.shape[1:])
+            grad_q[:, :, rows].add_(block_grad_q)  # in place through views: no copy back
+            grad_k[:, :, keys].add_(block_grad_k)
+            grad_v[:, :, keys].add_(block_grad_v)
+        shares[earlier] = (heads.by_key_head(grad_k, k.shape[-1]), heads.by_key_head(grad_v, v.shape[-1]))
         return_freed_memory()
-        write("grad k", keys_chunk, grad_k.view(kv_shape).sum(1))
-        write("grad v", keys_chunk, grad_v.view(kv_shape).sum(1))
-    for queries_chunk in set(range(chunks)) - started:  # padding that sees nothing
-        q = read("q", queries_chunk)
-        write("grad q", queries_chunk, torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32)))
+    return grad_q[0, ..., : q.shape[-1]], shares

@@ -22,7 +22,11 @@ class ChunkFile:
     largest_bytes = 0  # the largest any chunk file of this process has grown (bench/long_context.py reads it)
 
     def __init__(self, directory: str):
-        self._file = tempfile.TemporaryFile(dir=directory)  # O_TMPFILE, or unlinked at once
+        self._directory = directory
+        try:
+            self._file = tempfile.TemporaryFile(dir=directory)  # O_TMPFILE, or unlinked at once
+        except OSError as error:
+            raise self._error(error, "cannot hold the step's file") from None
         self._end = 0
         self._slots: dict = {}  # key: (offset, shape, dtype)
         self._free: defaultdict[int, list[int]] = defaultdict(list)  # bytes: offsets
@@ -33,9 +37,17 @@ class ChunkFile:
         size = data.numel()
         offset = self._free[size].pop() if self._free[size] else self._grow(size)
         view, done = memoryview(data.numpy()), 0
-        while done < size:
-            done += os.pwrite(self._file.fileno(), view[done:], offset + done)
+        try:
+            while done < size:
+                done += os.pwrite(self._file.fileno(), view[done:], offset + done)
+        except OSError as error:  # a full disk, say: the caller closes the file, and nothing is left behind
+            raise self._error(error, f"took {offset + done} bytes and no more") from None
         self._slots[key] = (offset, tensor.shape, tensor.dtype)
+
+    def _error(self, error: OSError, what: str) -> OSError:
+        return OSError(
+            error.errno, f"chunk_recurrent_loss: the spill directory {self._directory!r} {what}: {error.strerror}"
+        )
 
     def read(self, key) -> torch.Tensor:
         offset, shape, dtype = self._slots[key]
@@ -47,6 +59,15 @@ class ChunkFile:
                 raise OSError(f"chunk_recurrent_loss: the chunk file ended inside {key}")
             done += read
         return out
+
+    def has(self, key) -> bool:
+        return key in self._slots
+
+    def pop(self, key) -> torch.Tensor:
+        """read, then release."""
+        tensor = self.read(key)
+        self.release(key)
+        return tensor
 
     def release(self, key) -> None:
         slot = self._slots.pop(key, None)

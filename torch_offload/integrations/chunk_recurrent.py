@@ -1,32 +1,35 @@
-"""One training step of a Llama-built causal LM, chunk-recurrent: ``chunk_recurrent_loss(model, input_ids, labels)``,
-and apply()'s step for training calls with labels (chunk_recurrent_route.py).
+"""One training step of a causal LM, chunk-recurrent: ``chunk_recurrent_loss(model, input_ids, labels)``, and
+apply()'s step for training calls with labels (chunk_recurrent_route.py).
 
-Why: apply()'s layers run module at a time, so autograd's backward of a layer holds ``[T, h]`` tensors (its
-output's gradient, its input's, the residual's) whatever the tiers keep: about three hidden vectors per token at the
-peak (BENCHMARKS.md, "Peaks by phase"). Here one autograd Function owns the whole step, and everything that grows
-with the sequence (each layer's input, queries, keys, values, attention output and log-sum-exp, and the gradients
-flowing back) lives in an unnamed file in chunks of ``chunk_tokens`` tokens (chunk_file.py). The process holds one
-chunk's working set, one chunk of keys and values at a time, the weights' gradients and the batch's token ids,
-positions and labels: its memory grows by a few bytes per token (the batch's own tensors), whatever the context.
+Why: a whole training step holds tensors of every token at once (each layer's activations, autograd's gradients of
+``[T, hidden]``). Here one autograd Function owns the step, and everything that grows with the sequence (each
+layer's output, keys, values, attention output and log-sum-exp, the gradients flowing back) lives in an unnamed file
+in chunks of ``chunk_tokens`` tokens (chunk_file.py). The process holds one chunk's working set, one chunk of keys
+and values at a time, the weights' gradients and the batch's token ids, positions and labels: its memory grows by a
+few bytes per token (the batch's own tensors), whatever the context.
 
-How, per layer: forward attends one chunk of queries to the keys and values of every chunk up to it, read back one
-chunk at a time (chunk_attention.py: pairs of chunks, within the batch's documents and rows). Backward runs the
-token-local parts (the residual adds, norms, projections, rotary embedding and MLP) through autograd one chunk at a
-time, and attention's backward pair by pair. The loss's gradient is computed with its forward
-(``linear_cross_entropy``'s gradients in forward), chunk by chunk.
+How: forward runs the decoder's own forward on one chunk after another (chunk_model.py), its attention modules
+calling the step's attention implementation (chunk_seam.py), which attends a chunk's queries to the keys and values
+of every chunk up to it, within the batch's documents and rows (chunk_attention.py); the loss and its gradient come
+per chunk from the fused head (``linear_cross_entropy``, gradients in forward). Backward runs the chunks last to
+first: the decoder's forward again, each layer handing on the output forward kept, and autograd back through it,
+which recomputes one layer of one chunk at a time through the model's own modules; attention's backward then takes
+the chunk's queries against every earlier chunk, whose keys' and values' shares wait in the file until their own
+chunk runs.
 
-What it takes (``_parts``): the decoder's children ``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``; each
-layer's ``input_layernorm``, ``self_attn`` (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, and Qwen3's ``q_norm``
-and ``k_norm``), ``post_attention_layernorm``, ``mlp``; a bias-free ``lm_head``; full causal attention (no sliding
-window), no dropout in training, a rotary embedding that does not depend on the call's longest position. Rows of
-tokens on the CPU: one row, several, packed documents (``position_ids`` restarting), padded rows
-(``attention_mask``), read as transformers reads them without a key/value cache (chunk_batch.py).
+What it takes (``step_problem``): a causal LM whose ``get_decoder()`` holds the decoder layers and the input
+embedding and whose output layer is a plain ``nn.Linear`` outside it, every trained parameter in one of the two,
+float32 or float64, no dropout in training (backward's recomputation would draw other masks), a rotary embedding
+that does not depend on the call's longest position, no embedding that counts tokens (``scale_grad_by_freq``) or
+whose gradient is sparse; and what the seam refuses at run time (``Unsupported``: dropout in attention, soft-capped
+scores, sinks, a window shorter than the batch). Rows of tokens on the CPU: one row, several, packed documents
+(``position_ids`` restarting), padded rows (``attention_mask``), read as transformers reads them without a
+key/value cache (chunk_batch.py).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 import torch
@@ -34,134 +37,31 @@ from torch import nn
 
 from ..disk import default_spill_directory, spill_directory_in_ram
 from ..linear_cross_entropy import linear_cross_entropy
-from .chunk_attention import Segments, attend, attention_backward
+from .chunk_attention import Segments
 from .chunk_batch import Batch, batch_of, checked_rows, runs_of_real_tokens
 from .chunk_file import ChunkFile, return_freed_memory
-from .layer_loop import _DECODER_CHILDREN, _LAYER_CHILDREN
+from .chunk_model import StepModel, add_gradients, step_model_problem
+from .chunk_seam import StepAttention, Unsupported, running
 from .sequence_parallelism import rope_of_the_calls_positions
 
 __all__ = ["chunk_recurrent_loss"]
 
 CHUNK_TOKENS = 2048  # tokens per chunk: attention's pairs of chunks work in [heads, C, C] blocks
-_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})  # decoder layers read to be Llama's, as below
-_ATTENTION_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
-_QUERY_KEY_NORMS = {"q_norm", "k_norm"}  # Qwen3's: each head's query and key normalized before the rotary embedding
 _PROBE_TOKENS = 12
 
 
-class _Parts:
-    """The modules of a Llama-built causal LM, and its layers' token-local halves as functions of one chunk."""
-
-    def __init__(self, model: nn.Module):
-        decoder = model.model
-        self.embed, self.layers, self.norm, self.rotary = (
-            decoder.embed_tokens,
-            list(decoder.layers),
-            decoder.norm,
-            decoder.rotary_emb,
-        )
-        self.head = model.lm_head
-        self.attentions = [_Attention(layer.self_attn) for layer in self.layers]
-
-    def before_attention(self, index, hidden, positions):
-        """Queries ``[heads, C, d]``, keys and values ``[kv heads, C, d]`` of one chunk, as Llama's attention (and
-        Qwen3's, which normalizes each head's queries and keys first)."""
-        layer, attention = self.layers[index], self.layers[index].self_attn
-        x = layer.input_layernorm(hidden[None])
-        shape = (1, hidden.shape[0], -1, self.attentions[index].head_dim)
-        norms = (getattr(attention, "q_norm", None), getattr(attention, "k_norm", None), None)
-        q, k, v = (
-            (projection(x).view(shape) if norm is None else norm(projection(x).view(shape))).transpose(1, 2)
-            for projection, norm in zip(_attention_projections(attention), norms)
-        )
-        cos, sin = self.rotary(x, position_ids=positions[None])
-        q, k = self.attentions[index].rope(q, k, cos, sin)
-        return q[0], k[0], v[0]
-
-    def after_attention(self, index, hidden, attended):
-        """The layer's output for one chunk, from its input and attention's output ``[heads, C, d]``."""
-        layer = self.layers[index]
-        hidden = hidden + layer.self_attn.o_proj(attended.transpose(0, 1).reshape(hidden.shape[0], -1))
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-
-    def differentiated(self) -> list[nn.Parameter]:
-        """Every parameter whose gradient the step computes: those of the modules whose forwards it calls (each
-        layer's norms, projections, query/key norms and MLP, the embedding, the final norm) and the head's weight."""
-        modules = [self.embed, self.norm]
-        for layer in self.layers:
-            modules += [layer.input_layernorm, layer.post_attention_layernorm, layer.mlp, layer.self_attn.o_proj]
-            modules += [*_attention_projections(layer.self_attn), *_query_key_norms(layer.self_attn)]
-        return [*(p for module in modules for p in module.parameters()), self.head.weight]
-
-
-class _Attention:
-    """What the step reads off one layer's attention module (each its own: a layer's scaling may differ): its
-    scaling, head width, query heads per key head and its module's rotary function."""
-
-    def __init__(self, attention: nn.Module):
-        self.scaling, self.head_dim = attention.scaling, attention.head_dim
-        self.groups = attention.num_key_value_groups
-        self.rope = sys.modules[type(attention).__module__].apply_rotary_pos_emb
-
-    def by_head(self, keys):
-        """Keys or values ``[kv heads, C, d]`` for every query head (transformers' repeat_kv), a batch of one."""
-        kv_heads, length, dim = keys.shape
-        return keys[:, None].expand(kv_heads, self.groups, length, dim).reshape(1, -1, length, dim)
-
-
-def _attention_projections(attention):
-    return attention.q_proj, attention.k_proj, attention.v_proj
-
-
-def parts_problem(model: nn.Module) -> str | None:
-    """What in ``model`` the step would not compute as its own forward does, or None."""
-    config = getattr(model, "config", None)
-    decoder = getattr(model, "model", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in _MODEL_TYPES:
-        return f"model type {model_type!r} is not one of {sorted(_MODEL_TYPES)}"
-    if not isinstance(decoder, nn.Module) or set(dict(decoder.named_children())) != _DECODER_CHILDREN:
-        return f"its decoder's children are not {sorted(_DECODER_CHILDREN)}"
-    attention_children = _ATTENTION_CHILDREN | (_QUERY_KEY_NORMS if model_type == "qwen3" else set())
-    for layer in decoder.layers:
-        if set(dict(layer.named_children())) != _LAYER_CHILDREN:
-            return f"a layer's children are not {sorted(_LAYER_CHILDREN)}"
-        if set(dict(layer.self_attn.named_children())) != attention_children:
-            return f"an attention's children are not {sorted(attention_children)}"
-        if layer.self_attn.training and getattr(layer.self_attn, "attention_dropout", 0.0):
-            return "attention dropout in training mode"
-        if getattr(layer.self_attn, "is_causal", True) is not True:
-            return "an attention module that is not causal"
+def step_problem(model: nn.Module) -> str | None:
+    """What in ``model`` the step would not compute as its own forward and loss do (see the module's docstring), or
+    None; what only a call shows, the seam refuses then."""
+    problem = step_model_problem(model)
+    if problem is not None:
+        return problem
     dropout = next((name for name, m in model.named_modules() if _drops_out(m)), None)
     if dropout is not None:
         return f"{dropout} drops out in training mode (backward's recomputation would draw other masks)"
-    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
-        return "a sliding window"
-    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
-        return "layers of other kinds than full attention"
+    config = getattr(model, "config", None)
     if rope_of_the_calls_positions(config) is not None:
         return f"its rotary embedding ({rope_of_the_calls_positions(config)!r}) depends on a call's longest position"
-    head = getattr(model, "lm_head", None)
-    if not isinstance(head, nn.Linear) or head.bias is not None:
-        return "lm_head is not a bias-free nn.Linear"
-    if getattr(config, "num_hidden_layers", None) != len(decoder.layers):
-        return "config.num_hidden_layers is not the number of layers"
-    for layer in decoder.layers:
-        attention = layer.self_attn
-        read = ("scaling", "head_dim", "num_key_value_groups")
-        if not all(hasattr(attention, name) for name in read):
-            return f"an attention module lacks one of {', '.join(read)}"
-        if not callable(getattr(sys.modules.get(type(attention).__module__), "apply_rotary_pos_emb", None)):
-            return f"{type(attention).__name__}'s module has no apply_rotary_pos_emb"
-    embeddings = [m for m in decoder.embed_tokens.modules() if isinstance(m, nn.Embedding)]
-    if any(embedding.scale_grad_by_freq for embedding in embeddings):
-        return "its embedding scales gradients by token frequency (scale_grad_by_freq): a chunk's counts differ"
-    if any(embedding.sparse for embedding in embeddings):
-        return "its embedding's gradient is sparse (sparse=True): the step's would be dense"
-    differentiated = {id(p) for p in _Parts(model).differentiated()}
-    missed = next((n for n, p in model.named_parameters() if p.requires_grad and id(p) not in differentiated), None)
-    if missed is not None:
-        return f"{missed} is trained and the step would not differentiate it (no module of the step's owns it)"
     low_precision = sorted({str(p.dtype) for p in model.parameters()} - {"torch.float32", "torch.float64"})
     if low_precision:  # one matmul over every token, as the model's backward, rounds once
         return f"parameters in {', '.join(low_precision)}: the step would round each chunk's share of their gradients"
@@ -200,8 +100,8 @@ def chunk_recurrent_loss(
     documents restart at 0) are transformers'. ``chunk_tokens`` sets the chunk (the working set grows with its square:
     attention's ``[heads, C, C]`` blocks); ``directory`` where the chunk file lives (the disk tier's default; RAM file
     systems are refused)."""
-    if parts_problem(model) is not None:
-        raise ValueError(f"chunk_recurrent_loss: model: {parts_problem(model)}")
+    if step_problem(model) is not None:
+        raise ValueError(f"chunk_recurrent_loss: model: {step_problem(model)}")
     input_ids, labels, attention_mask, position_ids = (
         checked_rows(name, value, optional, input_ids)
         for name, value, optional in (
@@ -237,15 +137,19 @@ def chunk_recurrent_loss(
 
 
 def _probe(model: nn.Module, ids: torch.Tensor, directory: str) -> None:
-    """Refuse a model whose own loss on the sequence's first tokens is not the step's: a forward of its own."""
+    """Refuse a model whose own loss on the sequence's first tokens is not the step's (what only running it shows:
+    a call of its attention the seam refuses, a forward across tokens outside attention)."""
     probe = ids[None, :_PROBE_TOKENS]
     with torch.no_grad():
         want = model(input_ids=probe, labels=probe, use_cache=False).loss
-        got = chunk_recurrent_step(model, batch_of(probe, probe), max(1, probe.shape[1] // 2), directory)
+        try:
+            got = chunk_recurrent_step(model, batch_of(probe, probe), max(1, probe.shape[1] // 2), directory)
+        except Unsupported as error:
+            raise ValueError(f"chunk_recurrent_loss: model: {error}") from None
     if not torch.allclose(got.to(want.dtype), want, rtol=1e-4, atol=1e-5):  # transformers: a float32 loss
         raise ValueError(
             f"chunk_recurrent_loss: model: its own loss on {probe.shape[1]} tokens is {want.item()}, the "
-            f"chunk-recurrent step's {got.item()}: its forward is not Llama's"
+            f"chunk-recurrent step's {got.item()}: its forward differs in chunks"
         )
 
 
@@ -253,7 +157,7 @@ def chunk_recurrent_step(model: nn.Module, batch: Batch, chunk_tokens: int, dire
     """The step's loss, differentiable in ``model``'s trained parameters (checked by the caller)."""
     named = dict(model.named_parameters())  # a tied head's weight once
     trained = [p for p in named.values() if p.requires_grad]
-    parts = _Parts(model)
+    parts = StepModel(model)
     read_again = _ReadAgain(model, batch.ids if _trained(parts.embed.parameters()) else None)
     return _ChunkRecurrentStep.apply(parts, batch, chunk_tokens, directory, (trained, read_again), *trained)
 
@@ -283,25 +187,39 @@ class _ChunkRecurrentStep(torch.autograd.Function):
         trained, read_again = trained_and_read_again
         tokens = len(batch.ids)
         bounds = [(start, min(start + chunk_tokens, tokens)) for start in range(0, tokens, chunk_tokens)]
-        segments = Segments(bounds, batch.query_segments, batch.key_segments)
         store = ChunkFile(directory)
+        seam = StepAttention(store, Segments(bounds, batch.query_segments, batch.key_segments), tokens, parts.layer_of)
         wants_gradients = any(ctx.needs_input_grad[5:])
+        loss = torch.zeros((), dtype=torch.promote_types(parts.head.weight.dtype, torch.float32))
+        gradients: dict = {}
+        head = _trained(p for p in (parts.head.weight, parts.head.bias) if p is not None) if wants_gradients else []
+
+        def write(layer, output):
+            store.write(("output", layer, seam.chunk), output)
+
         try:
-            for chunk, (start, end) in enumerate(bounds):
-                store.write(("hidden", 0, chunk), parts.embed(batch.ids[start:end]))
-            for index in range(len(parts.layers)):
+            with running(seam, parts.configs), parts.layers_recorded(write):
                 for chunk, (start, end) in enumerate(bounds):
-                    _layer_forward(parts, store, segments, index, chunk, batch.positions[start:end])
+                    seam.start(chunk, backward=False)
+                    with torch.no_grad():
+                        hidden = parts.hidden(batch.ids[start:end], batch.positions[start:end])
+                    seam.finish(len(parts.layers))
+                    chunk_loss, grad_hidden = _chunk_loss(
+                        parts, hidden, batch, start, end, wants_gradients, head, gradients
+                    )
+                    loss += chunk_loss
+                    if grad_hidden is not None:
+                        store.write(("grad", chunk), grad_hidden)
+                    del hidden, grad_hidden
                     return_freed_memory()
-            loss, loss_weights = _loss_and_gradients(parts, store, bounds, batch, wants_gradients)
         except BaseException:
             store.close()
             raise
         if not wants_gradients:
             store.close()
-            return loss
-        ctx.step = (parts, store, segments, batch, trained, loss_weights, read_again)
-        return loss
+            return loss.to(chunk_loss.dtype)
+        ctx.step = (parts, store, seam, batch, trained, gradients, read_again)
+        return loss.to(chunk_loss.dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -315,21 +233,39 @@ class _ChunkRecurrentStep(torch.autograd.Function):
                 "chunk_recurrent_loss: a second backward through the step, whose file went with the first "
                 "(pass retain_graph=True to the first)"
             )
-        parts, store, segments, batch, trained, loss_weights, read_again = ctx.step
+        parts, store, seam, batch, trained, head_gradients, read_again = ctx.step
         read_again.check()
         keep = _keeps_graph()
         if not keep:
             del ctx.step  # the file closes at the end, whatever happens
+        gradients = {p: g.clone() if keep else g for p, g in head_gradients.items()}
+        embedding = _trained(parts.embed.parameters())  # none when frozen, adapters' alone under LoRA
+        outside = parts.outside_layers()
         try:
-            gradients = {weight: store.read(("loss weight grad", i)) for i, weight in enumerate(loss_weights)}
-            for index in reversed(range(len(parts.layers))):
-                _layer_backward(parts, store, segments, index, batch.positions, gradients, keep)
-            embedding = _trained(parts.embed.parameters())  # none when frozen, adapters' alone under LoRA
-            for chunk, (start, end) in enumerate(segments.bounds):
-                if embedding:
-                    grad_hidden = store.read(("grad", 0, chunk))
-                    _embedding_backward(parts.embed, embedding, batch.ids[start:end], grad_hidden, gradients)
-                store.release(("grad", 0, chunk))
+            with running(seam, parts.configs), parts.layers_replayed(_replayed(store, seam, keep), gradients):
+                for chunk in reversed(range(len(seam.segments.bounds))):
+                    start, end = seam.segments.bounds[chunk]
+                    ids, positions = batch.ids[start:end], batch.positions[start:end]
+                    seam.start(chunk, backward=True)
+                    with torch.no_grad():
+                        embeds = parts.embed(ids)
+                    embeds.requires_grad_()
+                    with torch.enable_grad():
+                        hidden = parts.hidden(ids, positions, embeds)
+                        found = torch.autograd.grad(
+                            hidden, [embeds, *outside], store.read(("grad", chunk)).to(hidden.dtype), allow_unused=True
+                        )
+                    seam.finish(len(parts.layers))
+                    add_gradients(gradients, outside, found[1:])
+                    if embedding:
+                        _embedding_backward(parts.embed, embedding, ids, found[0], gradients)
+                    if not keep:  # no chunk before this one reads its keys and values
+                        store.release(("grad", chunk))
+                        for layer in range(len(parts.layers)):
+                            for name in ("k", "v", "out", "lse"):
+                                store.release((name, layer, chunk))
+                    del hidden, found, embeds
+                    return_freed_memory()
         finally:
             if not keep:
                 store.close()
@@ -340,6 +276,50 @@ class _ChunkRecurrentStep(torch.autograd.Function):
         return (None, None, None, None, None, *grads)
 
 
+def _replayed(store, seam, keep: bool):
+    """What a layer hands on in backward's pass: its output as forward kept it, released unless kept for another
+    backward."""
+
+    def read(layer):
+        output = store.read(("output", layer, seam.chunk))
+        if not keep:
+            store.release(("output", layer, seam.chunk))
+        return output
+
+    return read
+
+
+def _chunk_loss(parts, hidden, batch, start, end, wants_gradients, head, gradients):
+    """One chunk's share of the loss (its summed fused loss over ``batch.count``) and, ``wants_gradients``, its
+    hidden states' gradient (for a loss gradient of 1), that of the head's trained parameters ``head`` added into
+    ``gradients``; else None."""
+    targets = batch.targets[start:end]
+    count = batch.count
+    with torch.set_grad_enabled(wants_gradients):
+        hidden = hidden.detach().requires_grad_(wants_gradients)
+        scaled = hidden * parts.math.scale if parts.math.scale != 1.0 else hidden
+        chunk_sum = linear_cross_entropy(
+            scaled,
+            parts.head.weight,
+            targets,
+            bias=parts.head.bias,
+            ignore_index=batch.ignore_index,
+            reduction="sum",
+            softcap=parts.math.softcap,
+        )
+        chunk_sum = chunk_sum.to(torch.promote_types(chunk_sum.dtype, torch.float32))
+        grad_hidden = None
+        if wants_gradients:
+            # A chunk without a counted target adds no gradient; 1 / count of a batch with none (count 0) would
+            # turn its zeros into NaN, where transformers' loss gives zeros.
+            counted = bool((targets != batch.ignore_index).any())
+            scale = torch.ones_like(chunk_sum) / count if counted else torch.zeros_like(chunk_sum)
+            found = torch.autograd.grad(chunk_sum, [hidden, *head], scale, allow_unused=True)
+            grad_hidden = found[0]
+            add_gradients(gradients, head, found[1:])
+    return chunk_sum.detach() / count, grad_hidden
+
+
 def _embedding_backward(embed, trained, ids, grad_hidden, gradients) -> None:
     """Add one chunk's gradients of the embedding's ``trained`` parameters into ``gradients``: a plain
     ``nn.Embedding``'s rows added in place (autograd would make a dense ``[vocab, hidden]`` gradient per chunk, the
@@ -347,7 +327,8 @@ def _embedding_backward(embed, trained, ids, grad_hidden, gradients) -> None:
     plain = type(embed) is nn.Embedding and embed.max_norm is None and not embed.scale_grad_by_freq
     if not plain:
         with torch.enable_grad():
-            _add(gradients, embed(ids), grad_hidden, trained)
+            found = torch.autograd.grad(embed(ids), trained, grad_hidden, allow_unused=True)
+        add_gradients(gradients, trained, found)
         return
     if embed.padding_idx is not None:  # its row gets no gradient
         grad_hidden[ids == embed.padding_idx] = 0
@@ -362,122 +343,5 @@ def _keeps_graph() -> bool:
     return True if keep_graph is None else keep_graph()
 
 
-def _layer_forward(parts, store, segments, index, chunk, positions):
-    hidden = store.read(("hidden", index, chunk))
-    q, k, v = parts.before_attention(index, hidden, positions)
-    for name, value in (("q", q), ("k", k), ("v", v)):
-        store.write((name, index, chunk), value)
-
-    def earlier_keys_and_values(earlier):
-        return store.read(("k", index, earlier)), store.read(("v", index, earlier))
-
-    attended, log_sum_exp = attend(parts.attentions[index], segments, chunk, q, k, v, earlier_keys_and_values)
-    store.write(("attended", index, chunk), attended)
-    store.write(("lse", index, chunk), log_sum_exp)
-    store.write(("hidden", index + 1, chunk), parts.after_attention(index, hidden, attended))
-
-
-def _loss_and_gradients(parts, store, bounds, batch, wants_gradients):
-    """The loss (the sum over chunks of the fused head's, over ``batch.count``) and the weights whose gradients,
-    when wanted, it wrote to the file with the last layer's output gradient per chunk (for a loss gradient of 1)."""
-    loss = torch.zeros((), dtype=torch.promote_types(parts.head.weight.dtype, torch.float32))
-    gradients: dict = {}
-    weights = _trained([*parts.norm.parameters(), parts.head.weight]) if wants_gradients else []
-    last = len(parts.layers)
-    count = batch.count.to(loss.device) if isinstance(batch.count, torch.Tensor) else batch.count
-    for chunk, (start, end) in enumerate(bounds):
-        hidden = store.read(("hidden", last, chunk))
-        targets = batch.targets[start:end]
-        with torch.set_grad_enabled(wants_gradients):
-            hidden.requires_grad_(wants_gradients)
-            chunk_sum = linear_cross_entropy(
-                parts.norm(hidden), parts.head.weight, targets, ignore_index=batch.ignore_index, reduction="sum"
-            )
-            if wants_gradients:
-                # A chunk without a counted target adds no gradient; 1 / count of a batch with none (count 0)
-                # would turn its zeros into NaN, where transformers' loss gives zeros.
-                counted = bool((targets != batch.ignore_index).any())
-                scale = torch.ones_like(chunk_sum) / count if counted else torch.zeros_like(chunk_sum)
-                (grad_hidden,) = _add(gradients, chunk_sum, scale, weights, hidden)
-                store.write(("grad", last, chunk), grad_hidden)
-        chunk_loss = chunk_sum.detach() / count
-        loss += chunk_loss
-        store.release(("hidden", last, chunk))
-    for i, weight in enumerate(weights):
-        store.write(("loss weight grad", i), gradients.pop(weight))
-    return loss.to(chunk_loss.dtype), weights
-
-
-def _layer_backward(parts, store, segments, index, positions, gradients, keep):
-    """One layer's backward, chunk by chunk; with ``keep``, what forward wrote stays for another backward."""
-    layer = parts.layers[index]
-    after = [p for m in (layer.self_attn.o_proj, layer.post_attention_layernorm, layer.mlp) for p in m.parameters()]
-    before = [
-        p
-        for m in (layer.input_layernorm, *_attention_projections(layer.self_attn), *_query_key_norms(layer.self_attn))
-        for p in m.parameters()
-    ]
-    chunks = len(segments.bounds)
-    for chunk in range(chunks):  # the residual adds, the norm, o_proj and the MLP, for each chunk
-        hidden = store.read(("hidden", index, chunk)).requires_grad_()
-        attended = store.read(("attended", index, chunk)).requires_grad_()
-        with torch.enable_grad():
-            output = parts.after_attention(index, hidden, attended)
-            grad_hidden, grad_attended = _add(
-                gradients, output, store.read(("grad", index + 1, chunk)), _trained(after), hidden, attended
-            )
-        if not keep:
-            store.release(("hidden", index + 1, chunk))
-        if not keep or index + 1 < len(parts.layers):  # the last layer's is the loss's gradient, from forward
-            store.release(("grad", index + 1, chunk))
-        store.write(("grad", index, chunk), grad_hidden)
-        store.write(("grad attended", index, chunk), grad_attended)
-        del output, grad_hidden, grad_attended
-        return_freed_memory()
-
-    def read(name, chunk):
-        return store.read((name, index, chunk))
-
-    def write(name, chunk, tensor):
-        store.write((name, index, chunk), tensor)
-
-    attention_backward(parts.attentions[index], segments, read, write)
-    for chunk, (start, end) in enumerate(segments.bounds):  # the norms, the projections and the rotary embedding
-        hidden = store.read(("hidden", index, chunk)).requires_grad_()
-        with torch.enable_grad():
-            q, k, v = parts.before_attention(index, hidden, positions[start:end])
-            incoming = [store.read((name, index, chunk)).to(q.dtype) for name in ("grad q", "grad k", "grad v")]
-            (grad_hidden,) = _add(gradients, (q, k, v), incoming, _trained(before), hidden)
-        store.write(("grad", index, chunk), store.read(("grad", index, chunk)) + grad_hidden)
-        released = (
-            "grad q",
-            "grad k",
-            "grad v",
-            "grad attended",
-            *(() if keep else ("q", "k", "v", "attended", "lse")),
-        )
-        for name in released:
-            store.release((name, index, chunk))
-        del q, k, v, incoming, grad_hidden
-        return_freed_memory()
-
-
-def _query_key_norms(attention):
-    return [getattr(attention, name) for name in sorted(_QUERY_KEY_NORMS) if hasattr(attention, name)]
-
-
 def _trained(parameters):
     return [p for p in parameters if p.requires_grad]
-
-
-def _add(gradients: dict, outputs, grad_outputs, parameters, *inputs):
-    """The gradients of ``inputs``, with those of ``parameters`` added into ``gradients`` (one tensor each)."""
-    found = torch.autograd.grad(outputs, [*inputs, *parameters], grad_outputs, allow_unused=True)
-    for parameter, gradient in zip(parameters, found[len(inputs) :]):
-        if gradient is None:
-            continue
-        if parameter in gradients:
-            gradients[parameter].add_(gradient)
-        else:
-            gradients[parameter] = gradient
-    return found[: len(inputs)]

@@ -151,6 +151,8 @@ class OffloadHandle:
       (the op) or ``"module: <why not>"``.
     - ``layer_loop``: ``"apply's"`` where apply runs the loop over the decoder layers (layer_loop.py), else
       ``"the model's own: <why>"``.
+    - ``route``: the one route apply installed (plan.py): ``"chunk-recurrent step"`` (the fused loss and the step's
+      forward, nothing on the layers) or ``"layers' path"`` (everything above and below).
     - ``chunk_recurrent``: ``"on"`` where training calls with labels run the chunk-recurrent step
       (chunk_recurrent_route.py), else ``"off: <why>"``; ``chunk_recurrent_calls`` counts the calls it ran.
     - ``mask_fallbacks``: calls for which transformers built its dense ``[batch, 1, T, T]`` mask
@@ -174,9 +176,7 @@ class OffloadHandle:
         self.norms: dict[str, str] = {}
         self.sequence_parallel: str | None = None  # the name of apply()'s sequence-parallel group
         self.layer_loop = "the model's own"  # or "apply's" (layer_loop.py), or "the model's own: <why>"
-        self._layer_loop_allows = None  # with apply's loop: whether a decoder call runs it (layer_loop.py)
-        # With the fused loss: the module whose forward it patched, its head, and whether that forward was the class's.
-        self._fused_loss_owner = None
+        self.route = "layers' path"  # or "chunk-recurrent step" (plan.py)
         self.chunk_recurrent = "off"  # or "on" (chunk_recurrent_route.py), or "off: <why>"
         self.chunk_recurrent_calls = 0  # training calls the chunk-recurrent step ran
         self._sequence_parallel_ranks = 1

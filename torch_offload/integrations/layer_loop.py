@@ -83,8 +83,6 @@ def install_layer_loop(handle: OffloadHandle, model: nn.Module) -> str:
     if problem is not None:
         return f"the model's own: {problem}"
     run = functools.partial(run_layers, output_type)
-    # Whether a decoder call (its named arguments, the others) would run this loop: the chunk-recurrent step asks.
-    handle._layer_loop_allows = functools.partial(_call_allows, decoder, layers, recorded, output_type, cache_name)
 
     @functools.wraps(original)
     def forward(*args, **kwargs):

@@ -67,7 +67,10 @@ def _norms(handle: OffloadHandle) -> str:
 def report(handle: OffloadHandle) -> dict[str, Any]:
     """The handle's report as data; ``format_report`` prints it."""
     rows = []
-    for index, layer in enumerate(handle.layers):
+    if handle.route == "chunk-recurrent step":  # every layer alike: the model's own, run by the step chunk by chunk
+        step = {"mlp": "own", "attention": "chunks", "recompute": "layer by chunk", "saved": "the step's file"}
+        rows.append({"layers": list(range(len(handle.layers))), **step, "why": {}})
+    for index, layer in enumerate(handle.layers if not rows else ()):
         name = f"{handle.layer_path}.{index}"
         recompute = handle.checkpointing.get(name, "none")
         cells = {"mlp": _mlp(handle, name, layer), "attention": _attention(handle, name, layer)}
@@ -84,9 +87,10 @@ def report(handle: OffloadHandle) -> dict[str, Any]:
         "layer_path": handle.layer_path,
         "layers": rows,
         "loss": handle.loss,
-        "norms": _norms(handle),
+        "norms": _norms(handle) if not rows or handle.route != "chunk-recurrent step" else "the model's own",
         "masks": handle._masks,
         "layer_loop": handle.layer_loop,
+        "route": handle.route,
         "chunk_recurrent": handle.chunk_recurrent,
         "sequence_parallel": handle.sequence_parallel,
         "removed": handle._removed,
@@ -108,7 +112,14 @@ def _heading(data: dict[str, Any]) -> str:
 
 
 def _model_lines(data: dict[str, Any]) -> list[str]:
+    if data["route"] == "chunk-recurrent step":
+        return [
+            "route: chunk-recurrent step (training calls with labels; any other call runs the model's own layers)",
+            f"loss: {data['loss']}",
+            f"chunk-recurrent step: {data['chunk_recurrent']}",
+        ]
     lines = [
+        "route: layers' path",
         f"loss: {data['loss']}",
         f"norms: {data['norms']}",
         f"masks: {data['masks']}",

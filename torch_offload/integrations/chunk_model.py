@@ -1,0 +1,200 @@
+"""What the chunk-recurrent step (chunk_recurrent.py) runs of a causal LM: its decoder's own forward on one chunk of
+tokens at a time, its layers' own forwards recorded in forward and recomputed in backward, its embedding and head.
+
+The step never writes a layer of its own: each chunk runs through ``decoder(inputs_embeds=..., position_ids=...)``,
+the model's own modules (embedding scale, norms, projections, query/key norms, rotary embedding, MLP or experts,
+final norm), with the attention implementation of chunk_seam.py, so every parameter (adapters, a subclass's) gets
+the gradient the model's code defines. While the step runs, each decoder layer's forward is wrapped
+(``layers_recorded``, ``layers_replayed``): forward keeps each layer's output; in backward's pass the decoder's
+forward runs again and each layer hands on the output forward kept, and autograd then recomputes the layer's own
+forward from its input, one layer of one chunk at a time (``_ReplayedLayer``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.utils import _pytree
+
+from ..causal_lm_loss import _head_math, _HeadMath
+from .implementations import _configs
+from .layers import _attention_of, _find_layers
+
+__all__ = ["StepModel", "step_model_problem"]
+
+
+class StepModel:
+    """A causal LM as the step runs it: ``decoder``, its ``layers`` and each one's attention module (by id),
+    ``embed``, ``head`` and what the model does to the head's logits (``math``), the configs that name the attention
+    implementation."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.head = model.get_output_embeddings()
+        self.decoder, self.layers = _decoder_and_layers(model)
+        self.embed = self.decoder.get_input_embeddings()
+        self.layer_of = {id(getattr(layer, _attention_of(layer))): index for index, layer in enumerate(self.layers)}
+        self.math: _HeadMath = _head_math(model, self.head)
+        self.configs = _configs(self.decoder)
+
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder's own output ``[C, hidden]`` (after its final norm) for one chunk's ``ids`` at ``positions``;
+        ``embeds``, the chunk's embedding, where the caller made it."""
+        embeds = self.embed(ids) if embeds is None else embeds
+        output = self.decoder(inputs_embeds=embeds[None], position_ids=positions[None], use_cache=False)
+        return output.last_hidden_state[0]
+
+    def outside_layers(self) -> list[nn.Parameter]:
+        """The decoder's trained parameters that are in no layer nor the embedding (its final norm's, say)."""
+        inside = {id(p) for module in (*self.layers, self.embed) for p in module.parameters()}
+        return [p for p in self.decoder.parameters() if p.requires_grad and id(p) not in inside]
+
+    @contextlib.contextmanager
+    def layers_recorded(self, write):
+        """Each layer's forward, while the step's forward runs: the layer's own, its output handed to
+        ``write(layer, output)``."""
+
+        def wrapped(index, own):
+            def forward(*args, **kwargs):
+                output = own(*args, **kwargs)
+                write(index, _hidden_of(output, self.layers[index]))
+                return output
+
+            return forward
+
+        with _layers_wrapped(self.layers, wrapped):
+            yield
+
+    @contextlib.contextmanager
+    def layers_replayed(self, read, gradients: dict):
+        """Each layer's forward, while backward's pass runs: the output ``read(layer)`` gives (forward's); its
+        backward recomputes the layer's own forward and adds its parameters' gradients into ``gradients``."""
+
+        def wrapped(index, own):
+            def forward(hidden, *args, **kwargs):
+                leaves, spec = _pytree.tree_flatten((args, kwargs))
+                tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+                def run(hidden, *tensor_leaves):
+                    given = list(leaves)
+                    for i, tensor in zip(tensors, tensor_leaves):
+                        given[i] = tensor
+                    args, kwargs = _pytree.tree_unflatten(given, spec)
+                    return _hidden_of(own(hidden, *args, **kwargs), self.layers[index])
+
+                layer = _LayerReplay(self.layers[index], run, read(index), gradients)
+                return _ReplayedLayer.apply(layer, hidden, *(leaves[i] for i in tensors))
+
+            return forward
+
+        with _layers_wrapped(self.layers, wrapped):
+            yield
+
+
+class _LayerReplay:
+    """What _ReplayedLayer needs of one layer in one chunk: the layer, its forward as a function of its tensors,
+    the output forward kept, and where its parameters' gradients go."""
+
+    def __init__(self, layer: nn.Module, run, output: torch.Tensor, gradients: dict):
+        self.layer, self.run, self.output, self.gradients = layer, run, output, gradients
+
+
+class _ReplayedLayer(torch.autograd.Function):
+    """A decoder layer in backward's pass: forward hands on the output the step's forward kept; backward runs the
+    layer's own forward again from its input, with autograd, and returns its input's gradient (and its other
+    tensors'), its parameters' added into the step's gradients (one autograd node for the whole step returns them)."""
+
+    @staticmethod
+    def forward(ctx, replay, hidden, *tensors):
+        ctx.replay = replay
+        ctx.save_for_backward(hidden, *tensors)
+        return replay.output.to(hidden.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        replay = ctx.replay
+        hidden, *tensors = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(need) for t, need in zip((hidden, *tensors), ctx.needs_input_grad[1:])]
+        parameters = [p for p in replay.layer.parameters() if p.requires_grad]
+        with torch.enable_grad():
+            output = replay.run(*inputs)
+            wanted = [t for t in inputs if t.requires_grad]
+            found = torch.autograd.grad(output, [*wanted, *parameters], grad_output, allow_unused=True)
+        add_gradients(replay.gradients, parameters, found[len(wanted) :])
+        by_input = iter(found[: len(wanted)])
+        return None, *(next(by_input) if t.requires_grad else None for t in inputs)
+
+
+def add_gradients(gradients: dict, parameters, found) -> None:
+    """Add each of ``found`` (None for none) into ``gradients[parameter]``."""
+    for parameter, gradient in zip(parameters, found):
+        if gradient is None:
+            continue
+        if parameter in gradients:
+            gradients[parameter].add_(gradient)
+        else:
+            gradients[parameter] = gradient
+
+
+@contextlib.contextmanager
+def _layers_wrapped(layers, wrapped):
+    """Each layer's forward is ``wrapped(index, its forward)`` inside; what it was after, whatever happens."""
+    before = [vars(layer).get("forward") for layer in layers]
+    try:
+        for index, layer in enumerate(layers):
+            vars(layer)["forward"] = wrapped(index, layer.forward)
+        yield
+    finally:
+        for layer, own in zip(layers, before):
+            if own is None:
+                vars(layer).pop("forward", None)
+            else:
+                vars(layer)["forward"] = own
+
+
+def _hidden_of(output, layer: nn.Module) -> torch.Tensor:
+    if not isinstance(output, torch.Tensor):
+        from .chunk_seam import Unsupported
+
+        raise Unsupported(f"{type(layer).__name__}'s forward returns a {type(output).__name__}, not its hidden states")
+    return output
+
+
+def _decoder_and_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    """The decoder layers apply finds, and the module that holds them (the decoder: ``model.model``,
+    ``model.model.language_model`` in a VLM)."""
+    path, layers = _find_layers(model, None)
+    return model.get_submodule(path.rpartition(".")[0]), layers
+
+
+def step_model_problem(model: nn.Module) -> str | None:
+    """What in ``model`` the step cannot run as described above, or None."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if type(head) is not nn.Linear:
+        return f"its output layer is a {type(head).__name__}, not a plain nn.Linear"
+    try:
+        decoder, layers = _decoder_and_layers(model)
+    except ValueError as error:
+        return str(error).removeprefix("torch_offload.apply: ")
+    if decoder is model or not callable(getattr(decoder, "get_input_embeddings", None)):
+        return "the module that holds its decoder layers is not a decoder with an input embedding"
+    if any(module is head for module in decoder.modules()):
+        return "its output layer is inside its decoder"
+    if any(_attention_of(layer) is None for layer in layers):
+        return "a decoder layer has no single attention module"
+    math = _head_math(model, head)
+    if isinstance(math, str):
+        return math
+    ours = {id(p) for module in (decoder, head) for p in module.parameters()}
+    outside = next((n for n, p in model.named_parameters() if p.requires_grad and id(p) not in ours), None)
+    if outside is not None:
+        return f"{outside} is trained and is in neither the decoder nor the output layer"
+    embeddings = [m for m in decoder.modules() if isinstance(m, nn.Embedding)]
+    if any(embedding.scale_grad_by_freq for embedding in embeddings):
+        return "its embedding scales gradients by token frequency (scale_grad_by_freq): a chunk's counts differ"
+    if any(embedding.sparse for embedding in embeddings):
+        return "its embedding's gradient is sparse (sparse=True): the step's would be dense"
+    return None

@@ -1,0 +1,209 @@
+"""Where the chunk-recurrent step (chunk_recurrent.py) meets the model's own modules: an attention implementation,
+registered with transformers (its ``AttentionInterface`` and ``AttentionMaskInterface``), that every family's
+attention module calls with its own queries, keys and values, after its own projections, norms and rotary
+embedding. While the step runs, the model's configs name it (``running``), and the seam attends a chunk of queries
+to every chunk of keys and values up to it (chunk_attention.py), keeping what backward reads in the step's file.
+
+Its mask function builds no mask: the step knows the batch's documents and rows (``Segments``), and it reads only
+how far transformers' mask lets a query reach, which the seam refuses where it is shorter than the batch (a sliding
+window, Llama 4's attention chunks: not computed yet). The seam refuses by name (``Unsupported``) whatever else would
+change attention (dropout, soft-capped scores, sinks, a call that is not causal, an argument it does not know), so
+that a probe or a call fails loudly rather than differ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import torch
+
+from .. import masking
+from .chunk_attention import Heads, attend, attend_backward
+
+__all__ = ["IMPLEMENTATION", "Unsupported", "running"]
+
+IMPLEMENTATION = "torch_offload_chunks"
+# What transformers' attention modules pass their attention function beside q, k, v and the mask, which changes
+# nothing here: the call's own arguments handed down (positions, cache flags), and flash kernels' options.
+_HARMLESS = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions", "is_causal", "target_dtype"})
+
+_current = threading.local()  # the running step's seam on this thread
+
+
+class Unsupported(RuntimeError):
+    """What a call of the seam asks for that the step does not compute."""
+
+
+class Reach:
+    """The mask function's answer where transformers composed a reach (a sliding window, attention chunks): the seam
+    refuses one shorter than the batch."""
+
+    def __init__(self, kind: str, size: int):
+        self.kind, self.size = kind, size
+
+
+class StepAttention:
+    """The seam's state in one step: its file, the batch's segments and tokens, each attention module's layer, and
+    the chunk and pass (forward, or backward's recomputation) now running."""
+
+    def __init__(self, store, segments, tokens: int, layer_of: dict[int, int]):
+        self.store, self.segments, self.tokens, self.layer_of = store, segments, tokens, layer_of
+        self.chunk, self.backward = 0, False
+        self.called: set[int] = set()  # layers whose attention ran in the current pass of the current chunk
+
+    def start(self, chunk: int, backward: bool) -> None:
+        self.chunk, self.backward, self.called = chunk, backward, set()
+
+    def finish(self, layers: int) -> None:
+        """Every layer's attention ran through the seam in this chunk's pass (not, say, a forward of its own)."""
+        missed = sorted(set(range(layers)) - self.called)
+        if missed:
+            raise Unsupported(f"layer {missed[0]}'s attention did not call the attention implementation")
+
+    def keys_and_values(self, layer: int):
+        return lambda chunk: (self.store.read(("k", layer, chunk)), self.store.read(("v", layer, chunk)))
+
+    def forward(self, layer: int, heads: Heads, q, k, v):
+        """One chunk's attention output ``[heads, C, dv]``, its keys, values, output and log-sum-exp kept."""
+        self.store.write(("k", layer, self.chunk), k)
+        self.store.write(("v", layer, self.chunk), v)
+        out, log_sum_exp = attend(heads, self.segments, self.chunk, q, self.keys_and_values(layer))
+        self.store.write(("out", layer, self.chunk), out)
+        self.store.write(("lse", layer, self.chunk), log_sum_exp)
+        return out
+
+
+@contextlib.contextmanager
+def running(step: StepAttention, configs: list):
+    """``configs`` name the seam while the step runs (the model's own implementation back after, whatever
+    happens)."""
+    register()
+    before = [(config, vars(config).get(_KEY)) for config in configs]
+    previous, _current.step = getattr(_current, "step", None), step
+    try:
+        for config, _ in before:
+            vars(config)[_KEY] = IMPLEMENTATION
+        yield step
+    finally:
+        _current.step = previous
+        for config, implementation in before:
+            vars(config)[_KEY] = implementation
+
+
+_KEY = "_attn_implementation_internal"  # where a transformers config keeps its attention implementation
+
+
+def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs) -> tuple[Any, None]:
+    """The attention function of IMPLEMENTATION: ``[1, heads, C, d]`` queries (keys and values ``[1, kv heads, C,
+    d]``) of the running chunk, as transformers' attention modules pass them; ``[1, C, heads, dv]`` back."""
+    step = getattr(_current, "step", None)
+    if step is None:
+        raise RuntimeError(f"torch_offload: the attention implementation {IMPLEMENTATION!r} runs inside the step only")
+    layer = step.layer_of.get(id(module))
+    if layer is None:
+        raise Unsupported(f"{type(module).__name__} is not one of the layers' attention modules the step found")
+    heads = _heads(module, query, key, value, attention_mask, dropout, scaling, step.tokens, kwargs)
+    if layer in step.called:
+        raise Unsupported(f"layer {layer}'s attention ran twice in one chunk's pass")
+    step.called.add(layer)
+    q, k, v = query[0], key[0], value[0]
+    if step.backward:
+        out = _ChunkAttention.apply(step, layer, heads, q, k, v)
+    else:
+        out = step.forward(layer, heads, q, k, v)
+    return out.transpose(0, 1)[None], None
+
+
+def _heads(module, query, key, value, mask, dropout, scaling, tokens, kwargs) -> Heads:
+    """The call's Heads, or Unsupported naming what the step does not compute."""
+    if dropout:
+        raise Unsupported(f"attention dropout ({dropout}) in training: backward's recomputation would draw others")
+    for name, given in kwargs.items():
+        if name == "sliding_window" and (given is None or given >= tokens):
+            continue  # none, or one no query reaches past (a window of w sees w - 1 keys back, fewer than the batch)
+        if name == "softcap" and given is None:
+            continue
+        if name == "s_aux" and given is None:
+            continue
+        if name in _HARMLESS and not (name == "is_causal" and given is False):
+            continue
+        if given is not None:
+            raise Unsupported(f"its attention passes {name}={_shown(given)}, which the step does not compute yet")
+    if not getattr(module, "is_causal", True):
+        raise Unsupported(f"{type(module).__name__} is not causal")
+    if mask is not None and not (isinstance(mask, Reach) and mask.size >= tokens):
+        what = f"{mask.kind} of {mask.size} tokens" if isinstance(mask, Reach) else f"a mask ({type(mask).__name__})"
+        raise Unsupported(f"its mask is {what}, shorter than the batch's {tokens} tokens")
+    if query.shape[0] != 1 or query.shape[1] % key.shape[1] or key.shape[:3] != value.shape[:3]:
+        raise Unsupported(f"queries {list(query.shape)}, keys {list(key.shape)}, values {list(value.shape)}")
+    return Heads(query.shape[-1] ** -0.5 if scaling is None else float(scaling), query.shape[1] // key.shape[1])
+
+
+def _shown(value) -> str:
+    return f"<{type(value).__name__}>" if isinstance(value, torch.Tensor) else repr(value)
+
+
+class _ChunkAttention(torch.autograd.Function):
+    """A chunk's attention in backward's recomputation: its output as forward kept it; its gradient the queries'
+    whole, and the keys' and values' with every later chunk's share (added into the file as those chunks ran, since
+    backward runs the chunks last to first); this chunk's shares of earlier chunks' go into the file."""
+
+    @staticmethod
+    def forward(ctx, step, layer, heads, q, k, v):
+        ctx.step, ctx.layer, ctx.heads, ctx.chunk = step, layer, heads, step.chunk
+        ctx.save_for_backward(q, k, v)
+        return step.store.read(("out", layer, step.chunk)).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        step, layer, chunk, store = ctx.step, ctx.layer, ctx.chunk, ctx.step.store
+        q, k, v = ctx.saved_tensors
+        earlier = step.keys_and_values(layer)
+
+        def keys_and_values(keys_chunk):
+            return (k, v) if keys_chunk == chunk else earlier(keys_chunk)
+
+        out, log_sum_exp = store.read(("out", layer, chunk)), store.read(("lse", layer, chunk))
+        grad_q, shares = attend_backward(
+            ctx.heads, step.segments, chunk, q, grad_out, out, log_sum_exp, keys_and_values
+        )
+        for keys_chunk, (share_k, share_v) in shares.items():
+            if keys_chunk != chunk:
+                _add_into(store, ("grad k", layer, keys_chunk), share_k)
+                _add_into(store, ("grad v", layer, keys_chunk), share_v)
+        grads = []
+        for index, (name, own) in enumerate((("grad k", k), ("grad v", v))):
+            total = shares[chunk][index] if chunk in shares else torch.zeros(own.shape, dtype=grad_q.dtype)
+            if store.has((name, layer, chunk)):  # the later chunks' shares
+                total = total + store.pop((name, layer, chunk))
+            grads.append(total.to(own.dtype))
+        return None, None, None, grad_q.to(q.dtype), *grads
+
+
+def _add_into(store, key, share) -> None:
+    store.write(key, store.pop(key) + share if store.has(key) else share)
+
+
+def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, **kwargs):
+    """The mask function of IMPLEMENTATION: None for plain causal attention (the step's segments do the rest), the
+    Reach of a sliding window or attention chunks, which the seam checks."""
+    try:
+        reach, _ = masking._describe(mask_function, masking._FACTORIES)
+    except masking._Unknown:
+        raise Unsupported(
+            "its mask is one transformers composed from other parts (overlays, bidirectional blocks)"
+        ) from None
+    return None if reach is None else Reach(reach[0], reach[1])
+
+
+def register() -> None:
+    """Registers IMPLEMENTATION with transformers (registering again changes nothing)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    if not masking._FACTORIES:
+        masking._FACTORIES.update(masking._find_factories())
+    AttentionInterface.register(IMPLEMENTATION, attention)
+    AttentionMaskInterface.register(IMPLEMENTATION, mask)
