@@ -113,11 +113,13 @@ def attend(heads: Heads, segments: Segments, chunk: int, q, keys_and_values):
     return out[0].to(q.dtype), log_sum_exp[0]
 
 
-def attend_backward(heads: Heads, segments: Segments, chunk: int, q, grad_out, out, log_sum_exp, keys_and_values):
-    """attend's gradients for one chunk of queries: the queries' gradient ``[heads, C, d]``, and for each chunk of
-    keys up to it, its share of the keys' and values' gradients, as ``{earlier: (grad k, grad v)}`` (``[kv heads,
-    C', d]``, in the compute dtype; no entry for a chunk no block reads). ``out`` and ``log_sum_exp`` are the whole
-    row's (attend's), ``grad_out`` their output's gradient."""
+def attend_backward(
+    heads: Heads, segments: Segments, chunk: int, q, grad_out, out, log_sum_exp, keys_and_values, add_share
+):
+    """attend's gradients for one chunk of queries: the queries' gradient ``[heads, C, d]``, returned, and for each
+    chunk of keys up to it that a block reads, its share of the keys' and values' gradients, handed to
+    ``add_share(earlier, grad k, grad v)`` (``[kv heads, C', d]``, in the compute dtype). ``out`` and
+    ``log_sum_exp`` are the whole row's (attend's), ``grad_out`` their output's gradient."""
     compute = torch.promote_types(q.dtype, torch.float32)
     value_dim = out.shape[-1]
     width = max(q.shape[-1], value_dim)
@@ -125,7 +127,6 @@ def attend_backward(heads: Heads, segments: Segments, chunk: int, q, grad_out, o
     grad_out, out = (F.pad(t.to(compute), (0, width - value_dim))[None] for t in (grad_out, out))
     log_sum_exp = log_sum_exp[None]
     grad_q = torch.zeros_like(query)
-    shares = {}
     for earlier in range(chunk + 1):
         blocks = segments.blocks(chunk, earlier)
         if not blocks:
@@ -148,6 +149,6 @@ def attend_backward(heads: Heads, segments: Segments, chunk: int, q, grad_out, o
             grad_q[:, :, rows].add_(block_grad_q)  # in place through views: no copy back
             grad_k[:, :, keys].add_(block_grad_k)
             grad_v[:, :, keys].add_(block_grad_v)
-        shares[earlier] = (heads.by_key_head(grad_k, k.shape[-1]), heads.by_key_head(grad_v, v.shape[-1]))
+        add_share(earlier, heads.by_key_head(grad_k, k.shape[-1]), heads.by_key_head(grad_v, v.shape[-1]))
         return_freed_memory()
-    return grad_q[0, ..., : q.shape[-1]], shares
+    return grad_q[0, ..., : q.shape[-1]]

@@ -70,7 +70,10 @@ class StepModel:
     @contextlib.contextmanager
     def layers_replayed(self, read, gradients: dict):
         """Each layer's forward, while backward's pass runs: the output ``read(layer)`` gives (forward's); its
-        backward recomputes the layer's own forward and adds its parameters' gradients into ``gradients``."""
+        backward recomputes the layer's own forward and adds its parameters' gradients into ``gradients``. A layer
+        whose input is the layer before's output, untouched, reads it again in backward rather than hold it: one
+        chunk's outputs of every layer would otherwise stay alive through backward's pass."""
+        handed_on = [None]  # the output the last layer handed on
 
         def wrapped(index, own):
             def forward(hidden, *args, **kwargs):
@@ -84,8 +87,10 @@ class StepModel:
                     args, kwargs = _pytree.tree_unflatten(given, spec)
                     return _hidden_of(own(hidden, *args, **kwargs), self.layers[index])
 
-                layer = _LayerReplay(self.layers[index], run, read(index), gradients)
-                return _ReplayedLayer.apply(layer, hidden, *(leaves[i] for i in tensors))
+                again = (lambda: read(index - 1)) if index and hidden is handed_on[0] else None
+                layer = _LayerReplay(self.layers[index], run, read(index), again, gradients)
+                handed_on[0] = _ReplayedLayer.apply(layer, hidden, *(leaves[i] for i in tensors))
+                return handed_on[0]
 
             return forward
 
@@ -95,10 +100,10 @@ class StepModel:
 
 class _LayerReplay:
     """What _ReplayedLayer needs of one layer in one chunk: the layer, its forward as a function of its tensors,
-    the output forward kept, and where its parameters' gradients go."""
+    the output forward kept, how to read its input again (None: hold it), where its parameters' gradients go."""
 
-    def __init__(self, layer: nn.Module, run, output: torch.Tensor, gradients: dict):
-        self.layer, self.run, self.output, self.gradients = layer, run, output, gradients
+    def __init__(self, layer: nn.Module, run, output: torch.Tensor, input_again, gradients: dict):
+        self.layer, self.run, self.output, self.input_again, self.gradients = layer, run, output, input_again, gradients
 
 
 class _ReplayedLayer(torch.autograd.Function):
@@ -108,14 +113,19 @@ class _ReplayedLayer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, replay, hidden, *tensors):
-        ctx.replay = replay
-        ctx.save_for_backward(hidden, *tensors)
-        return replay.output.to(hidden.dtype)
+        ctx.replay, ctx.hidden_dtype = replay, hidden.dtype
+        ctx.save_for_backward(*tensors, *((hidden,) if replay.input_again is None else ()))
+        output, replay.output = replay.output, None  # held by ctx, the output (whose node ctx is) would be a cycle
+        return output.to(hidden.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
         replay = ctx.replay
-        hidden, *tensors = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        if replay.input_again is None:
+            *tensors, hidden = saved
+        else:
+            tensors, hidden = saved, replay.input_again().to(ctx.hidden_dtype)
         inputs = [t.detach().requires_grad_(need) for t, need in zip((hidden, *tensors), ctx.needs_input_grad[1:])]
         parameters = [p for p in replay.layer.parameters() if p.requires_grad]
         with torch.enable_grad():

@@ -242,7 +242,11 @@ class _ChunkRecurrentStep(torch.autograd.Function):
         embedding = _trained(parts.embed.parameters())  # none when frozen, adapters' alone under LoRA
         outside = parts.outside_layers()
         try:
-            with running(seam, parts.configs), parts.layers_replayed(_replayed(store, seam, keep), gradients):
+
+            def read(layer):
+                return store.read(("output", layer, seam.chunk))
+
+            with running(seam, parts.configs), parts.layers_replayed(read, gradients):
                 for chunk in reversed(range(len(seam.segments.bounds))):
                     start, end = seam.segments.bounds[chunk]
                     ids, positions = batch.ids[start:end], batch.positions[start:end]
@@ -262,7 +266,7 @@ class _ChunkRecurrentStep(torch.autograd.Function):
                     if not keep:  # no chunk before this one reads its keys and values
                         store.release(("grad", chunk))
                         for layer in range(len(parts.layers)):
-                            for name in ("k", "v", "out", "lse"):
+                            for name in ("k", "v", "out", "lse", "output"):
                                 store.release((name, layer, chunk))
                     del hidden, found, embeds
                     return_freed_memory()
@@ -274,19 +278,6 @@ class _ChunkRecurrentStep(torch.autograd.Function):
         if scale is not None:
             grads = [g if g is None else g.mul_(scale) for g in grads]
         return (None, None, None, None, None, *grads)
-
-
-def _replayed(store, seam, keep: bool):
-    """What a layer hands on in backward's pass: its output as forward kept it, released unless kept for another
-    backward."""
-
-    def read(layer):
-        output = store.read(("output", layer, seam.chunk))
-        if not keep:
-            store.release(("output", layer, seam.chunk))
-        return output
-
-    return read
 
 
 def _chunk_loss(parts, hidden, batch, start, end, wants_gradients, head, gradients):

@@ -166,19 +166,24 @@ class _ChunkAttention(torch.autograd.Function):
             return (k, v) if keys_chunk == chunk else earlier(keys_chunk)
 
         out, log_sum_exp = store.read(("out", layer, chunk)), store.read(("lse", layer, chunk))
-        grad_q, shares = attend_backward(
-            ctx.heads, step.segments, chunk, q, grad_out, out, log_sum_exp, keys_and_values
-        )
-        for keys_chunk, (share_k, share_v) in shares.items():
-            if keys_chunk != chunk:
+        own = {}
+
+        def add_share(keys_chunk, share_k, share_v):
+            if keys_chunk == chunk:
+                own.update(k=share_k, v=share_v)
+            else:
                 _add_into(store, ("grad k", layer, keys_chunk), share_k)
                 _add_into(store, ("grad v", layer, keys_chunk), share_v)
+
+        grad_q = attend_backward(
+            ctx.heads, step.segments, chunk, q, grad_out, out, log_sum_exp, keys_and_values, add_share
+        )
         grads = []
-        for index, (name, own) in enumerate((("grad k", k), ("grad v", v))):
-            total = shares[chunk][index] if chunk in shares else torch.zeros(own.shape, dtype=grad_q.dtype)
-            if store.has((name, layer, chunk)):  # the later chunks' shares
-                total = total + store.pop((name, layer, chunk))
-            grads.append(total.to(own.dtype))
+        for name, tensor in (("k", k), ("v", v)):
+            total = own.get(name, torch.zeros(tensor.shape, dtype=grad_q.dtype))
+            if store.has((f"grad {name}", layer, chunk)):  # the later chunks' shares
+                total = total + store.pop((f"grad {name}", layer, chunk))
+            grads.append(total.to(tensor.dtype))
         return None, None, None, grad_q.to(q.dtype), *grads
 
 
