@@ -261,8 +261,8 @@ class _ChunkRecurrentStep(torch.autograd.Function):
                         )
                     seam.finish(len(parts.layers))
                     add_gradients(gradients, outside, found[1:])
-                    if embedding:
-                        _embedding_backward(parts.embed, embedding, ids, found[0], gradients)
+                    if embedding:  # its [vocab, hidden] gradient made last, when the layers' working set is gone
+                        store.write(("grad embedding", chunk), found[0])
                     if not keep:  # no chunk before this one reads its keys and values
                         store.release(("grad", chunk))
                         for layer in range(len(parts.layers)):
@@ -270,6 +270,9 @@ class _ChunkRecurrentStep(torch.autograd.Function):
                                 store.release((name, layer, chunk))
                     del hidden, found, embeds
                     return_freed_memory()
+            for chunk, (start, end) in enumerate(seam.segments.bounds if embedding else ()):
+                grad_embeds = store.pop(("grad embedding", chunk))
+                _embedding_backward(parts.embed, embedding, batch.ids[start:end], grad_embeds, gradients)
         finally:
             if not keep:
                 store.close()
