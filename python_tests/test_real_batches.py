@@ -104,10 +104,10 @@ def test_packed_and_padded_batches_give_the_unapplied_loss_and_gradients(name, b
     # A tested family's SDPA gets segment ids, and so does the eager attention of Gemma 2 (eager in transformers
     # 5.24, SDPA in 5.16, where it keeps its own) and GPT-OSS, but for left padding: there eager attention gives
     # a query that sees no key the mean of the row's values.
-    eager = implementation == "eager" and model.config.model_type in implementations._EAGER_SEGMENT_MASK_MODEL_TYPES
+    eager = implementation == "eager" and implementations.masks_of(model.config) == "eager"
     left_padding = "left padding (eager attention gives a query that sees no key the mean of the row's values)"
     assert set(handle.mask_fallbacks) == ({left_padding} if eager and batch.startswith("left") else set())
-    if implementation == "sdpa" and model.config.model_type in implementations._SEGMENT_MASK_MODEL_TYPES:
+    if implementation == "sdpa" and implementations.masks_of(model.config) == "sdpa":
         assert model.config._attn_implementation == torch_offload.masking.IMPLEMENTATION
     elif eager:
         assert model.config._attn_implementation == torch_offload.eager_attention.IMPLEMENTATION

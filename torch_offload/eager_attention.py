@@ -2,7 +2,7 @@
 
 Gemma 2 (soft-capped scores) and GPT-OSS (learned sinks) run eager attention, which writes out every
 head's [T, T] scores and probabilities, and their masks are dense [batch, 1, T, T] additive ones. ``apply()``
-switches such a model (integrations.implementations._EAGER_SEGMENT_MASK_MODEL_TYPES), once a probe shows that
+switches such a model (``masks`` "eager" in torch_offload.families), once a probe shows that
 its attention module's own eager function computes what this one does, to ``IMPLEMENTATION``:
 
 - its mask function (masking.eager_mask) gives segment ids, or None for plain causal attention, where
@@ -51,7 +51,7 @@ def attention(
         segment_ids = torch.zeros(query.shape[0], query.shape[2], dtype=torch.long, device=query.device)
     if not masking.is_segment_ids(segment_ids):
         return _modules_eager_attention(module)(module, query, key, value, attention_mask, **kwargs)
-    window = kwargs.get("sliding_window")  # the layer's, as its mask has it (masking._WINDOW_PASSING_MODEL_TYPES)
+    window = kwargs.get("sliding_window")  # the layer's, as its mask has it (passes_window in torch_offload.families)
     if kwargs.get("dropout", 0.0):  # transformers passes the module's dropout in training only
         mask = _additive_mask(segment_ids, query.dtype, window)
         return _modules_eager_attention(module)(module, query, key, value, mask, **kwargs)

@@ -2,7 +2,7 @@
 
 transformers turns packed ``position_ids`` (documents restarting at 0) and a 2-D ``attention_mask``
 into a dense ``[batch, 1, T, T]`` mask for SDPA. ``apply()`` switches a model of a tested family
-(integrations.implementations._SEGMENT_MASK_MODEL_TYPES) whose attention implementation is ``"sdpa"`` to
+(the families whose ``masks`` is ``"sdpa"`` in torch_offload.families) whose attention implementation is ``"sdpa"`` to
 ``IMPLEMENTATION``, registered here with transformers' ``AttentionMaskInterface`` and
 ``AttentionInterface``:
 
@@ -11,7 +11,7 @@ into a dense ``[batch, 1, T, T]`` mask for SDPA. ``apply()`` switches a model of
   runs of tokens (packed documents, the real tokens of a row and its padding), returns the
   ``[batch, T]`` segment ids of ``attention_block`` instead, or ``None`` for plain causal attention;
   a sliding window shorter than the rows of an unpadded batch gets the ids too, where the family's
-  attention passes the window on (_WINDOW_PASSING_MODEL_TYPES). Anything else (such a window with
+  attention passes the window on (``passes_window``). Anything else (such a window with
   padding, overlays such as bidirectional image tokens, a cache's offsets, real tokens with holes)
   gets transformers' own dense SDPA mask, and is counted.
   Under torch.compile, where the factories' closures cannot be read, it evaluates the mask function
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from .attention_block import attention_block_segment_ids
+from .families import family_of
 
 IMPLEMENTATION = "torch_offload_sdpa"
 
@@ -44,14 +45,6 @@ def config_window(config: Any) -> int | None:
 def config_chunk(config: Any) -> int | None:
     """The config's attention chunk (Llama 4's chunked layers: a query sees its own chunk of the row only)."""
     return getattr(config, "attention_chunk_size", None)
-
-
-# The families whose attention modules pass their layer's sliding window to the attention function
-# (sliding_window=, None for full-attention layers), as their masks have it: a window shorter than the rows
-# then reaches segment_attention with the ids (no padding). Any other family's gets the dense mask.
-_WINDOW_PASSING_MODEL_TYPES = frozenset(
-    {"mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "smollm3", "gemma3_text", "gemma2", "gpt_oss"}
-)
 
 
 def is_segment_ids(mask: Any) -> bool:
@@ -224,7 +217,7 @@ def _segments_or(
         return dense_mask(**dense) if segments is _DENSE else segments
     reason = None
     padded = attention_mask is not None and not bool(attention_mask[:, -kv_length:].all())
-    windows_pass = not padded and getattr(config, "model_type", None) in _WINDOW_PASSING_MODEL_TYPES
+    windows_pass = not padded and getattr(family_of(config), "passes_window", False)
     try:
         reach, packed = _describe(mask_function, _FACTORIES)
         if reach is not None and reach[0] == "a sliding window" and _read_by_no_layer(config):
@@ -289,7 +282,7 @@ def _compiled_segments(
 ):
     """mask()'s answer under torch.compile, where dynamo cannot read a nested function's closure: the
     factories' cells are out of reach, their code objects are not. The families apply() switches
-    (integrations.implementations._SEGMENT_MASK_MODEL_TYPES) compose only causal, their config's sliding window and,
+    (``masks`` "sdpa" in torch_offload.families) compose only causal, their config's sliding window and,
     with no attention_mask, the packed-sequence mask (under compile transformers always composes it
     when it has position_ids: it cannot check for a single sequence), and Llama 4's attention chunks, which
     mask() reads. So the mask

@@ -129,7 +129,7 @@ def attention(
     if not is_segment_ids(attention_mask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kwargs.pop("is_causal", None)
-    window = kwargs.get("sliding_window")  # the layer's, as its mask has it (masking._WINDOW_PASSING_MODEL_TYPES)
+    window = kwargs.get("sliding_window")  # the layer's, as its mask has it (passes_window in torch_offload.families)
     if kwargs.get("dropout", 0.0):  # transformers passes the module's dropout in training only
         if not torch.compiler.is_compiling() and window is None:
             return _attention_with_dropout_per_run(module, query, key, value, attention_mask, **kwargs)

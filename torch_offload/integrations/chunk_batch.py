@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ..attention_block import attention_block_segment_ids
 
-__all__ = ["Batch", "batch_of", "checked_rows", "runs_of_real_tokens"]
+__all__ = ["Batch", "batch_of", "checked_rows", "reach_of", "runs_of_real_tokens"]
 
 
 @dataclass
@@ -68,6 +68,21 @@ def batch_of(
         query_segments,
         key_segments,
     )
+
+
+def reach_of(batch: Batch) -> int:
+    """The most keys any query of ``batch`` sees (itself and those back to its segment's first token): a sliding
+    window at least this long changes nothing."""
+    if batch.query_segments is None:
+        return len(batch.ids)
+    positions = torch.arange(len(batch.ids))
+    keys = batch.key_segments >= 0
+    first = torch.full((int(batch.key_segments.max()) + 2,), len(batch.ids), dtype=torch.long)
+    first.scatter_reduce_(0, batch.key_segments[keys], positions[keys], "amin")
+    seeing = batch.query_segments >= 0
+    if not bool(seeing.any()):
+        return 0
+    return int((positions[seeing] - first[batch.query_segments[seeing]]).max()) + 1
 
 
 def checked_rows(name: str, value, optional: bool, input_ids) -> torch.Tensor | None:

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils import _pytree
 
 from ..causal_lm_loss import _head_math, _HeadMath
+from ..families import family_of
 from .implementations import _configs
 from .layers import _attention_of, _find_layers
 
@@ -39,17 +40,44 @@ class StepModel:
         self.math: _HeadMath = _head_math(model, self.head)
         self.configs = _configs(self.decoder)
 
-    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """The decoder's own output ``[C, hidden]`` (after its final norm) for one chunk's ``ids`` at ``positions``;
-        ``embeds``, the chunk's embedding, where the caller made it."""
-        embeds = self.embed(ids) if embeds is None else embeds
-        output = self.decoder(inputs_embeds=embeds[None], position_ids=positions[None], use_cache=False)
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The decoder's own output ``[C, hidden]`` (after its final norm) for one chunk's ``ids`` at ``positions``."""
+        output = self.decoder(input_ids=ids[None], position_ids=positions[None], use_cache=False)
         return output.last_hidden_state[0]
 
-    def outside_layers(self) -> list[nn.Parameter]:
-        """The decoder's trained parameters that are in no layer nor the embedding (its final norm's, say)."""
-        inside = {id(p) for module in (*self.layers, self.embed) for p in module.parameters()}
+    def plain_embedding(self) -> bool:
+        """Whether the input embedding is a trained plain ``nn.Embedding``, whose gradient the step adds by rows
+        (embeddings_seen) rather than through autograd, which makes a dense ``[vocab, hidden]`` one per chunk."""
+        embed = self.embed
+        return type(embed) is nn.Embedding and embed.max_norm is None and embed.weight.requires_grad
+
+    def others(self) -> list[nn.Parameter]:
+        """The decoder's trained parameters in no layer, but the plain embedding's weight: its final norm's, an
+        embedding's adapters, another embedding (Gemma 3n's per-layer one)."""
+        inside = {id(p) for layer in self.layers for p in layer.parameters()}
+        if self.plain_embedding():
+            inside.add(id(self.embed.weight))
         return [p for p in self.decoder.parameters() if p.requires_grad and id(p) not in inside]
+
+    @contextlib.contextmanager
+    def embeddings_seen(self):
+        """A list of (ids, output) of every call of the input embedding inside, whose outputs' gradients the caller
+        asks autograd for."""
+        seen, own, before = [], self.embed.forward, vars(self.embed).get("forward")
+
+        def forward(ids):
+            output = own(ids)
+            seen.append((ids, output))
+            return output
+
+        vars(self.embed)["forward"] = forward
+        try:
+            yield seen
+        finally:
+            if before is None:
+                vars(self.embed).pop("forward", None)
+            else:
+                vars(self.embed)["forward"] = before
 
     @contextlib.contextmanager
     def layers_recorded(self, write):
@@ -72,8 +100,10 @@ class StepModel:
         """Each layer's forward, while backward's pass runs: the output ``read(layer)`` gives (forward's); its
         backward recomputes the layer's own forward and adds its parameters' gradients into ``gradients``. A layer
         whose input is the layer before's output, untouched, reads it again in backward rather than hold it: one
-        chunk's outputs of every layer would otherwise stay alive through backward's pass."""
-        handed_on = [None]  # the output the last layer handed on
+        chunk's outputs of every layer would otherwise stay alive through backward's pass. Yields a list of the
+        inputs that did not require a gradient (a frozen embedding's output), made leaves that do, so that autograd
+        runs back through every layer: the caller asks for their gradients too."""
+        handed_on, entries = [None], []  # the output the last layer handed on; the leaves made
 
         def wrapped(index, own):
             def forward(hidden, *args, **kwargs):
@@ -87,6 +117,9 @@ class StepModel:
                     args, kwargs = _pytree.tree_unflatten(given, spec)
                     return _hidden_of(own(hidden, *args, **kwargs), self.layers[index])
 
+                if not hidden.requires_grad:
+                    hidden = hidden.detach().requires_grad_()
+                    entries.append(hidden)
                 again = (lambda: read(index - 1)) if index and hidden is handed_on[0] else None
                 layer = _LayerReplay(self.layers[index], run, read(index), again, gradients)
                 handed_on[0] = _ReplayedLayer.apply(layer, hidden, *(leaves[i] for i in tensors))
@@ -95,7 +128,7 @@ class StepModel:
             return forward
 
         with _layers_wrapped(self.layers, wrapped):
-            yield
+            yield entries
 
 
 class _LayerReplay:
@@ -191,6 +224,12 @@ def step_model_problem(model: nn.Module) -> str | None:
         return str(error).removeprefix("torch_offload.apply: ")
     if decoder is model or not callable(getattr(decoder, "get_input_embeddings", None)):
         return "the module that holds its decoder layers is not a decoder with an input embedding"
+    config = getattr(decoder, "config", None)
+    family = family_of(config)
+    if family is None:
+        return f"model type {getattr(config, 'model_type', None)!r} is not one the step was read against (families.py)"
+    if family.step is not None:
+        return family.step
     if any(module is head for module in decoder.modules()):
         return "its output layer is inside its decoder"
     if any(_attention_of(layer) is None for layer in layers):

@@ -38,7 +38,7 @@ from torch import nn
 from ..disk import default_spill_directory, spill_directory_in_ram
 from ..linear_cross_entropy import linear_cross_entropy
 from .chunk_attention import Segments
-from .chunk_batch import Batch, batch_of, checked_rows, runs_of_real_tokens
+from .chunk_batch import Batch, batch_of, checked_rows, reach_of, runs_of_real_tokens
 from .chunk_file import ChunkFile, return_freed_memory
 from .chunk_model import StepModel, add_gradients, step_model_problem
 from .chunk_seam import StepAttention, Unsupported, running
@@ -188,7 +188,8 @@ class _ChunkRecurrentStep(torch.autograd.Function):
         tokens = len(batch.ids)
         bounds = [(start, min(start + chunk_tokens, tokens)) for start in range(0, tokens, chunk_tokens)]
         store = ChunkFile(directory)
-        seam = StepAttention(store, Segments(bounds, batch.query_segments, batch.key_segments), tokens, parts.layer_of)
+        segments = Segments(bounds, batch.query_segments, batch.key_segments)
+        seam = StepAttention(store, segments, reach_of(batch), parts.layer_of)
         wants_gradients = any(ctx.needs_input_grad[5:])
         loss = torch.zeros((), dtype=torch.promote_types(parts.head.weight.dtype, torch.float32))
         gradients: dict = {}
@@ -239,40 +240,43 @@ class _ChunkRecurrentStep(torch.autograd.Function):
         if not keep:
             del ctx.step  # the file closes at the end, whatever happens
         gradients = {p: g.clone() if keep else g for p, g in head_gradients.items()}
-        embedding = _trained(parts.embed.parameters())  # none when frozen, adapters' alone under LoRA
-        outside = parts.outside_layers()
+        plain = parts.plain_embedding()
+        others = parts.others()
         try:
 
             def read(layer):
                 return store.read(("output", layer, seam.chunk))
 
-            with running(seam, parts.configs), parts.layers_replayed(read, gradients):
+            with running(seam, parts.configs), parts.layers_replayed(read, gradients) as entries:
                 for chunk in reversed(range(len(seam.segments.bounds))):
                     start, end = seam.segments.bounds[chunk]
-                    ids, positions = batch.ids[start:end], batch.positions[start:end]
                     seam.start(chunk, backward=True)
-                    with torch.no_grad():
-                        embeds = parts.embed(ids)
-                    embeds.requires_grad_()
-                    with torch.enable_grad():
-                        hidden = parts.hidden(ids, positions, embeds)
+                    entries.clear()
+                    with torch.enable_grad(), parts.embeddings_seen() as seen:
+                        hidden = parts.hidden(batch.ids[start:end], batch.positions[start:end])
+                        embedded = [output for _, output in seen] if plain else []
                         found = torch.autograd.grad(
-                            hidden, [embeds, *outside], store.read(("grad", chunk)).to(hidden.dtype), allow_unused=True
+                            hidden,
+                            [*embedded, *others, *entries],
+                            store.read(("grad", chunk)).to(hidden.dtype),
+                            allow_unused=True,
                         )
                     seam.finish(len(parts.layers))
-                    add_gradients(gradients, outside, found[1:])
-                    if embedding:  # its [vocab, hidden] gradient made last, when the layers' working set is gone
-                        store.write(("grad embedding", chunk), found[0])
+                    add_gradients(gradients, others, found[len(embedded) : len(embedded) + len(others)])
+                    for call, ((ids, _), grad) in enumerate(zip(seen, found[: len(embedded)])):  # _embedding_rows
+                        if grad is not None:
+                            store.write(("grad embedding", chunk, call), grad.reshape(-1, grad.shape[-1]))
+                            store.write(("embedded ids", chunk, call), ids.reshape(-1))
                     if not keep:  # no chunk before this one reads its keys and values
                         store.release(("grad", chunk))
                         for layer in range(len(parts.layers)):
                             for name in ("k", "v", "out", "lse", "output"):
                                 store.release((name, layer, chunk))
-                    del hidden, found, embeds
+                    del hidden, found, seen, embedded
+                    entries.clear()
                     return_freed_memory()
-            for chunk, (start, end) in enumerate(seam.segments.bounds if embedding else ()):
-                grad_embeds = store.pop(("grad embedding", chunk))
-                _embedding_backward(parts.embed, embedding, batch.ids[start:end], grad_embeds, gradients)
+            if plain:
+                _embedding_rows(parts.embed, store, len(seam.segments.bounds), gradients)
         finally:
             if not keep:
                 store.close()
@@ -314,21 +318,20 @@ def _chunk_loss(parts, hidden, batch, start, end, wants_gradients, head, gradien
     return chunk_sum.detach() / count, grad_hidden
 
 
-def _embedding_backward(embed, trained, ids, grad_hidden, gradients) -> None:
-    """Add one chunk's gradients of the embedding's ``trained`` parameters into ``gradients``: a plain
-    ``nn.Embedding``'s rows added in place (autograd would make a dense ``[vocab, hidden]`` gradient per chunk, the
-    step's largest transient), else through autograd (adapters, peft's trainable tokens)."""
-    plain = type(embed) is nn.Embedding and embed.max_norm is None and not embed.scale_grad_by_freq
-    if not plain:
-        with torch.enable_grad():
-            found = torch.autograd.grad(embed(ids), trained, grad_hidden, allow_unused=True)
-        add_gradients(gradients, trained, found)
-        return
-    if embed.padding_idx is not None:  # its row gets no gradient
-        grad_hidden[ids == embed.padding_idx] = 0
-    if embed.weight not in gradients:
-        gradients[embed.weight] = torch.zeros_like(embed.weight)
-    gradients[embed.weight].index_add_(0, ids, grad_hidden.to(embed.weight.dtype))
+def _embedding_rows(embed: nn.Embedding, store, chunks: int, gradients: dict) -> None:
+    """The plain embedding's gradient, made after every chunk's layers (its ``[vocab, hidden]`` tensor beside no
+    layer's working set): each call's rows added in place (autograd would make a dense one per chunk)."""
+    for chunk in range(chunks):
+        call = 0
+        while store.has(("grad embedding", chunk, call)):
+            grad_rows = store.pop(("grad embedding", chunk, call))
+            ids = store.pop(("embedded ids", chunk, call))
+            if embed.padding_idx is not None:  # its row gets no gradient
+                grad_rows[ids == embed.padding_idx] = 0
+            if embed.weight not in gradients:
+                gradients[embed.weight] = torch.zeros_like(embed.weight)
+            gradients[embed.weight].index_add_(0, ids, grad_rows.to(embed.weight.dtype))
+            call += 1
 
 
 def _keeps_graph() -> bool:

@@ -45,11 +45,11 @@ class Reach:
 
 
 class StepAttention:
-    """The seam's state in one step: its file, the batch's segments and tokens, each attention module's layer, and
-    the chunk and pass (forward, or backward's recomputation) now running."""
+    """The seam's state in one step: its file, the batch's segments, the most keys a query sees (``reach``), each
+    attention module's layer, and the chunk and pass (forward, or backward's recomputation) now running."""
 
-    def __init__(self, store, segments, tokens: int, layer_of: dict[int, int]):
-        self.store, self.segments, self.tokens, self.layer_of = store, segments, tokens, layer_of
+    def __init__(self, store, segments, reach: int, layer_of: dict[int, int]):
+        self.store, self.segments, self.reach, self.layer_of = store, segments, reach, layer_of
         self.chunk, self.backward = 0, False
         self.called: set[int] = set()  # layers whose attention ran in the current pass of the current chunk
 
@@ -104,7 +104,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     layer = step.layer_of.get(id(module))
     if layer is None:
         raise Unsupported(f"{type(module).__name__} is not one of the layers' attention modules the step found")
-    heads = _heads(module, query, key, value, attention_mask, dropout, scaling, step.tokens, kwargs)
+    heads = _heads(module, query, key, value, attention_mask, dropout, scaling, step.reach, kwargs)
     if layer in step.called:
         raise Unsupported(f"layer {layer}'s attention ran twice in one chunk's pass")
     step.called.add(layer)
@@ -116,13 +116,14 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     return out.transpose(0, 1)[None], None
 
 
-def _heads(module, query, key, value, mask, dropout, scaling, tokens, kwargs) -> Heads:
-    """The call's Heads, or Unsupported naming what the step does not compute."""
+def _heads(module, query, key, value, mask, dropout, scaling, reach, kwargs) -> Heads:
+    """The call's Heads, or Unsupported naming what the step does not compute (a reach at least ``reach`` keys long
+    changes nothing)."""
     if dropout:
         raise Unsupported(f"attention dropout ({dropout}) in training: backward's recomputation would draw others")
     for name, given in kwargs.items():
-        if name == "sliding_window" and (given is None or given >= tokens):
-            continue  # none, or one no query reaches past (a window of w sees w - 1 keys back, fewer than the batch)
+        if name == "sliding_window" and (given is None or given >= reach):
+            continue  # none, or one no query reaches past (a window of w sees w keys, itself and w - 1 back)
         if name == "softcap" and given is None:
             continue
         if name == "s_aux" and given is None:
@@ -133,9 +134,9 @@ def _heads(module, query, key, value, mask, dropout, scaling, tokens, kwargs) ->
             raise Unsupported(f"its attention passes {name}={_shown(given)}, which the step does not compute yet")
     if not getattr(module, "is_causal", True):
         raise Unsupported(f"{type(module).__name__} is not causal")
-    if mask is not None and not (isinstance(mask, Reach) and mask.size >= tokens):
+    if mask is not None and not (isinstance(mask, Reach) and mask.size >= reach):
         what = f"{mask.kind} of {mask.size} tokens" if isinstance(mask, Reach) else f"a mask ({type(mask).__name__})"
-        raise Unsupported(f"its mask is {what}, shorter than the batch's {tokens} tokens")
+        raise Unsupported(f"its mask is {what}, shorter than the {reach} keys a query of this batch sees")
     if query.shape[0] != 1 or query.shape[1] % key.shape[1] or key.shape[:3] != value.shape[:3]:
         raise Unsupported(f"queries {list(query.shape)}, keys {list(key.shape)}, values {list(value.shape)}")
     return Heads(query.shape[-1] ** -0.5 if scaling is None else float(scaling), query.shape[1] // key.shape[1])

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from .. import eager_attention, masking, sequence_parallel
+from ..families import family_of
 
 if TYPE_CHECKING:
     from .handle import OffloadHandle
@@ -41,6 +42,12 @@ def _reduce_config(config: Any) -> Any:
     return (*reduced[:2], dict(state, **{_IMPLEMENTATION_KEY: entry[1]}), *reduced[3:])
 
 
+def masks_of(config: Any) -> str | None:
+    """How the config's family takes packed and padded batches (torch_offload.families: "sdpa", "eager", None)."""
+    family = family_of(config)
+    return None if family is None else family.masks
+
+
 def _set_implementation(handle: OffloadHandle, config: Any, implementation: str) -> None:
     previous = vars(config)[_IMPLEMENTATION_KEY]
     handle._attention_implementations.append((config, previous, implementation))
@@ -57,25 +64,6 @@ def _configs(model: nn.Module) -> list[Any]:
     return list(
         {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "to_dict")}.values()
     )
-
-
-# The families whose modelling code is tested to hand the mask to the attention untouched
-# (test_real_batches.py): segment ids reach no other, since code that computes with a mask
-# (adds it, indexes it as [batch, 1, T, T]) would misread them without a word. (Qwen2-MoE builds a
-# sliding-window mask beside the causal one at every call, read by no layer when use_sliding_window is
-# off: masking._read_by_no_layer.)
-_SEGMENT_MASK_MODEL_TYPES = frozenset(
-    {
-        *("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "qwen3_moe", "mixtral"),
-        *("olmo2", "granite", "smollm3", "cohere", "glm4", "gemma3_text", "llama4_text", "deepseek_v3", "qwen2_moe"),
-    }
-)
-
-
-# Eager families whose attention function segment_attention computes (soft-capped scores, sinks), once
-# eager_attention.probe_problem shows it on one of their attention modules; their modelling code, like the
-# families above, hands the mask to the attention untouched (test_real_batches.py).
-_EAGER_SEGMENT_MASK_MODEL_TYPES = frozenset({"gemma2", "gpt_oss"})
 
 
 def _eager_attention_module(model: nn.Module, config: Any) -> nn.Module | None:
@@ -98,17 +86,10 @@ def _use_segment_masks(handle: OffloadHandle, model: nn.Module) -> str:
     if can_set is not None and not can_set():  # attention not through transformers' AttentionInterface
         return "the model's own (its attention does not go through transformers' attention functions)"
     configs = _configs(model)
-    ours = [
-        c
-        for c in configs
-        if vars(c).get(_IMPLEMENTATION_KEY) == "sdpa" and getattr(c, "model_type", None) in _SEGMENT_MASK_MODEL_TYPES
-    ]
+    ours = [c for c in configs if vars(c).get(_IMPLEMENTATION_KEY) == "sdpa" and masks_of(c) == "sdpa"]
     eager, eager_problems = [], {}
     for c in configs:
-        if (
-            vars(c).get(_IMPLEMENTATION_KEY) == "eager"
-            and getattr(c, "model_type", None) in _EAGER_SEGMENT_MASK_MODEL_TYPES
-        ):
+        if vars(c).get(_IMPLEMENTATION_KEY) == "eager" and masks_of(c) == "eager":
             module = _eager_attention_module(model, c)
             problem = "no attention module found" if module is None else eager_attention.probe_problem(module)
             if problem is None:

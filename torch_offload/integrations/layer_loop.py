@@ -7,13 +7,14 @@ arguments while the layer runs). With the layers offloaded, they are two of the 
 holds at its peak (BENCHMARKS.md, "Long context"). apply's loop holds the running layer's tensors alone: the
 embeddings go once the first layer has read them, and each layer's input once its residual add has.
 
-Where (docs/apply.md, "The loop over the layers"): every layer offloaded with only its attention recomputed (the
-disk tier's default), no sequence parallelism, a family whose decoder and layer forwards are Llama's
-(``_LLAMA_LOOP_MODEL_TYPES``) built as Llama's (its children ``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``;
-each layer's ``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``; none with a parameter or
-buffer of its own), the decoder's forward still its class's, and a probe at apply time: in training mode, on one
-row, padded rows and packed documents, apply's loop gives the decoder's own output bit for bit. Per call, only
-where nothing could tell the difference (``_call_allows``); any other call runs the decoder's own forward.
+Where (docs/apply.md, "The loop over the layers"): every layer offloaded with only its attention recomputed (the disk
+tier's default), no sequence parallelism, a family whose decoder and layer forwards are Llama's (``llama_loop`` in
+torch_offload.families, read in transformers 5.24 and 5.16) built as Llama's (its children ``embed_tokens``,
+``layers``, ``norm``, ``rotary_emb``; each layer's ``input_layernorm``, ``self_attn``, ``post_attention_layernorm``,
+``mlp``; none with a parameter or buffer of its own), the decoder's forward still its class's, and a probe at apply
+time: in training mode, on one row, padded rows and packed documents, apply's loop gives the decoder's own output bit
+for bit. Per call, only where nothing could tell the difference (``_call_allows``); any other call runs the decoder's
+own forward.
 """
 
 from __future__ import annotations
@@ -28,18 +29,13 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 from .. import masking
+from ..families import family_of
 from .checkpointing import warn_empty_cache_dropped
 from .probes import _PROBE_ERRORS
 
 if TYPE_CHECKING:
     from .handle import OffloadHandle
 
-# The families whose decoder forward and decoder layer forward were read to be Llama's in transformers 5.24 and
-# 5.16 (axolotl's; the same but for the cache's name, ``_cache_name``); the probe then checks the instance: a
-# subclass, a config value, a patched module.
-_LLAMA_LOOP_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "gemma", "smollm3", "mixtral", "qwen3_moe", "deepseek_v3"}
-)
 _DECODER_CHILDREN = {"embed_tokens", "layers", "norm", "rotary_emb"}
 _LAYER_CHILDREN = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
 _TAKEN_ARGUMENTS = frozenset({"input_ids", "inputs_embeds", "attention_mask", "position_ids"})
@@ -120,7 +116,7 @@ def _install_problem(handle: OffloadHandle, decoder: nn.Module) -> str | None:
         return "not every layer is offloaded with only its attention recomputed"
     config = getattr(decoder, "config", None)
     model_type = getattr(config, "model_type", None)
-    if model_type not in _LLAMA_LOOP_MODEL_TYPES:
+    if not getattr(family_of(config), "llama_loop", False):
         return f"model type {model_type!r}, whose decoder forward is not known to be Llama's"
     if handle.layer_path.rpartition(".")[2] != "layers" or set(dict(decoder.named_children())) != _DECODER_CHILDREN:
         return f"{type(decoder).__name__}'s children are not {sorted(_DECODER_CHILDREN)}"

@@ -7,27 +7,12 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from .. import eager_attention, masking, sequence_parallel
-from .implementations import (
-    _EAGER_SEGMENT_MASK_MODEL_TYPES,
-    _IMPLEMENTATION_KEY,
-    _configs,
-    _eager_attention_module,
-    _set_implementation,
-)
+from ..families import FAMILIES, family_of
+from .implementations import _IMPLEMENTATION_KEY, _configs, _eager_attention_module, _set_implementation, masks_of
 from .layers import _attention_of
 
 if TYPE_CHECKING:
     from .handle import OffloadHandle
-
-# The families tested over ranks (test_sequence_parallel.py). Gemma 2 and GPT-OSS with eager attention too, once
-# eager_attention's probe shows segment_attention computes it (soft-capped scores, sinks); mixtures of experts
-# only where the model returns no router logits (their auxiliary loss would be each rank's tokens').
-_SEQUENCE_PARALLEL_MODEL_TYPES = frozenset(
-    {
-        *("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "olmo2", "granite", "smollm3", "cohere"),
-        *("glm4", "gemma2", "gemma3_text", "gpt_oss", "deepseek_v3", "mixtral", "qwen2_moe", "qwen3_moe"),
-    }
-)
 
 
 def _sequence_parallel_group(sequence_parallel: Any, loss: bool) -> Any:
@@ -57,11 +42,6 @@ def _sequence_parallel_group(sequence_parallel: Any, loss: bool) -> Any:
     return sequence_parallel
 
 
-# Families whose models build their masks without position_ids (transformers 5.24's GptOssModel), so packed
-# documents attend to each other there: their attention over the ranks does the same (the GPT-OSS case of
-# test_sequence_parallel fails if transformers starts to separate them).
-_MASKS_WITHOUT_POSITION_IDS = frozenset({"gpt_oss"})
-
 # Rotary embeddings whose frequencies transformers picks from a call's largest position (dynamic_rope_update).
 _ROPE_OF_THE_CALLS_POSITIONS = ("dynamic", "longrope")
 
@@ -83,10 +63,10 @@ def _attend_over_ranks(
     eager_configs = set()
     for config in configs:
         implementation = vars(config).get(_IMPLEMENTATION_KEY)
-        model_type = getattr(config, "model_type", None)
         if implementation is None:  # a composite config (a VLM's) whose parts have their own
             continue
-        if implementation == "eager" and model_type in _EAGER_SEGMENT_MASK_MODEL_TYPES:
+        family = family_of(config)
+        if implementation == "eager" and masks_of(config) == "eager":
             module = _eager_attention_module(model, config)
             problem = "no attention module found" if module is None else eager_attention.probe_problem(module)
             if problem is not None:
@@ -101,10 +81,11 @@ def _attend_over_ranks(
                 "values, later tokens included, where ulysses_attention gives 0 as SDPA does; load the model "
                 "with attn_implementation='sdpa'"
             )
-        elif implementation != "sdpa" or model_type not in _SEQUENCE_PARALLEL_MODEL_TYPES:
+        elif implementation != "sdpa" or not (family is not None and family.sequence_parallel):
+            over_ranks = sorted(name for name, row in FAMILIES.items() if row.sequence_parallel)
             raise ValueError(
                 f"torch_offload.apply: sequence_parallel supports the attention of "
-                f"{', '.join(sorted(_SEQUENCE_PARALLEL_MODEL_TYPES))} models with 'sdpa' "
+                f"{', '.join(over_ranks)} models with 'sdpa' "
                 f"attention; {type(config).__name__} has model_type "
                 f"{getattr(config, 'model_type', None)!r} and attention {implementation!r}"
             )
@@ -120,7 +101,7 @@ def _attend_over_ranks(
                 "the mixture of experts' auxiliary loss would be over each rank's tokens, not the whole batch's; "
                 "set config.output_router_logits = False"
             )
-        if masking.config_window(config) is not None and model_type not in masking._WINDOW_PASSING_MODEL_TYPES:
+        if masking.config_window(config) is not None and not (family is not None and family.passes_window):
             raise ValueError(
                 f"torch_offload.apply: sequence_parallel: {type(config).__name__}'s attention modules do not pass "
                 "their sliding window to the attention function, so ulysses_attention would not compute it"
@@ -156,7 +137,7 @@ def _attend_over_ranks(
                 sequence_parallel.EAGER_ATTRIBUTE,
                 True,
             )
-        if getattr(config, "model_type", None) in _MASKS_WITHOUT_POSITION_IDS:
+        if not getattr(family_of(config), "packs_documents", True):
             one_sequence = sequence_parallel.ONE_SEQUENCE_PER_ROW_ATTRIBUTE
             handle._patch(f"{name}.{attention}.{one_sequence}", module, one_sequence, True)
         if handle.attention.get(f"{name}.{attention}") != "attention_block":  # not the op with the group
