@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from measure import machine, reset_peak_rss, slope, status_bytes, worker_env, write_section
+from measure import machine, reset_peak_rss, slope, status_bytes, user_env, worker_env, write_section
 
 SMALL = dict(
     vocab_size=32000,
@@ -146,17 +146,20 @@ def worker(family, method, tokens, longest):
 
     step(128)
     before = reset_peak_rss()
+    start = time.perf_counter()
     step(tokens)
+    seconds = time.perf_counter() - start
     peak = status_bytes("VmHWM") - before
     report = handle.report() if handle is not None else None
-    print(json.dumps({"peak": peak, "attention": attention, "report": report}))
+    calls = handle.chunk_recurrent_calls if handle is not None else 0
+    print(json.dumps({"peak": peak, "seconds": seconds, "attention": attention, "report": report, "steps": calls}))
 
 
-def measure(family, method, tokens, longest):
+def measure(family, method, tokens, longest, env=None):
     """The worker's point, or {"error": its last line of stderr}."""
     done = subprocess.run(
         [sys.executable, __file__, "--worker", family, method, str(tokens), str(longest)],
-        env=worker_env(),
+        env=env or worker_env(),
         capture_output=True,
         text=True,
     )
@@ -187,10 +190,53 @@ def left_own(report):
     return "; ".join(parts)
 
 
+def step_section(families, lengths, plain_tokens):
+    """`--step`: apply(model) with no option at ``lengths`` (the chunk-recurrent step on a CPU), glibc's own
+    settings, and plain training at ``plain_tokens`` for its step time: BENCHMARKS.md's "Model families through the
+    chunk-recurrent step"."""
+    start = time.perf_counter()
+    rows = [
+        f"| family | {' | '.join(f'apply() MiB at {t // 1024}K' for t in lengths)} | growth KiB/token | "
+        f"step s at {plain_tokens // 1024}K | plain s | vs plain | route |",
+        "| --- |" + " ---: |" * (len(lengths) + 4) + " --- |",
+    ]
+    for family in families:
+        applied = {t: measure(family, "apply()", t, max(lengths), user_env()) for t in lengths}
+        plain = measure(family, "plain", plain_tokens, max(lengths), user_env())
+        errors = {f"apply() {t}": p["error"] for t, p in applied.items() if "error" in p}
+        if "error" in plain:
+            errors["plain"] = plain["error"]
+        print(family, {t: p.get("peak", 0) // 2**20 for t, p in applied.items()}, errors, flush=True)
+        if errors:
+            rows.append(f"| {FAMILIES[family][0]} |" + " — |" * (len(lengths) + 4) + f" {errors} |")
+            continue
+        growth = (applied[lengths[-1]]["peak"] - applied[lengths[0]]["peak"]) / (lengths[-1] - lengths[0]) / 1024
+        own = applied[plain_tokens]["seconds"]
+        route = "chunk-recurrent step" if applied[lengths[-1]]["steps"] else applied[lengths[-1]]["report"]["route"]
+        if not applied[lengths[-1]]["steps"]:
+            route += f": {applied[lengths[-1]]['report']['chunk_recurrent']}"
+        cells = " | ".join(f"{applied[t]['peak'] / 2**20:.0f}" for t in lengths)
+        rows.append(
+            f"| {FAMILIES[family][0]} | {cells} | {growth:.2f} | {own:.1f} | {plain['seconds']:.1f} | "
+            f"{own / plain['seconds']:.2f}x | {route} |"
+        )
+    minutes = (time.perf_counter() - start) / 60
+    command = "`.venv/bin/python bench/families.py" + "".join(f" {arg}" for arg in sys.argv[1:]) + "`"
+    return (
+        f"## Model families through the chunk-recurrent step\n\n{command} ({machine()}; {minutes:.0f} minutes). "
+        'The families\' small models of "Model families" below, `torch_offload.apply(model)` with no option (on a '
+        "CPU the chunk-recurrent step, where the family takes it), one training step of one row of T random tokens "
+        "per fresh process after a 128-token warm-up step, glibc's own settings (no `MALLOC_*` variable): the "
+        "resident set's growth during the step, its growth per token between the two lengths, and the step's "
+        f"seconds at {plain_tokens} tokens against plain training's in the same run.\n\n" + "\n".join(rows) + "\n"
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated, of: " + ", ".join(FAMILIES))
     parser.add_argument("--tokens", default="2048,4096")
+    parser.add_argument("--step", action="store_true", help="the chunk-recurrent step's section (tokens 8192,32768)")
     parser.add_argument("--write", action="store_true", help="rewrite BENCHMARKS.md's section")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -202,6 +248,13 @@ def main():
     unknown = [family for family in families if family not in FAMILIES]
     if unknown:
         parser.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
+    if args.step:
+        lengths = [int(t) for t in args.tokens.split(",")] if args.tokens != "2048,4096" else [8192, 32768]
+        text = step_section(families, lengths, lengths[0])
+        print(text)
+        if args.write:
+            write_section("Model families through the chunk-recurrent step", text)
+        return
     lengths = [int(t) for t in args.tokens.split(",")]
     start = time.perf_counter()
     results = {}

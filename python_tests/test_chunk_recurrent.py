@@ -87,9 +87,11 @@ def assert_equal_to_rounding(want, got):
 
 
 @pytest.mark.parametrize("chunk_tokens", [1, 5, TOKENS, 64])
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "mistral_window"])
 def test_float64_loss_and_gradients_equal_plain_pytorch(name, chunk_tokens, tmp_path):
-    model, (ids, labels) = build(name).double(), tokens_and_labels()
+    # mistral_window: a sliding window of 6 tokens, shorter than the chunks of 23 and 64 and longer than those of 5
+    model = (build("mistral", sliding_window=6) if name == "mistral_window" else build(name)).double()
+    ids, labels = tokens_and_labels()
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped queries
     want = reference(model, ids, labels)
     got = chunked(model, ids, labels, tmp_path, chunk_tokens=chunk_tokens)
@@ -109,22 +111,27 @@ def test_float64_batches_equal_plain_pytorch(kind, chunk_tokens, tmp_path):
     assert_equal_to_rounding(want, (loss.detach(), gradients(model)))
 
 
+def blocks(segments, queries_chunk, keys_chunk):
+    """(queries, keys, causal, first query's place, first key's place) of each block."""
+    return [(b.rows, b.keys, b.causal, b.query_start, b.key_start) for b in segments.blocks(queries_chunk, keys_chunk)]
+
+
 def test_pairs_of_chunks_are_cut_into_blocks_by_segment():
     """Two documents of one chunk each: the second's queries never read the first's keys, a chunk against itself
     runs causal; padded rows: a left pad's queries see nothing, a right pad's the text of its row."""
     bounds = [(0, 4), (4, 8)]
     documents = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
     segments = Segments(bounds, documents, documents)
-    assert segments.blocks(1, 0) == [] and segments.blocks(1, 1) == [(slice(0, 4), slice(0, 4), True)]
+    assert blocks(segments, 1, 0) == [] and blocks(segments, 1, 1) == [(slice(0, 4), slice(0, 4), True, 4, 4)]
     # Row 0: two pads, then six tokens; row 1 (from token 8): five tokens, then three pads.
     keys = torch.tensor([-1, -1, 0, 0, 0, 0, 0, 0, 9, 9, 9, 9, 9, -1, -1, -1])
     queries = torch.tensor([-1, -1, 0, 0, 0, 0, 0, 0, 9, 9, 9, 9, 9, 9, 9, 9])
     padded = Segments([(0, 6), (6, 12), (12, 16)], queries, keys)
-    assert padded.blocks(0, 0) == [(slice(2, 6), slice(2, 6), True)]
-    assert padded.blocks(1, 0) == [(slice(0, 2), slice(2, 6), False)]
-    assert padded.blocks(1, 1) == [(slice(0, 2), slice(0, 2), True), (slice(2, 6), slice(2, 6), True)]
-    assert padded.blocks(2, 1) == [(slice(0, 4), slice(2, 6), False)]  # the pads see their row's text
-    assert padded.blocks(2, 2) == [(slice(0, 4), slice(0, 1), True)]
+    assert blocks(padded, 0, 0) == [(slice(2, 6), slice(2, 6), True, 2, 2)]
+    assert blocks(padded, 1, 0) == [(slice(0, 2), slice(2, 6), False, 6, 2)]
+    assert blocks(padded, 1, 1) == [(slice(0, 2), slice(0, 2), True, 6, 6), (slice(2, 6), slice(2, 6), True, 8, 8)]
+    assert blocks(padded, 2, 1) == [(slice(0, 4), slice(2, 6), False, 12, 8)]  # the pads see their row's text
+    assert blocks(padded, 2, 2) == [(slice(0, 4), slice(0, 1), True, 12, 12)]
 
 
 def test_the_padding_tokens_embedding_row_gets_no_gradient(tmp_path):
@@ -267,7 +274,6 @@ BAD_MODELS = {
         lambda: build("llama", rope_parameters=dict(rope_type="dynamic", factor=2.0)),
         "rotary embedding ('dynamic') depends on a call's longest position",
     ),
-    "sliding_window": (lambda: build("mistral", sliding_window=8), "its attention passes sliding_window=8"),
     "attention_dropout": (lambda: build("llama", attention_dropout=0.1), "attention dropout"),
     "a_layer_without_attention": (
         lambda: skip_a_layer(build("llama")),
@@ -329,3 +335,86 @@ def test_a_ram_directory_is_refused():
     ids = torch.ones(1, 8, dtype=torch.long)
     with pytest.raises(ValueError, match="directory '/dev/shm' is on a RAM file system"):
         torch_offload.chunk_recurrent_loss(build("llama"), ids, ids, directory="/dev/shm")
+
+
+def dense_attention(q, k, v, heads, allowed):
+    """Plain PyTorch's attention with the score mods of ``heads`` ([heads, T, d] q; [kv heads, T, d] k and v;
+    ``allowed`` [T, T] the keys each query sees), a sink a column of the softmax with no value."""
+    k, v = (t.repeat_interleave(heads.groups, 0) for t in (k, v))
+    scores = q @ k.transpose(-1, -2) * heads.scaling
+    if heads.softcap is not None:
+        scores = heads.softcap * torch.tanh(scores / heads.softcap)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if heads.sinks is not None:
+        scores = torch.cat([scores, heads.sinks[:, None, None].expand(-1, scores.shape[1], 1)], -1)
+    probabilities = torch.softmax(scores, -1).nan_to_num()  # a query that sees nothing: 0
+    return probabilities[..., : k.shape[1]] @ v
+
+
+@pytest.mark.parametrize("mods", ["none", "softcap", "window", "sinks", "all"])
+@pytest.mark.parametrize("kind", ["one sequence", "documents and padding"])
+def test_attention_over_chunks_with_score_mods_equals_plain_pytorch(mods, kind):
+    """attend and attend_backward (the seam's math) against dense attention in float64: soft-capped scores, a
+    sliding window shorter than a chunk and longer, sinks, grouped queries, a value head narrower than the query's,
+    documents and padding across chunk bounds."""
+    from torch_offload.integrations.chunk_attention import Heads, attend, attend_backward
+
+    generator = torch.Generator().manual_seed(0)
+    tokens, bounds = 17, [(0, 5), (5, 10), (10, 15), (15, 17)]
+    q = torch.randn(4, tokens, 6, dtype=torch.float64, generator=generator, requires_grad=True)
+    k = torch.randn(2, tokens, 6, dtype=torch.float64, generator=generator, requires_grad=True)
+    v = torch.randn(2, tokens, 4, dtype=torch.float64, generator=generator, requires_grad=True)
+    sinks = torch.randn(4, dtype=torch.float64, generator=generator, requires_grad=True)
+    heads = Heads(
+        0.4,
+        2,
+        softcap=2.0 if mods in ("softcap", "all") else None,
+        window=3 if mods in ("window", "all") else None,
+        sinks=sinks if mods in ("sinks", "all") else None,
+    )
+    index = torch.arange(tokens)
+    if kind == "one sequence":
+        query_segments = key_segments = None
+        allowed = index[None, :] <= index[:, None]
+    else:  # two pads, a document of 7, one of 6 across a bound, two pads seeing the last
+        key_segments = torch.tensor([-1, -1] + [0] * 7 + [1] * 6 + [-1, -1])
+        query_segments = torch.tensor([-1, -1] + [0] * 7 + [1] * 8)
+        allowed = (index[None, :] <= index[:, None]) & (key_segments[None, :] == query_segments[:, None])
+        allowed &= query_segments[:, None] >= 0
+    if heads.window is not None:
+        allowed &= index[None, :] > index[:, None] - heads.window
+    segments = Segments(bounds, query_segments, key_segments)
+    want = dense_attention(q, k, v, heads, allowed)
+    grad_out = torch.randn(want.shape, dtype=torch.float64, generator=generator)
+    want_grads = torch.autograd.grad(want, [q, k, v, sinks], grad_out, allow_unused=True)
+
+    def keys_and_values(chunk):
+        start, end = bounds[chunk]
+        return k.detach()[:, start:end], v.detach()[:, start:end]
+
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    grad_sinks = torch.zeros_like(sinks)
+    for chunk, (start, end) in enumerate(bounds):
+        out, log_sum_exp = attend(heads, segments, chunk, q.detach()[:, start:end], keys_and_values)
+        torch.testing.assert_close(out, want.detach()[:, start:end], rtol=1e-10, atol=1e-12)
+
+        def add_share(earlier, grad_k, grad_v):
+            grads[1][:, slice(*bounds[earlier])] += grad_k
+            grads[2][:, slice(*bounds[earlier])] += grad_v
+
+        grad_q, chunk_grad_sinks = attend_backward(
+            heads,
+            segments,
+            chunk,
+            q.detach()[:, start:end],
+            grad_out[:, start:end],
+            out,
+            log_sum_exp,
+            keys_and_values,
+            add_share,
+        )
+        grads[0][:, start:end] = grad_q
+        if chunk_grad_sinks is not None:
+            grad_sinks += chunk_grad_sinks
+    for got, expected in zip([*grads, grad_sinks], want_grads):
+        torch.testing.assert_close(got, torch.zeros_like(got) if expected is None else expected, rtol=1e-10, atol=1e-12)

@@ -15,11 +15,9 @@ from torch_offload.integrations import chunk_recurrent_route
 
 # Families whose own forward computes in float32 inside a float64 model (norms, routers): their gradients are the
 # plain model's to float32's rounding of sums over tokens, which the step groups by chunk.
-FLOAT32_INSIDE = {"gemma", "gemma3_text", "cohere", "deepseek_v3"}
+FLOAT32_INSIDE = {"gemma", "gemma2", "gemma3_text", "cohere", "deepseek_v3", "gpt_oss"}
 # What the step does not compute yet, as handle.chunk_recurrent says it.
 NOT_YET = {
-    "gemma2": "its attention passes softcap=",
-    "gpt_oss": "its attention passes s_aux=",
     "gemma3n": "its layers past the sharing point reuse an earlier layer's keys",  # torch_offload.families
     "llama4": "its layers without rotary embedding scale queries by a temperature",
     "qwen2_vl": "model.visual.patch_embed.proj.weight is trained",  # the vision tower: the step trains no tower
@@ -44,16 +42,33 @@ def float64(model):
 
 STEPPED = [name for name in [*MODELS, *FAMILIES] if name not in NOT_YET]
 KINDS = ["one row", "packed documents", "padded rows"]  # padded rows: a left-padded row and a right-padded one
+# Eager attention gives a query that sees no key (a left pad) a softmax over its whole row, and NaN in float64: the
+# step keeps such calls on the other path (test_a_left_pad_of_eager_attention_keeps_the_other_path); these families'
+# padded rows are right-padded.
+EAGER = {"gemma2", "gpt_oss"}
+
+
+def right_padded_rows():
+    call = batches()["padded rows"]
+    call["attention_mask"] = call["attention_mask"][[1, 1]]  # row 1's right padding in both rows
+    call["labels"] = call["input_ids"].clone()
+    return call
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", STEPPED)
 def test_every_family_through_the_step_gives_the_un_applied_models_loss_and_gradients(name, kind, tmp_path):
-    reference_model, model = float64(build(name)), float64(build(name))
-    call = batches()[kind]
+    reference_model = float64(build(name))
+    call = right_padded_rows() if name in EAGER and kind == "padded rows" else batches()[kind]
     arguments = dict(call)
     want = reference(reference_model, arguments.pop("input_ids"), arguments.pop("labels"), **arguments)
-    handle = applied(model, tmp_path)
+    if name in EAGER:  # probed in float32: float64 eager attention gives a left pad's query NaN, its own loss NaN
+        model = build(name)
+        handle = applied(model, tmp_path)
+        model = float64(model)
+    else:
+        model = float64(build(name))
+        handle = applied(model, tmp_path)
     assert handle.route == "chunk-recurrent step", handle.chunk_recurrent
     output, grads = applied_step(model, call)
     assert handle.chunk_recurrent_calls == 1
@@ -93,3 +108,15 @@ def test_a_router_loss_asked_for_keeps_the_other_path_with_the_models_loss(tmp_p
     got = model(**call, use_cache=False)
     assert handle.chunk_recurrent_calls == 0 and re.match("off|on", handle.chunk_recurrent)
     torch.testing.assert_close(got.loss, want.loss, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", sorted(EAGER))
+def test_a_left_pad_of_eager_attention_keeps_the_other_path(name, tmp_path):
+    """Its query sees no key: eager attention gives it a softmax over the whole row, later keys too, where the step
+    gives 0; a call that counts its target runs the model's own path (float32: float64 eager gives NaN there)."""
+    reference_model, model = build(name), build(name)
+    handle = applied(model, tmp_path)
+    call = batches()["padded rows"]  # row 0 left-padded, its labels counted
+    want, got = reference_model(**call, use_cache=False), model(**call, use_cache=False)
+    assert handle.route == "chunk-recurrent step" and handle.chunk_recurrent_calls == 0
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)

@@ -119,10 +119,9 @@ KEPT = {
     ),
     "an attention_mask with holes": (lambda model: None, holes),
     "autocast": (lambda model: None, lambda call: None),
-    "a window shorter than the rows": (lambda model: None, lambda call: None),  # found in the step's first chunk
 }
-# The model of a case, where not Llama: a window longer than the probe's rows, shorter than the test's.
-KEPT_MODELS = {"a window shorter than the rows": lambda: make_model("mistral", sliding_window=16)}
+# The model of a case, where not Llama.
+KEPT_MODELS = {}
 
 
 @pytest.mark.parametrize("case", list(KEPT))
@@ -210,11 +209,6 @@ def test_a_lora_model_takes_the_step_with_its_adapters_gradients(tmp_path):
 
 
 OFF = {
-    "a window shorter than the probe's rows": (
-        lambda: make_model("mistral", sliding_window=4),
-        {},
-        "off: its attention passes sliding_window=4, which the step does not compute yet",
-    ),
     "the option": (lambda: build("llama"), dict(chunk_recurrent=False), "off: chunk_recurrent=False"),
     "lora dropout": (
         lambda: peft.get_peft_model(build("llama"), peft.LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.1)),

@@ -31,10 +31,16 @@ _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 
 @dataclass(frozen=True)
 class Heads:
-    """What one attention call's heads need: the scores' scale and the query heads per key/value head."""
+    """What one attention call's heads need: the scores' scale, the query heads per key/value head, and the score
+    mods the model's attention passes: a soft-cap (``cap * tanh(score / cap)``), a sliding window (a query sees
+    ``window`` keys at most: itself and those just before it), sinks (one more logit per head in each query's softmax,
+    with no value)."""
 
     scaling: float
     groups: int
+    softcap: float | None = None
+    window: int | None = None
+    sinks: torch.Tensor | None = None
 
     def by_head(self, keys: torch.Tensor, width: int) -> torch.Tensor:
         """Keys or values ``[kv heads, C, d]`` for every query head (transformers' repeat_kv), a batch of one, their
@@ -48,6 +54,34 @@ class Heads:
         """A gradient ``[1, heads, C, width]`` of by_head's output back to ``[kv heads, C, dim]``."""
         _, heads, length, _ = gradient.shape
         return gradient[0, :, :, :dim].reshape(heads // self.groups, self.groups, length, dim).sum(1)
+
+    def before_any_key(self, heads: int, queries: int, dtype: torch.dtype) -> torch.Tensor:
+        """Each query's log-sum-exp before any key, ``[1, heads, queries]``: its head's sink, else -inf."""
+        if self.sinks is None:
+            return torch.full((1, heads, queries), float("-inf"), dtype=dtype)
+        return self.sinks.detach().to(dtype)[None, :, None].expand(1, heads, queries).clone()
+
+
+@dataclass(frozen=True)
+class _Block:
+    """A block of a pair of chunks: queries ``rows`` of their chunk against keys ``keys`` of theirs, whose first
+    tokens stand at ``query_start`` and ``key_start`` in the batch laid end to end; ``causal``: the two begin at the
+    same token, and a query sees the keys up to itself."""
+
+    rows: slice
+    keys: slice
+    causal: bool
+    query_start: int
+    key_start: int
+
+    def reach(self, heads: Heads, queries: int, keys: int) -> str:
+        """ "all" where the window hides none of the block's keys from its queries, "none" where it hides every
+        one, else "some"."""
+        if heads.window is None:
+            return "all"
+        farthest = self.query_start + queries - 1 - self.key_start  # the last query and the first key
+        nearest = 0 if self.causal else self.query_start - (self.key_start + keys - 1)
+        return "all" if farthest < heads.window else "none" if nearest >= heads.window else "some"
 
 
 def _runs(segments: torch.Tensor) -> dict[int, slice]:
@@ -70,40 +104,43 @@ class Segments:
         if query_segments is not None:
             self._runs = [(_runs(query_segments[start:end]), _runs(key_segments[start:end])) for start, end in bounds]
 
-    def blocks(self, queries_chunk: int, keys_chunk: int) -> list[tuple[slice, slice, bool]]:
-        """``(queries, keys, causal)`` within ``queries_chunk`` and ``keys_chunk`` (at or before it): the queries
-        that see those keys, and whether the kernel's causal mask (aligned at their first token) applies."""
+    def blocks(self, queries_chunk: int, keys_chunk: int) -> list[_Block]:
+        """The blocks of ``queries_chunk`` against ``keys_chunk`` (at or before it): the queries that see those
+        keys."""
         diagonal = queries_chunk == keys_chunk
+        query_start, key_start = self.bounds[queries_chunk][0], self.bounds[keys_chunk][0]
         if self._runs is None:
-            return [(slice(None), slice(None), diagonal)]
+            return [_Block(slice(None), slice(None), diagonal, query_start, key_start)]
         queries, keys = self._runs[queries_chunk][0], self._runs[keys_chunk][1]
-        return [(rows, keys[segment], diagonal) for segment, rows in queries.items() if segment in keys]
+        return [
+            _Block(rows, keys[segment], diagonal, query_start + rows.start, key_start + keys[segment].start)
+            for segment, rows in queries.items()
+            if segment in keys
+        ]
 
 
 def attend(heads: Heads, segments: Segments, chunk: int, q, keys_and_values):
     """Attention of one chunk of queries ``[heads, C, d]`` to the keys and values ``[kv heads, C', d]`` (``[.., dv]``)
     of every chunk up to it (``keys_and_values(chunk)``), block by block, the pairs joined by their log-sum-exps: the
     output ``[heads, C, dv]`` in the queries' dtype and the log-sum-exp (float32, float64 for float64) per head and
-    query, -inf for a query that sees no key."""
+    query, the sinks' included; -inf (output 0) for a query that sees no key and no sink."""
     compute = torch.promote_types(q.dtype, torch.float32)
     value_dim = keys_and_values(chunk)[1].shape[-1]
     width = max(q.shape[-1], value_dim)
     query = F.pad(q.to(compute), (0, width - q.shape[-1]))[None]
     out = torch.zeros((1, q.shape[0], q.shape[1], value_dim), dtype=compute)
-    log_sum_exp = torch.full(query.shape[:3], float("-inf"), dtype=compute)  # a query that sees no key: output 0
+    log_sum_exp = heads.before_any_key(q.shape[0], q.shape[1], compute)
     for earlier in range(chunk + 1):
-        blocks = segments.blocks(chunk, earlier)
+        blocks = [b for b in segments.blocks(chunk, earlier) if _reach(heads, b, query, segments, earlier) != "none"]
         if not blocks:
             continue
         k, v = (heads.by_head(t.to(compute), width) for t in keys_and_values(earlier))
-        if blocks[0][0] == slice(None):  # one sequence: the whole pair in one call
-            pair_out, pair_log_sum_exp = _FLASH(query, k, v, 0.0, blocks[0][2], scale=heads.scaling)
-        else:
-            pair_out, pair_log_sum_exp = torch.zeros_like(query), torch.full_like(log_sum_exp, float("-inf"))
-            for rows, keys, causal in blocks:
-                pair_out[:, :, rows], pair_log_sum_exp[:, :, rows] = _FLASH(
-                    query[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, causal, scale=heads.scaling
-                )
+        pair_out, pair_log_sum_exp = torch.zeros_like(query), torch.full_like(log_sum_exp, float("-inf"))
+        for block in blocks:
+            rows, keys = block.rows, block.keys
+            pair_out[:, :, rows], pair_log_sum_exp[:, :, rows] = _block_forward(
+                heads, block, query[:, :, rows], k[:, :, keys], v[:, :, keys]
+            )
         joined = torch.logaddexp(log_sum_exp, pair_log_sum_exp)
         base = joined.masked_fill(joined == float("-inf"), 0.0)
         out.mul_(log_sum_exp.sub_(base).exp_()[..., None]).add_(
@@ -116,10 +153,11 @@ def attend(heads: Heads, segments: Segments, chunk: int, q, keys_and_values):
 def attend_backward(
     heads: Heads, segments: Segments, chunk: int, q, grad_out, out, log_sum_exp, keys_and_values, add_share
 ):
-    """attend's gradients for one chunk of queries: the queries' gradient ``[heads, C, d]``, returned, and for each
-    chunk of keys up to it that a block reads, its share of the keys' and values' gradients, handed to
-    ``add_share(earlier, grad k, grad v)`` (``[kv heads, C', d]``, in the compute dtype). ``out`` and
-    ``log_sum_exp`` are the whole row's (attend's), ``grad_out`` their output's gradient."""
+    """attend's gradients for one chunk of queries: the queries' gradient ``[heads, C, d]`` and the sinks' share
+    (``[heads]``, None without sinks), returned, and for each chunk of keys up to it that a block reads, its share
+    of the keys' and values' gradients, handed to ``add_share(earlier, grad k, grad v)`` (``[kv heads, C', d]``, in
+    the compute dtype). ``out`` and ``log_sum_exp`` are the whole row's (attend's), ``grad_out`` their output's
+    gradient."""
     compute = torch.promote_types(q.dtype, torch.float32)
     value_dim = out.shape[-1]
     width = max(q.shape[-1], value_dim)
@@ -128,27 +166,79 @@ def attend_backward(
     log_sum_exp = log_sum_exp[None]
     grad_q = torch.zeros_like(query)
     for earlier in range(chunk + 1):
-        blocks = segments.blocks(chunk, earlier)
+        blocks = [b for b in segments.blocks(chunk, earlier) if _reach(heads, b, query, segments, earlier) != "none"]
         if not blocks:
             continue
         k, v = keys_and_values(earlier)
         k_heads, v_heads = heads.by_head(k.to(compute), width), heads.by_head(v.to(compute), width)
         grad_k, grad_v = torch.zeros_like(k_heads), torch.zeros_like(v_heads)
-        for rows, keys, causal in blocks:
-            block_grad_q, block_grad_k, block_grad_v = _FLASH_BACKWARD(
+        for block in blocks:
+            rows, keys = block.rows, block.keys
+            block_grad_q, block_grad_k, block_grad_v = _block_backward(
+                heads,
+                block,
                 grad_out[:, :, rows],
                 query[:, :, rows],
                 k_heads[:, :, keys],
                 v_heads[:, :, keys],
                 out[:, :, rows],
                 log_sum_exp[:, :, rows],
-                0.0,
-                causal,
-                scale=heads.scaling,
             )
             grad_q[:, :, rows].add_(block_grad_q)  # in place through views: no copy back
             grad_k[:, :, keys].add_(block_grad_k)
             grad_v[:, :, keys].add_(block_grad_v)
         add_share(earlier, heads.by_key_head(grad_k, k.shape[-1]), heads.by_key_head(grad_v, v.shape[-1]))
         return_freed_memory()
-    return grad_q[0, ..., : q.shape[-1]]
+    grad_sinks = None
+    if heads.sinks is not None:  # d out_i / d sink = -p_sink_i out_i: the sink's gradient -sum_i p_sink_i (dO_i . O_i)
+        sink_share = (heads.sinks.detach().to(compute)[None, :, None] - log_sum_exp).exp()
+        grad_sinks = -(sink_share * (grad_out * out).sum(-1)).sum((0, 2))
+    return grad_q[0, ..., : q.shape[-1]], grad_sinks
+
+
+def _reach(heads: Heads, block: _Block, query, segments: Segments, keys_chunk: int) -> str:
+    queries = query.shape[2] if block.rows == slice(None) else block.rows.stop - block.rows.start
+    start, end = segments.bounds[keys_chunk]
+    keys = end - start if block.keys == slice(None) else block.keys.stop - block.keys.start
+    return block.reach(heads, queries, keys)
+
+
+def _block_forward(heads: Heads, block: _Block, q, k, v):
+    """One block's output and log-sum-exp (queries that see no key of it: 0 and -inf): PyTorch's flash kernel
+    where no score mod touches it, else its scores written out ([heads, queries, keys], one block's)."""
+    if heads.softcap is None and block.reach(heads, q.shape[2], k.shape[2]) == "all":
+        return _FLASH(q, k, v, 0.0, block.causal, scale=heads.scaling)
+    scores, _ = _scores(heads, block, q, k)
+    log_sum_exp = scores.logsumexp(-1)
+    probabilities = (scores - log_sum_exp.masked_fill(log_sum_exp == float("-inf"), 0.0)[..., None]).exp()
+    return probabilities @ v, log_sum_exp
+
+
+def _block_backward(heads: Heads, block: _Block, grad_out, q, k, v, out, log_sum_exp):
+    """One block's share of the gradients of q, k and v, given the whole row's output and log-sum-exp."""
+    if heads.softcap is None and block.reach(heads, q.shape[2], k.shape[2]) == "all":
+        return _FLASH_BACKWARD(grad_out, q, k, v, out, log_sum_exp, 0.0, block.causal, scale=heads.scaling)
+    scores, slope = _scores(heads, block, q, k)
+    probabilities = (scores - log_sum_exp.masked_fill(log_sum_exp == float("-inf"), 0.0)[..., None]).exp()
+    grad_scores = probabilities * (grad_out @ v.transpose(-1, -2) - (grad_out * out).sum(-1, keepdim=True))
+    if slope is not None:
+        grad_scores = grad_scores * slope
+    grad_q = grad_scores @ k * heads.scaling
+    grad_k = grad_scores.transpose(-1, -2) @ q * heads.scaling
+    return grad_q, grad_k, probabilities.transpose(-1, -2) @ grad_out
+
+
+def _scores(heads: Heads, block: _Block, q, k):
+    """A block's scores as the softmax takes them (scaled, soft-capped, -inf where the query does not see the key)
+    and the cap's slope (d capped / d scaled; None without a cap)."""
+    scores = q @ k.transpose(-1, -2) * heads.scaling
+    slope = None
+    if heads.softcap is not None:
+        capped = (scores / heads.softcap).tanh()
+        scores, slope = capped * heads.softcap, 1 - capped * capped
+    query = torch.arange(q.shape[2])[:, None] + block.query_start
+    key = torch.arange(k.shape[2])[None, :] + block.key_start
+    hidden = key > query if block.causal else torch.zeros((), dtype=torch.bool)
+    if heads.window is not None:
+        hidden = hidden | (key <= query - heads.window)
+    return scores.masked_fill(hidden, float("-inf")), slope

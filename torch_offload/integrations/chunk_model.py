@@ -23,7 +23,7 @@ from ..families import family_of
 from .implementations import _configs
 from .layers import _attention_of, _find_layers
 
-__all__ = ["StepModel", "step_model_problem"]
+__all__ = ["StepModel", "packs_documents", "step_model_problem"]
 
 
 class StepModel:
@@ -39,6 +39,8 @@ class StepModel:
         self.layer_of = {id(getattr(layer, _attention_of(layer))): index for index, layer in enumerate(self.layers)}
         self.math: _HeadMath = _head_math(model, self.head)
         self.configs = _configs(self.decoder)
+        # Eager attention gives a query that sees no key (a left pad) a softmax over its whole row, later keys too.
+        self.eager = any(vars(config).get("_attn_implementation_internal") == "eager" for config in self.configs)
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The decoder's own output ``[C, hidden]`` (after its final norm) for one chunk's ``ids`` at ``positions``."""
@@ -203,6 +205,12 @@ def _hidden_of(output, layer: nn.Module) -> torch.Tensor:
 
         raise Unsupported(f"{type(layer).__name__}'s forward returns a {type(output).__name__}, not its hidden states")
     return output
+
+
+def packs_documents(model: nn.Module) -> bool:
+    """Whether the model's decoder reads packed documents off ``position_ids`` (families.py)."""
+    decoder, _ = _decoder_and_layers(model)
+    return getattr(family_of(getattr(decoder, "config", None)), "packs_documents", True)
 
 
 def _decoder_and_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:

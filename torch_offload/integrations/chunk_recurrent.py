@@ -40,7 +40,7 @@ from ..linear_cross_entropy import linear_cross_entropy
 from .chunk_attention import Segments
 from .chunk_batch import Batch, batch_of, checked_rows, reach_of, runs_of_real_tokens
 from .chunk_file import ChunkFile, return_freed_memory
-from .chunk_model import StepModel, add_gradients, step_model_problem
+from .chunk_model import StepModel, add_gradients, packs_documents, step_model_problem
 from .chunk_seam import StepAttention, Unsupported, running
 from .sequence_parallelism import rope_of_the_calls_positions
 
@@ -132,6 +132,7 @@ def chunk_recurrent_loss(
         position_ids=position_ids,
         ignore_index=ignore_index,
         num_items_in_batch=num_items_in_batch,
+        packed=packs_documents(model),
     )
     return chunk_recurrent_step(model, batch, chunk_tokens, directory)
 
@@ -191,6 +192,14 @@ class _ChunkRecurrentStep(torch.autograd.Function):
         segments = Segments(bounds, batch.query_segments, batch.key_segments)
         seam = StepAttention(store, segments, reach_of(batch), parts.layer_of)
         wants_gradients = any(ctx.needs_input_grad[5:])
+        if parts.eager and batch.query_segments is not None:
+            unseeing = (batch.query_segments < 0) & (batch.targets != batch.ignore_index)
+            if bool(unseeing.any()):
+                store.close()
+                raise Unsupported(
+                    "eager attention gives a query that sees no key (a left pad) a softmax over its whole row, "
+                    "later keys too, and its label is counted"
+                )
         loss = torch.zeros((), dtype=torch.promote_types(parts.head.weight.dtype, torch.float32))
         gradients: dict = {}
         head = _trained(p for p in (parts.head.weight, parts.head.bias) if p is not None) if wants_gradients else []

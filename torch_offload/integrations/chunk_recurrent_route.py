@@ -30,6 +30,7 @@ from ..causal_lm_loss import _PROBE_RTOL, _adds_router_loss, _hooks_of, _owner_o
 from ..disk import default_spill_directory, spill_directory_in_ram
 from .checkpointing import warn_empty_cache_dropped
 from .chunk_batch import batch_of, runs_of_real_tokens
+from .chunk_model import packs_documents
 from .chunk_recurrent import CHUNK_TOKENS, autocast_on, chunk_recurrent_step, step_problem
 from .chunk_seam import Unsupported
 from .layer_loop import _asks_for_cache, _cache_name, _recording_outside, _runs_hooks
@@ -175,7 +176,8 @@ def _batch_of_call(model, head, head_forward, signature, call: dict, extra: dict
         shift_labels=shift_labels,
         ignore_index=ignore_index,
         num_items_in_batch=extra.get("num_items_in_batch"),
-        packed=not _asks_for_cache(model, call.get("use_cache")),  # transformers packs only without a cache
+        # transformers packs only without a cache, in the families whose decoders read position_ids for it
+        packed=packs_documents(model) and not _asks_for_cache(model, call.get("use_cache")),
     )
 
 
@@ -190,9 +192,13 @@ def _probe(model: nn.Module, owner: nn.Module, directory: str) -> tuple[str | No
     padding = torch.ones_like(ids)
     padding[0, :2] = 0  # left padding
     padding[1, -3:] = 0  # right padding
+    before_text = padding.cumsum(1) <= 1  # the left pads and the first real token
     calls = {
         "one row": dict(input_ids=ids[:1], labels=labels[:1]),
-        "padded rows": dict(input_ids=ids, labels=ids, attention_mask=padding),
+        # The right pads' labels counted (they see their row's text); not the left pads' targets (the labels up to
+        # the first real token's), whose queries see no key, where eager attention (Gemma 2's, GPT-OSS's) gives a
+        # softmax over the whole row (a call that counts them keeps the other path).
+        "padded rows": dict(input_ids=ids, labels=ids.masked_fill(before_text, -100), attention_mask=padding),
         "packed documents": dict(
             input_ids=ids[:1], labels=ids[:1], position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0]])
         ),
@@ -214,6 +220,7 @@ def _probe(model: nn.Module, owner: nn.Module, directory: str) -> tuple[str | No
                     attention_mask=call.get("attention_mask"),
                     position_ids=call.get("position_ids"),
                     num_items_in_batch=call.get("num_items_in_batch"),
+                    packed=packs_documents(owner),
                 )
                 got = chunk_recurrent_step(owner, batch, _PROBE_CHUNK_TOKENS, directory)
             if not torch.allclose(got.float(), want.loss.float(), rtol=rtol, atol=rtol, equal_nan=True):

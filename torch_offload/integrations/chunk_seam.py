@@ -5,10 +5,10 @@ embedding. While the step runs, the model's configs name it (``running``), and t
 to every chunk of keys and values up to it (chunk_attention.py), keeping what backward reads in the step's file.
 
 Its mask function builds no mask: the step knows the batch's documents and rows (``Segments``), and it reads only
-how far transformers' mask lets a query reach, which the seam refuses where it is shorter than the batch (a sliding
-window, Llama 4's attention chunks: not computed yet). The seam refuses by name (``Unsupported``) whatever else would
-change attention (dropout, soft-capped scores, sinks, a call that is not causal, an argument it does not know), so
-that a probe or a call fails loudly rather than differ.
+how far transformers' mask lets a query reach: a sliding window, which the seam computes with the scores the
+attention module passes on (soft-capped, with sinks), or Llama 4's attention chunks, which it refuses where shorter
+than a query's reach. The seam refuses by name (``Unsupported``) whatever else would change attention (dropout, a
+call that is not causal, an argument it does not know), so that a probe or a call fails loudly rather than differ.
 """
 
 from __future__ import annotations
@@ -110,36 +110,43 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     step.called.add(layer)
     q, k, v = query[0], key[0], value[0]
     if step.backward:
-        out = _ChunkAttention.apply(step, layer, heads, q, k, v)
+        out = _ChunkAttention.apply(step, layer, heads, q, k, v, heads.sinks)
     else:
         out = step.forward(layer, heads, q, k, v)
     return out.transpose(0, 1)[None], None
 
 
 def _heads(module, query, key, value, mask, dropout, scaling, reach, kwargs) -> Heads:
-    """The call's Heads, or Unsupported naming what the step does not compute (a reach at least ``reach`` keys long
-    changes nothing)."""
+    """The call's Heads with its score mods (a window at least ``reach`` keys long changes nothing: none), or
+    Unsupported naming what the step does not compute."""
     if dropout:
         raise Unsupported(f"attention dropout ({dropout}) in training: backward's recomputation would draw others")
+    kwargs = dict(kwargs)
+    window, softcap, sinks = kwargs.pop("sliding_window", None), kwargs.pop("softcap", None), kwargs.pop("s_aux", None)
     for name, given in kwargs.items():
-        if name == "sliding_window" and (given is None or given >= reach):
-            continue  # none, or one no query reaches past (a window of w sees w keys, itself and w - 1 back)
-        if name == "softcap" and given is None:
-            continue
-        if name == "s_aux" and given is None:
-            continue
-        if name in _HARMLESS and not (name == "is_causal" and given is False):
-            continue
-        if given is not None:
-            raise Unsupported(f"its attention passes {name}={_shown(given)}, which the step does not compute yet")
+        if given is not None and not (name in _HARMLESS and not (name == "is_causal" and given is False)):
+            raise Unsupported(f"its attention passes {name}={_shown(given)}, which the step does not compute")
     if not getattr(module, "is_causal", True):
         raise Unsupported(f"{type(module).__name__} is not causal")
-    if mask is not None and not (isinstance(mask, Reach) and mask.size >= reach):
-        what = f"{mask.kind} of {mask.size} tokens" if isinstance(mask, Reach) else f"a mask ({type(mask).__name__})"
-        raise Unsupported(f"its mask is {what}, shorter than the {reach} keys a query of this batch sees")
+    if mask is not None and not isinstance(mask, Reach):
+        raise Unsupported(f"its mask is a {type(mask).__name__}, which the step does not compute")
+    if isinstance(mask, Reach) and mask.kind != "a sliding window" and mask.size < reach:
+        raise Unsupported(f"its mask is {mask.kind} of {mask.size} tokens, shorter than the {reach} keys a query sees")
+    if isinstance(mask, Reach) and mask.kind == "a sliding window":
+        if window is not None and window != mask.size:
+            raise Unsupported(f"its attention passes sliding_window={window} where its mask's window is {mask.size}")
+        window = mask.size
     if query.shape[0] != 1 or query.shape[1] % key.shape[1] or key.shape[:3] != value.shape[:3]:
         raise Unsupported(f"queries {list(query.shape)}, keys {list(key.shape)}, values {list(value.shape)}")
-    return Heads(query.shape[-1] ** -0.5 if scaling is None else float(scaling), query.shape[1] // key.shape[1])
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        raise Unsupported(f"its sinks are {list(sinks.shape)}, not one per head")
+    return Heads(
+        query.shape[-1] ** -0.5 if scaling is None else float(scaling),
+        query.shape[1] // key.shape[1],
+        softcap=float(softcap) if softcap else None,
+        window=window if window is not None and window < reach else None,
+        sinks=sinks,
+    )
 
 
 def _shown(value) -> str:
@@ -152,7 +159,7 @@ class _ChunkAttention(torch.autograd.Function):
     backward runs the chunks last to first); this chunk's shares of earlier chunks' go into the file."""
 
     @staticmethod
-    def forward(ctx, step, layer, heads, q, k, v):
+    def forward(ctx, step, layer, heads, q, k, v, sinks):
         ctx.step, ctx.layer, ctx.heads, ctx.chunk = step, layer, heads, step.chunk
         ctx.save_for_backward(q, k, v)
         return step.store.read(("out", layer, step.chunk)).to(q.dtype)
@@ -176,7 +183,7 @@ class _ChunkAttention(torch.autograd.Function):
                 _add_into(store, ("grad k", layer, keys_chunk), share_k)
                 _add_into(store, ("grad v", layer, keys_chunk), share_v)
 
-        grad_q = attend_backward(
+        grad_q, grad_sinks = attend_backward(
             ctx.heads, step.segments, chunk, q, grad_out, out, log_sum_exp, keys_and_values, add_share
         )
         grads = []
@@ -185,7 +192,9 @@ class _ChunkAttention(torch.autograd.Function):
             if store.has((f"grad {name}", layer, chunk)):  # the later chunks' shares
                 total = total + store.pop((f"grad {name}", layer, chunk))
             grads.append(total.to(tensor.dtype))
-        return None, None, None, grad_q.to(q.dtype), *grads
+        sinks = ctx.heads.sinks
+        grad_sinks = None if grad_sinks is None or not ctx.needs_input_grad[6] else grad_sinks.to(sinks.dtype)
+        return None, None, None, grad_q.to(q.dtype), *grads, grad_sinks
 
 
 def _add_into(store, key, share) -> None:
