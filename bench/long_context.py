@@ -39,7 +39,7 @@ def worker(method, tokens, apply_options):
     path = "plain training"
     if method == "apply(model)":
         handle = torch_offload.apply(model, **apply_options)
-        path = f"chunk-recurrent step {handle.chunk_recurrent}, layer loop {handle.layer_loop}"
+        path = f"route: {handle.route} (chunk-recurrent step {handle.chunk_recurrent})"
 
     def step(length):
         ids = torch.randint(3, 32000, (1, length), generator=torch.Generator().manual_seed(0))

@@ -351,13 +351,18 @@ def dense_attention(q, k, v, heads, allowed):
     return probabilities[..., : k.shape[1]] @ v
 
 
+@pytest.mark.parametrize("pieces", ["whole blocks", "a query at a time"])
 @pytest.mark.parametrize("mods", ["none", "softcap", "window", "sinks", "all"])
 @pytest.mark.parametrize("kind", ["one sequence", "documents and padding"])
-def test_attention_over_chunks_with_score_mods_equals_plain_pytorch(mods, kind):
+def test_attention_over_chunks_with_score_mods_equals_plain_pytorch(mods, kind, pieces, monkeypatch):
     """attend and attend_backward (the seam's math) against dense attention in float64: soft-capped scores, a
     sliding window shorter than a chunk and longer, sinks, grouped queries, a value head narrower than the query's,
-    documents and padding across chunk bounds."""
+    documents and padding across chunk bounds; a block's scores whole, or a query's at a time."""
+    from torch_offload.integrations import chunk_attention
     from torch_offload.integrations.chunk_attention import Heads, attend, attend_backward
+
+    if pieces == "a query at a time":
+        monkeypatch.setattr(chunk_attention, "_PIECE_BYTES", 1)
 
     generator = torch.Generator().manual_seed(0)
     tokens, bounds = 17, [(0, 5), (5, 10), (10, 15), (15, 17)]

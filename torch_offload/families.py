@@ -85,3 +85,24 @@ FAMILIES: dict[str, Family] = {
 def family_of(config: Any) -> Family | None:
     """The row of ``config``'s family (its ``model_type``), or None for a family not read."""
     return FAMILIES.get(getattr(config, "model_type", None))
+
+
+def support_matrix() -> str:
+    """The table as the README shows it (python_tests/test_families.py checks that it does): a row per family, a word
+    per feature, the step's reasons as notes below."""
+    notes: dict[str, int] = {}
+    rows = [
+        "| family | packed, padded batches | windows | sequence parallel | apply's layer loop | chunk-recurrent step |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for family in FAMILIES.values():
+        step = "Y" if family.step is None else f"no [{notes.setdefault(family.step, len(notes) + 1)}]"
+        cells = [
+            {"sdpa": "Y", "eager": "Y (eager)", None: "dense mask"}[family.masks],
+            "Y" if family.passes_window else "—",
+            "Y" if family.sequence_parallel else "—",
+            "Y" if family.llama_loop else "—",
+            step,
+        ]
+        rows.append(f"| {family.name} | {' | '.join(cells)} |")
+    return "\n".join(rows + [""] + [f"[{number}] {why}." for why, number in notes.items()])

@@ -205,27 +205,54 @@ def _reach(heads: Heads, block: _Block, query, segments: Segments, keys_chunk: i
 
 def _block_forward(heads: Heads, block: _Block, q, k, v):
     """One block's output and log-sum-exp (queries that see no key of it: 0 and -inf): PyTorch's flash kernel
-    where no score mod touches it, else its scores written out ([heads, queries, keys], one block's)."""
+    where no score mod touches it, else its scores written out, a piece of its queries at a time (_pieces)."""
     if heads.softcap is None and block.reach(heads, q.shape[2], k.shape[2]) == "all":
         return _FLASH(q, k, v, 0.0, block.causal, scale=heads.scaling)
-    scores, _ = _scores(heads, block, q, k)
-    log_sum_exp = scores.logsumexp(-1)
-    probabilities = (scores - log_sum_exp.masked_fill(log_sum_exp == float("-inf"), 0.0)[..., None]).exp()
-    return probabilities @ v, log_sum_exp
+    out = q.new_zeros((*q.shape[:3], v.shape[-1]))
+    log_sum_exp = q.new_full(q.shape[:3], float("-inf"))
+    for rows, keys, piece in _pieces(heads, block, q, k):
+        scores, _ = _scores(heads, piece, q[:, :, rows], k[:, :, keys])
+        piece_log_sum_exp = scores.logsumexp(-1)
+        base = piece_log_sum_exp.masked_fill(piece_log_sum_exp == float("-inf"), 0.0)
+        out[:, :, rows] = (scores - base[..., None]).exp() @ v[:, :, keys]
+        log_sum_exp[:, :, rows] = piece_log_sum_exp
+    return out, log_sum_exp
 
 
 def _block_backward(heads: Heads, block: _Block, grad_out, q, k, v, out, log_sum_exp):
     """One block's share of the gradients of q, k and v, given the whole row's output and log-sum-exp."""
     if heads.softcap is None and block.reach(heads, q.shape[2], k.shape[2]) == "all":
         return _FLASH_BACKWARD(grad_out, q, k, v, out, log_sum_exp, 0.0, block.causal, scale=heads.scaling)
-    scores, slope = _scores(heads, block, q, k)
-    probabilities = (scores - log_sum_exp.masked_fill(log_sum_exp == float("-inf"), 0.0)[..., None]).exp()
-    grad_scores = probabilities * (grad_out @ v.transpose(-1, -2) - (grad_out * out).sum(-1, keepdim=True))
-    if slope is not None:
-        grad_scores = grad_scores * slope
-    grad_q = grad_scores @ k * heads.scaling
-    grad_k = grad_scores.transpose(-1, -2) @ q * heads.scaling
-    return grad_q, grad_k, probabilities.transpose(-1, -2) @ grad_out
+    grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    base = log_sum_exp.masked_fill(log_sum_exp == float("-inf"), 0.0)
+    delta = (grad_out * out).sum(-1, keepdim=True)  # each query's dO . O: the softmax's gradient takes it off
+    for rows, keys, piece in _pieces(heads, block, q, k):
+        scores, slope = _scores(heads, piece, q[:, :, rows], k[:, :, keys])
+        probabilities = (scores - base[:, :, rows, None]).exp()
+        grad_scores = probabilities * (grad_out[:, :, rows] @ v[:, :, keys].transpose(-1, -2) - delta[:, :, rows])
+        if slope is not None:
+            grad_scores = grad_scores * slope
+        grad_q[:, :, rows] += grad_scores @ k[:, :, keys] * heads.scaling
+        grad_k[:, :, keys] += grad_scores.transpose(-1, -2) @ q[:, :, rows] * heads.scaling
+        grad_v[:, :, keys] += probabilities.transpose(-1, -2) @ grad_out[:, :, rows]
+    return grad_q, grad_k, grad_v
+
+
+_PIECE_BYTES = 16 << 20  # one piece's scores (backward holds about five tensors of that size at once)
+
+
+def _pieces(heads: Heads, block: _Block, q, k):
+    """A block's queries in pieces whose scores fit _PIECE_BYTES, each against the keys it can see: (rows, keys, the
+    piece as a block of its own); none for a piece that sees no key."""
+    queries, keys = q.shape[2], k.shape[2]
+    step = max(1, _PIECE_BYTES // max(1, q.shape[1] * keys * q.element_size()))
+    for first in range(0, queries, step):
+        last = min(queries, first + step) - 1
+        end = min(keys, block.query_start + last - block.key_start + 1) if block.causal else keys
+        start = 0 if heads.window is None else max(0, block.query_start + first - heads.window + 1 - block.key_start)
+        if start < end:
+            piece = _Block(slice(None), slice(None), block.causal, block.query_start + first, block.key_start + start)
+            yield slice(first, last + 1), slice(start, end), piece
 
 
 def _scores(heads: Heads, block: _Block, q, k):
