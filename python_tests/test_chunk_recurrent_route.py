@@ -3,7 +3,6 @@ gives the un-applied model's loss and gradients (float64, to rounding) on every 
 takes; the calls and models that keep apply's other path get it, with the same results; remove() restores."""
 
 import copy
-import errno
 import functools
 import gc
 import os
@@ -16,9 +15,10 @@ import pytest
 import torch
 from test_apply import HalveOutput, make_model, tier_options
 from test_chunk_recurrent import assert_equal_to_rounding, batches, gradients, reference
+from test_disk_spill import free_bytes, small_fs, spill_files_in, wait_for_io  # noqa: F401 (small_fs: a fixture)
 
 import torch_offload
-from torch_offload.integrations import chunk_file, chunk_recurrent_route
+from torch_offload.integrations import chunk_recurrent_route
 
 STEPPED = ["llama", "mistral_without_window", "qwen2", "qwen3"]
 
@@ -250,31 +250,26 @@ def test_a_spill_directory_removed_after_apply_is_named_and_nothing_is_left(tmp_
     model = build("llama")
     handle = applied(model, directory)
     directory.rmdir()
-    with pytest.raises(OSError, match=f"the spill directory '{directory}' cannot hold the step's file"):
+    with pytest.raises(RuntimeError, match=f"disk_spill: directory '{directory}' cannot be used: No such file"):
         model(**batches()["two rows"], use_cache=False)
     directory.mkdir()  # back: the next call runs
     model(**batches()["two rows"], use_cache=False).loss.backward()
     assert handle.chunk_recurrent_calls == 1 and os.listdir(directory) == []
 
 
-def test_a_full_spill_directory_is_named_and_nothing_is_left(tmp_path, monkeypatch):
-    model = build("llama")
-    handle = applied(model, tmp_path)
-    written = []
-
-    def full_disk(descriptor, data, offset):
-        written.append(len(data))
-        if len(written) > 3:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return _pwrite(descriptor, data, offset)
-
-    _pwrite = os.pwrite
+def test_a_full_spill_directory_is_the_tiers_error_and_its_space_comes_back(small_fs):  # noqa: F811 (the fixture)
+    """The step's chunks in a 64 MiB file system nearly full: the tier's error, and once the step is gone, its
+    space back and its spill file closed."""
+    model = make_model("llama", max_position_embeddings=4096)
+    handle = applied(model, small_fs)
+    filler = os.path.join(small_fs, "filler")
+    with open(filler, "wb") as file:  # 2 MiB left, where the step's 3000 tokens write about 4
+        os.posix_fallocate(file.fileno(), 0, free_bytes(small_fs) - (2 << 20))
+    empty = free_bytes(small_fs)
+    ids = torch.randint(3, 128, (1, 3000), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="No space left on device"):
+        model(input_ids=ids, labels=ids, use_cache=False)
+    assert handle.chunk_recurrent_calls == 0
     gc.collect()
-    descriptors = len(os.listdir("/proc/self/fd"))
-    monkeypatch.setattr(chunk_file.os, "pwrite", full_disk)
-    with pytest.raises(OSError, match="the spill directory .* took .* bytes and no more: No space left on device"):
-        model(**batches()["two rows"], use_cache=False)
-    monkeypatch.undo()
-    gc.collect()
-    assert handle.chunk_recurrent_calls == 0 and os.listdir(tmp_path) == []
-    assert len(os.listdir("/proc/self/fd")) == descriptors  # the step's file closed
+    wait_for_io()
+    assert free_bytes(small_fs) >= empty - (256 << 10) and spill_files_in(small_fs) == []

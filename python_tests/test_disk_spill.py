@@ -569,6 +569,39 @@ def test_opcheck(check, spill_dir):
     ticket = torch_offload.disk_spill(t.detach(), directory=spill_dir)
     opcheck(torch.ops.offload.disk_wait.default, (ticket,), test_utils=check)
     opcheck(torch.ops.offload.disk_prefetch.default, (ticket,), test_utils=check)
+    # disk_read keeps the ticket: the AOT-dispatch checks (which run it twice and compare) apply to it too.
+    for utils in (check, "test_aot_dispatch_dynamic"):
+        opcheck(
+            torch.ops.offload.disk_read.default, (ticket, [5, 7], torch.float32, torch.device("cpu")), test_utils=utils
+        )
+
+
+def test_a_read_keeps_the_ticket_for_more_reads_a_prefetch_and_a_restore(spill_dir):
+    t = sample((33, 65), torch.float32)
+    ticket = torch_offload.disk_spill(t, directory=spill_dir)
+    first = torch_offload.disk_read(ticket, t.shape, t.dtype, "cpu")
+    second = torch_offload.disk_read(ticket, t.shape, t.dtype, "cpu")
+    assert torch.equal(first, t) and torch.equal(second, t) and first.data_ptr() != second.data_ptr()
+    torch_offload.disk_prefetch(ticket)
+    assert torch.equal(torch_offload.disk_read(ticket, t.shape, t.dtype, "cpu"), t)  # the prefetch served
+    assert torch.equal(torch_offload.disk_restore(ticket, t.shape, t.dtype, "cpu"), t)
+    with pytest.raises(RuntimeError, match="disk_read: ticket .* was already restored"):
+        torch_offload.disk_read(ticket, t.shape, t.dtype, "cpu")
+
+
+@pytest.mark.parametrize(
+    "size, dtype, message",
+    [
+        ([33, 64], torch.float32, r"disk_read: size is \[33, 64\] but ticket"),
+        ([33, 65], torch.float64, "disk_read: dtype is Double but ticket"),
+    ],
+)
+def test_a_read_of_another_size_or_dtype_is_refused_by_name_and_the_ticket_stays(size, dtype, message, spill_dir):
+    t = sample((33, 65), torch.float32)
+    ticket = torch_offload.disk_spill(t, directory=spill_dir)
+    with pytest.raises(RuntimeError, match=message):
+        torch_offload.disk_read(ticket, size, dtype, "cpu")
+    assert torch.equal(torch_offload.disk_read(ticket, t.shape, t.dtype, "cpu"), t)
 
 
 def test_compiled_spill_and_restore_match_eager(spill_dir):

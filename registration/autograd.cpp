@@ -163,6 +163,7 @@ TORCH_LIBRARY_IMPL(offload, Autograd, m) {
   // Tickets carry no gradient: run below autograd, nothing to record.
   m.impl("disk_spill", torch::autograd::autogradNotImplementedFallback());
   m.impl("disk_restore", torch::autograd::autogradNotImplementedFallback());
+  m.impl("disk_read", torch::autograd::autogradNotImplementedFallback());
   m.impl("tiled_mlp", &torch_offload::tiled_mlp_autograd);
   // Computing gradients of gradients is not supported: an error if backward reaches it.
   m.impl("tiled_mlp_backward", torch::autograd::autogradNotImplementedFallback());

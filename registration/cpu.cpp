@@ -13,6 +13,7 @@ TORCH_LIBRARY_IMPL(offload, CPU, m) {
   m.impl("offload_unpack", &torch_offload::offload_unpack_cpu);
   m.impl("disk_spill", &torch_offload::disk_spill_cpu);
   m.impl("disk_restore", &torch_offload::disk_restore_cpu);
+  m.impl("disk_read", &torch_offload::disk_read_cpu);
   m.impl("disk_prefetch", &torch_offload::disk_prefetch_cpu);
   m.impl("disk_wait", &torch_offload::disk_wait_cpu);
   m.impl("_disk_ticket_location", &torch_offload::disk_ticket_location_cpu);

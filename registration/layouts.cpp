@@ -61,6 +61,7 @@ constexpr const char* kOpsTakingTensors[] = {
     "rms_norm_tiled_mlp_backward",
     "disk_spill",
     "disk_restore",
+    "disk_read",
     "disk_prefetch",
     "disk_wait",
     "_disk_ticket_location",

@@ -17,6 +17,7 @@ TORCH_LIBRARY_IMPL(offload, Meta, m) {
   m.impl("offload_unpack", &torch_offload::offload_unpack_meta);
   m.impl("disk_spill", &torch_offload::disk_spill_meta);
   m.impl("disk_restore", &torch_offload::disk_restore_meta);
+  m.impl("disk_read", &torch_offload::disk_restore_meta);
   m.impl("disk_prefetch", &torch_offload::disk_prefetch_meta);
   m.impl("disk_wait", &torch_offload::disk_wait_meta);
   // tiled_mlp's results live on x's device, which FakeTensor derives by itself.

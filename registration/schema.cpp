@@ -52,6 +52,8 @@ TORCH_LIBRARY(offload, m) {
   // payload offset within the extent]) is for tests.
   m.def("disk_spill(Tensor src, str? directory=None, bool allow_tmpfs=False) -> Tensor");
   m.def("disk_restore(Tensor ticket, SymInt[] size, ScalarType dtype, Device device) -> Tensor");
+  // disk_restore without consuming the ticket: read again as often as asked, until restored or freed.
+  m.def("disk_read(Tensor ticket, SymInt[] size, ScalarType dtype, Device device) -> Tensor");
   m.def("disk_prefetch(Tensor ticket) -> ()");
   m.def("disk_wait(Tensor ticket) -> ()");
   m.def("_disk_ticket_location(Tensor ticket) -> int[]");

@@ -23,6 +23,7 @@ __all__ = [
     "cmake_prefix_path",
     "configure_disk_spill",
     "disk_prefetch",
+    "disk_read",
     "disk_restore",
     "disk_spill",
     "disk_spill_stats",
@@ -102,6 +103,7 @@ from .activations import checkpoint, offload_activations  # noqa: E402
 from .disk import (  # noqa: E402
     configure_disk_spill,
     disk_prefetch,
+    disk_read,
     disk_restore,
     disk_spill,
     disk_spill_stats,

@@ -29,6 +29,11 @@ def _disk_spill_fake(src, directory=None, allow_tmpfs=False):
     return torch.empty(2, dtype=torch.int64, device=_device(src, "cpu"))
 
 
+@torch.library.register_fake("offload::disk_read", allow_override=True)
+def _disk_read_fake(ticket, size, dtype, device):
+    return torch.empty(size, dtype=dtype, device=_device(ticket, device))
+
+
 @torch.library.register_fake("offload::disk_restore", allow_override=True)
 def _disk_restore_fake(ticket, size, dtype, device):
     if ticket.device.type != "meta" and torch.device(device).type == "meta":

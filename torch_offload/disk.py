@@ -17,7 +17,15 @@ import torch
 
 from ._options import check_bool, check_path
 
-__all__ = ["disk_spill", "disk_restore", "disk_prefetch", "disk_wait", "disk_spill_stats", "configure_disk_spill"]
+__all__ = [
+    "disk_spill",
+    "disk_restore",
+    "disk_read",
+    "disk_prefetch",
+    "disk_wait",
+    "disk_spill_stats",
+    "configure_disk_spill",
+]
 
 _STATS = (
     "bytes_written",
@@ -77,6 +85,12 @@ def disk_restore(ticket: torch.Tensor, size: Sequence[int], dtype: torch.dtype, 
     """The spilled tensor back on ``device`` (cpu or cuda). A ticket is restored once; ``size``
     and ``dtype`` must be those of the spilled tensor. Raises the write's error if it failed."""
     return torch.ops.offload.disk_restore(ticket, list(size), dtype, torch.device(device))
+
+
+def disk_read(ticket: torch.Tensor, size: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
+    """The spilled tensor back on ``device``, as disk_restore gives it, the ticket kept: read it again as often as
+    asked (a disk_prefetch serves the next read), until restored or freed."""
+    return torch.ops.offload.disk_read(ticket, list(size), dtype, torch.device(device))
 
 
 def disk_prefetch(ticket: torch.Tensor) -> None:

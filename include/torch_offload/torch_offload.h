@@ -77,7 +77,16 @@ inline at::Tensor disk_restore(const at::Tensor& ticket, at::IntArrayRef size, c
   return handle.call(ticket, c10::fromIntArrayRefSlow(size), dtype, device);
 }
 
-// Starts reading the ticket back so that disk_restore finds it in memory.
+// The spilled tensor back on `device`, the ticket kept: read again as often as asked, until restored or freed.
+inline at::Tensor disk_read(const at::Tensor& ticket, at::IntArrayRef size, c10::ScalarType dtype,
+                            c10::Device device) {
+  static const auto handle =
+      detail::op<at::Tensor(const at::Tensor&, c10::SymIntArrayRef, c10::ScalarType, c10::Device)>(
+          "offload::disk_read");
+  return handle.call(ticket, c10::fromIntArrayRefSlow(size), dtype, device);
+}
+
+// Starts reading the ticket back so that disk_restore (or disk_read) finds it in memory.
 inline void disk_prefetch(const at::Tensor& ticket) {
   static const auto handle = detail::op<void(const at::Tensor&)>("offload::disk_prefetch");
   handle.call(ticket);

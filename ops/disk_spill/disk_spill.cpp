@@ -126,6 +126,14 @@ at::Tensor disk_restore_cpu(const at::Tensor& ticket, c10::SymIntArrayRef size, 
   return device.is_cpu() ? host : offload_unpack(host, device);
 }
 
+at::Tensor disk_read_cpu(const at::Tensor& ticket, c10::SymIntArrayRef size, c10::ScalarType dtype,
+                         c10::Device device) {
+  const int64_t id = ticket_id(ticket, "disk_read");
+  check_device_available(device, "disk_read", "device");
+  at::Tensor host = SpillEngine::instance().read(id, C10_AS_INTARRAYREF_SLOW(size), dtype);
+  return device.is_cpu() ? host : offload_unpack(host, device);
+}
+
 at::Tensor disk_restore_meta(const at::Tensor& ticket, c10::SymIntArrayRef size, c10::ScalarType dtype,
                              c10::Device /*device*/) {
   return at::empty_symint(size, ticket.options().dtype(dtype));

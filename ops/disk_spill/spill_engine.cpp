@@ -367,21 +367,39 @@ void SpillEngine::prefetch(int64_t id) {
 
 at::Tensor SpillEngine::restore(int64_t id, at::IntArrayRef sizes, c10::ScalarType dtype) {
   std::unique_lock<std::mutex> lock(mutex_);
-  auto ticket = find_locked(id, "disk_restore");
-  TORCH_CHECK(!ticket->restored, "disk_restore: ticket ", id, " was already restored; a ticket is restored once");
-  TORCH_CHECK(dtype == ticket->dtype, "disk_restore: dtype is ", dtype, " but ticket ", id, " holds ", ticket->dtype);
-  TORCH_CHECK(sizes == at::IntArrayRef(ticket->sizes), "disk_restore: size is ", sizes, " but ticket ", id,
+  auto ticket = read_locked(lock, id, sizes, dtype, "disk_restore");
+  ticket->restored = true;
+  free_extents_locked(*ticket);
+  count_for_trim_locked(ticket->nbytes);
+  TORCH_CHECK(ticket->error.empty(), ticket->error);
+  return std::move(ticket->destination);
+}
+
+at::Tensor SpillEngine::read(int64_t id, at::IntArrayRef sizes, c10::ScalarType dtype) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  auto ticket = read_locked(lock, id, sizes, dtype, "disk_read");
+  count_for_trim_locked(ticket->nbytes);
+  TORCH_CHECK(ticket->error.empty(), ticket->error);
+  // The extents stay: the next read (or a prefetch) starts reads into a buffer of its own.
+  ticket->reading = false;
+  ticket->prefetch_requested = false;
+  return std::move(ticket->destination);
+}
+
+std::shared_ptr<SpillEngine::Ticket> SpillEngine::read_locked(std::unique_lock<std::mutex>& lock, int64_t id,
+                                                             at::IntArrayRef sizes, c10::ScalarType dtype,
+                                                             const char* op) {
+  auto ticket = find_locked(id, op);
+  TORCH_CHECK(!ticket->restored, op, ": ticket ", id, " was already restored; a ticket is restored once");
+  TORCH_CHECK(dtype == ticket->dtype, op, ": dtype is ", dtype, " but ticket ", id, " holds ", ticket->dtype);
+  TORCH_CHECK(sizes == at::IntArrayRef(ticket->sizes), op, ": size is ", sizes, " but ticket ", id,
               " holds a tensor of size ", at::IntArrayRef(ticket->sizes));
   done_cv_.wait(lock, [&] { return ticket->writes_pending == 0; });
   if (ticket->error.empty() && !ticket->reading) {
     start_reads_locked(ticket);
   }
   done_cv_.wait(lock, [&] { return ticket->reads_pending == 0; });
-  ticket->restored = true;
-  free_extents_locked(*ticket);
-  count_for_trim_locked(ticket->nbytes);
-  TORCH_CHECK(ticket->error.empty(), ticket->error);
-  return std::move(ticket->destination);
+  return ticket;
 }
 
 void SpillEngine::release(int64_t id, uint64_t nonce) {

@@ -72,6 +72,9 @@ class SpillEngine {
   void prefetch(int64_t ticket);
   // The tensor back, on the CPU. A ticket is restored once; sizes and dtype must match.
   at::Tensor restore(int64_t ticket, at::IntArrayRef sizes, c10::ScalarType dtype);
+  // The tensor back, on the CPU, the ticket kept: read again as often as asked (a prefetch serves the next read),
+  // until restored or freed; sizes and dtype must match.
+  at::Tensor read(int64_t ticket, at::IntArrayRef sizes, c10::ScalarType dtype);
   // The ticket tensor is gone: its extents are freed once no I/O uses them.
   // A ticket of another engine (the parent's, after fork) is ignored.
   void release(int64_t ticket, uint64_t nonce);
@@ -112,6 +115,9 @@ class SpillEngine {
   void count_for_trim_locked(int64_t bytes);
   void free_extents_locked(Ticket& ticket);
   std::shared_ptr<Ticket> find_locked(int64_t ticket, const char* op) const;
+  // The ticket `op` reads, checked against sizes and dtype, once its reads have landed (started here if none are).
+  std::shared_ptr<Ticket> read_locked(std::unique_lock<std::mutex>& lock, int64_t ticket, at::IntArrayRef sizes,
+                                      c10::ScalarType dtype, const char* op);
 
   const uint64_t nonce_;  // per process: extents written by anyone else never verify
   SpillConfig config_;

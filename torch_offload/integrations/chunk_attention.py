@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .chunk_file import return_freed_memory
+from .chunk_store import return_freed_memory
 
 __all__ = ["Heads", "Segments", "attend", "attend_backward"]
 
@@ -119,11 +119,12 @@ class Segments:
         ]
 
 
-def attend(heads: Heads, segments: Segments, chunk: int, q, keys_and_values):
+def attend(heads: Heads, segments: Segments, chunk: int, q, keys_and_values, read_ahead=None):
     """Attention of one chunk of queries ``[heads, C, d]`` to the keys and values ``[kv heads, C', d]`` (``[.., dv]``)
     of every chunk up to it (``keys_and_values(chunk)``), block by block, the pairs joined by their log-sum-exps: the
     output ``[heads, C, dv]`` in the queries' dtype and the log-sum-exp (float32, float64 for float64) per head and
-    query, the sinks' included; -inf (output 0) for a query that sees no key and no sink."""
+    query, the sinks' included; -inf (output 0) for a query that sees no key and no sink. ``read_ahead(chunk)``
+    (where given) is told the chunk whose keys and values come next, before this one's are computed with."""
     compute = torch.promote_types(q.dtype, torch.float32)
     value_dim = keys_and_values(chunk)[1].shape[-1]
     width = max(q.shape[-1], value_dim)
@@ -134,6 +135,8 @@ def attend(heads: Heads, segments: Segments, chunk: int, q, keys_and_values):
         blocks = [b for b in segments.blocks(chunk, earlier) if _reach(heads, b, query, segments, earlier) != "none"]
         if not blocks:
             continue
+        if read_ahead is not None and earlier + 1 < chunk:
+            read_ahead(earlier + 1)
         k, v = (heads.by_head(t.to(compute), width) for t in keys_and_values(earlier))
         pair_out, pair_log_sum_exp = torch.zeros_like(query), torch.full_like(log_sum_exp, float("-inf"))
         for block in blocks:
@@ -151,7 +154,16 @@ def attend(heads: Heads, segments: Segments, chunk: int, q, keys_and_values):
 
 
 def attend_backward(
-    heads: Heads, segments: Segments, chunk: int, q, grad_out, out, log_sum_exp, keys_and_values, add_share
+    heads: Heads,
+    segments: Segments,
+    chunk: int,
+    q,
+    grad_out,
+    out,
+    log_sum_exp,
+    keys_and_values,
+    add_share,
+    read_ahead=None,
 ):
     """attend's gradients for one chunk of queries: the queries' gradient ``[heads, C, d]`` and the sinks' share
     (``[heads]``, None without sinks), returned, and for each chunk of keys up to it that a block reads, its share
@@ -169,6 +181,8 @@ def attend_backward(
         blocks = [b for b in segments.blocks(chunk, earlier) if _reach(heads, b, query, segments, earlier) != "none"]
         if not blocks:
             continue
+        if read_ahead is not None and earlier + 1 < chunk:
+            read_ahead(earlier + 1)
         k, v = keys_and_values(earlier)
         k_heads, v_heads = heads.by_head(k.to(compute), width), heads.by_head(v.to(compute), width)
         grad_k, grad_v = torch.zeros_like(k_heads), torch.zeros_like(v_heads)

@@ -3,10 +3,10 @@ apply()'s step for training calls with labels (chunk_recurrent_route.py).
 
 Why: a whole training step holds tensors of every token at once (each layer's activations, autograd's gradients of
 ``[T, hidden]``). Here one autograd Function owns the step, and everything that grows with the sequence (each
-layer's output, keys, values, attention output and log-sum-exp, the gradients flowing back) lives in an unnamed file
-in chunks of ``chunk_tokens`` tokens (chunk_file.py). The process holds one chunk's working set, one chunk of keys
-and values at a time, the weights' gradients and the batch's token ids, positions and labels: its memory grows by a
-few bytes per token (the batch's own tensors), whatever the context.
+layer's output, keys, values, attention output and log-sum-exp, the gradients flowing back) lives in the disk tier's
+unnamed file in chunks of ``chunk_tokens`` tokens (chunk_store.py). The process holds one chunk's working set, one
+chunk of keys and values at a time, the weights' gradients and the batch's token ids, positions and labels: its
+memory grows by a few bytes per token (the batch's own tensors), whatever the context.
 
 How: forward runs the decoder's own forward on one chunk after another (chunk_model.py), its attention modules
 calling the step's attention implementation (chunk_seam.py), which attends a chunk's queries to the keys and values
@@ -39,9 +39,9 @@ from ..disk import default_spill_directory, spill_directory_in_ram
 from ..linear_cross_entropy import linear_cross_entropy
 from .chunk_attention import Segments
 from .chunk_batch import Batch, batch_of, checked_rows, reach_of, runs_of_real_tokens
-from .chunk_file import ChunkFile, return_freed_memory
 from .chunk_model import StepModel, add_gradients, packs_documents, step_model_problem
 from .chunk_seam import StepAttention, Unsupported, running
+from .chunk_store import ChunkStore, return_freed_memory
 from .sequence_parallelism import rope_of_the_calls_positions
 
 __all__ = ["chunk_recurrent_loss"]
@@ -188,7 +188,7 @@ class _ChunkRecurrentStep(torch.autograd.Function):
         trained, read_again = trained_and_read_again
         tokens = len(batch.ids)
         bounds = [(start, min(start + chunk_tokens, tokens)) for start in range(0, tokens, chunk_tokens)]
-        store = ChunkFile(directory)
+        store = ChunkStore(directory)
         segments = Segments(bounds, batch.query_segments, batch.key_segments)
         seam = StepAttention(store, segments, reach_of(batch), parts.layer_of)
         wants_gradients = any(ctx.needs_input_grad[5:])
@@ -221,6 +221,7 @@ class _ChunkRecurrentStep(torch.autograd.Function):
                     if grad_hidden is not None:
                         store.write(("grad", chunk), grad_hidden)
                     del hidden, grad_hidden
+                    store.settle()
                     return_freed_memory()
         except BaseException:
             store.close()
@@ -283,6 +284,7 @@ class _ChunkRecurrentStep(torch.autograd.Function):
                                 store.release((name, layer, chunk))
                     del hidden, found, seen, embedded
                     entries.clear()
+                    store.settle()
                     return_freed_memory()
             if plain:
                 _embedding_rows(parts.embed, store, len(seam.segments.bounds), gradients)

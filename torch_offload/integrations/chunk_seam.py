@@ -65,11 +65,23 @@ class StepAttention:
     def keys_and_values(self, layer: int):
         return lambda chunk: (self.store.read(("k", layer, chunk)), self.store.read(("v", layer, chunk)))
 
+    def read_ahead(self, layer: int):
+        """The disk tier starts reading a chunk's keys and values while the chunk before is computed with."""
+
+        def read_ahead(chunk):
+            self.store.prefetch(("k", layer, chunk))
+            self.store.prefetch(("v", layer, chunk))
+
+        return read_ahead
+
     def forward(self, layer: int, heads: Heads, q, k, v):
         """One chunk's attention output ``[heads, C, dv]``, its keys, values, output and log-sum-exp kept."""
+        self.store.settle()  # the layer before's writes: what is being written stays a layer's
         self.store.write(("k", layer, self.chunk), k)
         self.store.write(("v", layer, self.chunk), v)
-        out, log_sum_exp = attend(heads, self.segments, self.chunk, q, self.keys_and_values(layer))
+        out, log_sum_exp = attend(
+            heads, self.segments, self.chunk, q, self.keys_and_values(layer), self.read_ahead(layer)
+        )
         self.store.write(("out", layer, self.chunk), out)
         self.store.write(("lse", layer, self.chunk), log_sum_exp)
         return out
@@ -167,6 +179,7 @@ class _ChunkAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         step, layer, chunk, store = ctx.step, ctx.layer, ctx.chunk, ctx.step.store
+        store.settle()
         q, k, v = ctx.saved_tensors
         earlier = step.keys_and_values(layer)
 
@@ -184,7 +197,16 @@ class _ChunkAttention(torch.autograd.Function):
                 _add_into(store, ("grad v", layer, keys_chunk), share_v)
 
         grad_q, grad_sinks = attend_backward(
-            ctx.heads, step.segments, chunk, q, grad_out, out, log_sum_exp, keys_and_values, add_share
+            ctx.heads,
+            step.segments,
+            chunk,
+            q,
+            grad_out,
+            out,
+            log_sum_exp,
+            keys_and_values,
+            add_share,
+            step.read_ahead(layer),
         )
         grads = []
         for name, tensor in (("k", k), ("v", v)):
