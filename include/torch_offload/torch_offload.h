@@ -78,8 +78,7 @@ inline at::Tensor disk_restore(const at::Tensor& ticket, at::IntArrayRef size, c
 }
 
 // The spilled tensor back on `device`, the ticket kept: read again as often as asked, until restored or freed.
-inline at::Tensor disk_read(const at::Tensor& ticket, at::IntArrayRef size, c10::ScalarType dtype,
-                            c10::Device device) {
+inline at::Tensor disk_read(const at::Tensor& ticket, at::IntArrayRef size, c10::ScalarType dtype, c10::Device device) {
   static const auto handle =
       detail::op<at::Tensor(const at::Tensor&, c10::SymIntArrayRef, c10::ScalarType, c10::Device)>(
           "offload::disk_read");

@@ -24,8 +24,7 @@ at::Tensor disk_restore_meta(const at::Tensor& ticket, c10::SymIntArrayRef size,
                              c10::Device device);
 
 // disk_restore's tensor, the ticket kept for another read.
-at::Tensor disk_read_cpu(const at::Tensor& ticket, c10::SymIntArrayRef size, c10::ScalarType dtype,
-                         c10::Device device);
+at::Tensor disk_read_cpu(const at::Tensor& ticket, c10::SymIntArrayRef size, c10::ScalarType dtype, c10::Device device);
 
 void disk_prefetch_cpu(const at::Tensor& ticket);
 void disk_wait_cpu(const at::Tensor& ticket);

@@ -387,8 +387,8 @@ at::Tensor SpillEngine::read(int64_t id, at::IntArrayRef sizes, c10::ScalarType 
 }
 
 std::shared_ptr<SpillEngine::Ticket> SpillEngine::read_locked(std::unique_lock<std::mutex>& lock, int64_t id,
-                                                             at::IntArrayRef sizes, c10::ScalarType dtype,
-                                                             const char* op) {
+                                                              at::IntArrayRef sizes, c10::ScalarType dtype,
+                                                              const char* op) {
   auto ticket = find_locked(id, op);
   TORCH_CHECK(!ticket->restored, op, ": ticket ", id, " was already restored; a ticket is restored once");
   TORCH_CHECK(dtype == ticket->dtype, op, ": dtype is ", dtype, " but ticket ", id, " holds ", ticket->dtype);
