@@ -523,3 +523,21 @@ def test_rl_trainer_scoring_from_whole_logits_is_warned_about(tmp_path):
         warnings.simplefilter("error")
         for args in others:
             assert trl_fused_head.install(tiny_model(), "caller", args) == (None, None)
+
+
+def test_rl_trainers_calls_take_the_layers_path_unless_asked(tmp_path):
+    # An RL trainer's calls carry no labels, which the chunk-recurrent step does not take: the callback's apply()
+    # gives them the layers' path, unless chunk_recurrent is given; a plain Trainer's keep the step.
+    from torch_offload.integrations.plan import LAYERS, STEP
+
+    grpo = rl_arguments(tmp_path, trl.GRPOConfig, num_generations=2)
+    for options, args, route in (({}, grpo, LAYERS), ({"chunk_recurrent": True}, grpo, STEP), ({}, None, STEP)):
+        model = tiny_model()
+        callback = torch_offload.TorchOffloadCallback(**options)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TRL's version without a fused head on this model: said elsewhere
+            callback.on_train_begin(args, None, None, model=model)
+        try:
+            assert callback.handle.route == route, (options, args)
+        finally:
+            callback.on_train_end(args, None, None)

@@ -28,6 +28,8 @@ class TorchOffloadCallback(transformers.TrainerCallback):
     Under TRL 1.16's trainers (GRPO, DPO, ...), whose fused LM head scores the tokens, its calls go through the
     ``token_logprobs`` op while training (``callback.fused_head.calls`` counts them; torch_offload/trl_fused_head.py).
     Under an RL trainer of an older TRL (1.9), which scores tokens from the whole logits, a warning says so.
+    Under either, whose calls carry no labels, apply() takes the layers' path (``chunk_recurrent=False`` unless
+    given).
 
     ``sequence_parallel`` is a ValueError here: a Trainer hands every rank whole batches, never
     ``torch_offload.shard_batch``'s share of their tokens.
@@ -63,9 +65,13 @@ class TorchOffloadCallback(transformers.TrainerCallback):
         if model is None:
             raise ValueError(f"{_CALLER}: the trainer passed no model to on_train_begin")
         self._remove_stale(model)
+        options = dict(self.apply_options)
+        if trl_fused_head.scores_tokens(model, args):
+            # Its calls carry no labels, so the step would leave them unoffloaded: the layers' path takes them.
+            options.setdefault("chunk_recurrent", False)
         self.fused_head, self._undo_fused_head = trl_fused_head.install(model, _CALLER, args)
         try:
-            self.handle = apply(model, **self.apply_options)
+            self.handle = apply(model, **options)
         except BaseException:
             self._remove()
             raise

@@ -115,6 +115,12 @@ def _rl_trainer_config(args) -> str | None:
     return None
 
 
+def scores_tokens(model, args) -> bool:
+    """Whether the trainer scores tokens through TRL's fused LM head or under an RL configuration: calls without
+    labels, which the chunk-recurrent step does not take."""
+    return _has_trl_fused_head(model) or _rl_trainer_config(args) is not None
+
+
 def install(model, caller: str, args=None):
     """Where a TRL trainer gave ``model`` its fused LM head: puts the stand-in in place of TRL's function and
     returns it with the undo, or warns and returns (None, None) where the installed TRL is not a version whose
