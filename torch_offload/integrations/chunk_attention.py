@@ -131,12 +131,7 @@ def attend(heads: Heads, segments: Segments, chunk: int, q, keys_and_values, rea
     query = F.pad(q.to(compute), (0, width - q.shape[-1]))[None]
     out = torch.zeros((1, q.shape[0], q.shape[1], value_dim), dtype=compute)
     log_sum_exp = heads.before_any_key(q.shape[0], q.shape[1], compute)
-    for earlier in range(chunk + 1):
-        blocks = [b for b in segments.blocks(chunk, earlier) if _reach(heads, b, query, segments, earlier) != "none"]
-        if not blocks:
-            continue
-        if read_ahead is not None and earlier + 1 < chunk:
-            read_ahead(earlier + 1)
+    for earlier, blocks in _pairs(heads, segments, chunk, query, read_ahead):
         k, v = (heads.by_head(t.to(compute), width) for t in keys_and_values(earlier))
         pair_out, pair_log_sum_exp = torch.zeros_like(query), torch.full_like(log_sum_exp, float("-inf"))
         for block in blocks:
@@ -177,12 +172,7 @@ def attend_backward(
     grad_out, out = (F.pad(t.to(compute), (0, width - value_dim))[None] for t in (grad_out, out))
     log_sum_exp = log_sum_exp[None]
     grad_q = torch.zeros_like(query)
-    for earlier in range(chunk + 1):
-        blocks = [b for b in segments.blocks(chunk, earlier) if _reach(heads, b, query, segments, earlier) != "none"]
-        if not blocks:
-            continue
-        if read_ahead is not None and earlier + 1 < chunk:
-            read_ahead(earlier + 1)
+    for earlier, blocks in _pairs(heads, segments, chunk, query, read_ahead):
         k, v = keys_and_values(earlier)
         k_heads, v_heads = heads.by_head(k.to(compute), width), heads.by_head(v.to(compute), width)
         grad_k, grad_v = torch.zeros_like(k_heads), torch.zeros_like(v_heads)
@@ -208,6 +198,22 @@ def attend_backward(
         sink_share = (heads.sinks.detach().to(compute)[None, :, None] - log_sum_exp).exp()
         grad_sinks = -(sink_share * (grad_out * out).sum(-1)).sum((0, 2))
     return grad_q[0, ..., : q.shape[-1]], grad_sinks
+
+
+def _pairs(heads: Heads, segments: Segments, chunk: int, query, read_ahead):
+    """The chunks of keys up to ``chunk`` that some block of its queries reads, each with those blocks; before each
+    is computed with, ``read_ahead`` (where given) is told the next one read, so that a chunk no block reads (another
+    document's, one past a window) is never read ahead and left in memory."""
+    pairs = []
+    for earlier in range(chunk + 1):
+        blocks = [b for b in segments.blocks(chunk, earlier) if _reach(heads, b, query, segments, earlier) != "none"]
+        if blocks:
+            pairs.append((earlier, blocks))
+    for index, (earlier, blocks) in enumerate(pairs):
+        following = pairs[index + 1][0] if index + 1 < len(pairs) else chunk
+        if read_ahead is not None and following < chunk:  # the queries' own chunk is at hand
+            read_ahead(following)
+        yield earlier, blocks
 
 
 def _reach(heads: Heads, block: _Block, query, segments: Segments, keys_chunk: int) -> str:
