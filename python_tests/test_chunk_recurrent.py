@@ -5,6 +5,7 @@ sequence, tied heads, frozen weights and a scaled loss; nothing left open; bad i
 import gc
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -253,9 +254,18 @@ def test_without_gradients_and_without_backward_nothing_stays_open(tmp_path):
     assert len(os.listdir("/proc/self/fd")) == descriptors + 1  # the step's chunk file, kept for backward
     del loss  # a graph dropped without backward
     gc.collect()
-    assert len(os.listdir("/proc/self/fd")) == descriptors
+    assert open_descriptors(descriptors) == descriptors
     chunked(model, ids, labels, tmp_path, chunk_tokens=5)
-    assert len(os.listdir("/proc/self/fd")) == descriptors and os.listdir(tmp_path) == []
+    assert open_descriptors(descriptors) == descriptors and os.listdir(tmp_path) == []
+
+
+def open_descriptors(expected, seconds=10.0):
+    """The process's open descriptors once they are ``expected`` or ``seconds`` have passed: the disk tier closes a
+    file on its I/O thread, after the last ticket in it is freed."""
+    deadline = time.monotonic() + seconds
+    while (count := len(os.listdir("/proc/self/fd"))) != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return count
 
 
 def with_dropout(model):
