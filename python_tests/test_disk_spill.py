@@ -289,6 +289,20 @@ def test_bad_directories_are_refused_by_name(tmp_path):
         torch_offload.disk_spill(t, directory=str(a_file))
 
 
+def test_a_directory_removed_while_its_spill_file_is_open_is_refused_by_name_and_the_held_data_stays(tmp_path):
+    """The open file (held by a live ticket) would still take data: the error must not hang on whether an
+    earlier ticket (or the I/O thread holding it) is gone yet."""
+    directory = tmp_path / "spill"
+    directory.mkdir()
+    t = sample((4, 6), torch.float32)
+    held = torch_offload.disk_spill(t, directory=str(directory))
+    torch_offload.disk_wait(held)
+    directory.rmdir()
+    with pytest.raises(RuntimeError, match=f"disk_spill: directory '{directory}' cannot be used: No such file"):
+        torch_offload.disk_spill(t, directory=str(directory))
+    assert torch.equal(torch_offload.disk_restore(held, t.shape, t.dtype, "cpu"), t)
+
+
 def test_restore_to_meta_is_refused_before_the_ticket_is_used(spill_dir):
     t = sample((4, 6), torch.float32)
     ticket = torch_offload.disk_spill(t, directory=spill_dir)

@@ -200,6 +200,7 @@ std::shared_ptr<SpillFile> SpillEngine::file_for(const std::string& directory, b
   std::lock_guard<std::mutex> lock(mutex_);
   std::erase_if(files_, [](const auto& entry) { return entry.second.expired(); });
   if (auto file = files_[directory].lock()) {
+    file->check_directory();
     file->check_allowed(allow_tmpfs);
     return file;
   }

@@ -49,10 +49,7 @@ const char* ram_filesystem_name(int64_t f_type) {
 }
 
 SpillFile::SpillFile(const std::string& directory, bool allow_tmpfs) : directory_(directory) {
-  struct stat info{};
-  TORCH_CHECK(::stat(directory.c_str(), &info) == 0, "disk_spill: directory '", directory,
-              "' cannot be used: ", std::strerror(errno));
-  TORCH_CHECK(S_ISDIR(info.st_mode), "disk_spill: directory '", directory, "' is not a directory");
+  check_directory();
   TORCH_CHECK(::access(directory.c_str(), W_OK | X_OK) == 0, "disk_spill: directory '", directory,
               "' is not writable: ", std::strerror(errno));
   struct statfs fs{};
@@ -71,6 +68,13 @@ SpillFile::SpillFile(const std::string& directory, bool allow_tmpfs) : directory
 
 SpillFile::~SpillFile() {
   ::close(fd_);
+}
+
+void SpillFile::check_directory() const {
+  struct stat info{};
+  TORCH_CHECK(::stat(directory_.c_str(), &info) == 0, "disk_spill: directory '", directory_,
+              "' cannot be used: ", std::strerror(errno));
+  TORCH_CHECK(S_ISDIR(info.st_mode), "disk_spill: directory '", directory_, "' is not a directory");
 }
 
 void SpillFile::check_allowed(bool allow_tmpfs) const {

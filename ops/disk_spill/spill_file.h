@@ -32,6 +32,10 @@ class SpillFile {
   // Throws unless allow_tmpfs or the directory is not in RAM: asked of every spill,
   // since one call allowing tmpfs does not allow it for the next.
   void check_allowed(bool allow_tmpfs) const;
+  // Throws (naming it) if the directory is gone or no longer a directory: asked of
+  // every spill too, so a removed directory is an error whether or not an earlier
+  // spill's file is still open there.
+  void check_directory() const;
 
   // A file offset for `bytes` (a multiple of kBlock), reusing freed space first.
   size_t allocate(size_t bytes);
