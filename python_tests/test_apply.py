@@ -344,7 +344,7 @@ FAMILIES = {
         ["tiled_mlp", "streamed", "tiled_experts"],
     ),
     # Llama 4's layers call their MLP feed_forward; its mixtures' experts take expert-major rows, so the whole block
-    # runs in shards of tokens.
+    # runs in shards of tokens. A layer without rotary embedding, whose queries' temperature grows every 4 places.
     "llama4": (
         lambda: transformers.Llama4ForCausalLM(
             transformers.Llama4TextConfig(
@@ -353,6 +353,8 @@ FAMILIES = {
                 num_local_experts=4,
                 num_experts_per_tok=1,
                 interleave_moe_layer_step=2,
+                no_rope_layers=[1, 0, 1],
+                floor_scale=4,
                 attn_implementation="sdpa",
             )
         ),

@@ -32,6 +32,9 @@ class Family:
     - ``packs_documents``: its decoder reads packed documents off ``position_ids`` (GPT-OSS's, in transformers 5.24,
       builds its masks without them, so its documents attend to each other; its attention over ranks does the same).
     - ``llama_loop``: its decoder and layer forwards are Llama's, so that apply can run the loop over the layers.
+    - ``places_from_cache``: its attention reads each token's place in the call (the call's 0..T-1, not its
+      ``position_ids``) off a key/value cache's length: Llama 4's query temperature in its layers without rotary
+      embedding. The step cuts its chunks at row ends and hands each layer a cache that says where its chunk begins.
     - ``step``: None where the chunk-recurrent step computes what its forward computes, chunk by chunk; else why not,
       a fact of its code no probe on a short batch shows.
     """
@@ -42,6 +45,7 @@ class Family:
     sequence_parallel: bool = True
     packs_documents: bool = True
     llama_loop: bool = False
+    places_from_cache: bool = False
     step: str | None = None
 
 
@@ -72,12 +76,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family("Qwen3-MoE", passes_window=True, llama_loop=True),
     "deepseek_v3": Family("DeepSeek-V3", llama_loop=True),
     "gpt_oss": Family("GPT-OSS", masks="eager", passes_window=True, packs_documents=False),
-    "llama4_text": Family(
-        "Llama 4",
-        sequence_parallel=False,
-        step="its layers without rotary embedding scale queries by a temperature of each token's place in the "
-        "call (arange of the call's length), which in a chunk is not its place in the sequence",
-    ),
+    "llama4_text": Family("Llama 4", sequence_parallel=False, places_from_cache=True),
     "qwen2_vl_text": Family("Qwen2-VL", masks=None, sequence_parallel=False),
 }
 

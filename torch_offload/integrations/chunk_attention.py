@@ -34,13 +34,15 @@ class Heads:
     """What one attention call's heads need: the scores' scale, the query heads per key/value head, and the score
     mods the model's attention passes: a soft-cap (``cap * tanh(score / cap)``), a sliding window (a query sees
     ``window`` keys at most: itself and those just before it), sinks (one more logit per head in each query's softmax,
-    with no value)."""
+    with no value), attention chunks (a query sees only the keys of its own ``attention_chunk`` tokens, as
+    ``Segments.chunked_places`` count them: Llama 4's chunked attention)."""
 
     scaling: float
     groups: int
     softcap: float | None = None
     window: int | None = None
     sinks: torch.Tensor | None = None
+    attention_chunk: int | None = None
 
     def by_head(self, keys: torch.Tensor, width: int) -> torch.Tensor:
         """Keys or values ``[kv heads, C, d]`` for every query head (transformers' repeat_kv), a batch of one, their
@@ -96,13 +98,40 @@ class Segments:
 
     ``query_segments`` and ``key_segments`` (``[tokens]`` int64, or both None for one causal sequence) give each
     token the segment it sees as a query and the one it belongs to as a key, -1 for none. A segment's tokens are
-    contiguous, and so are the queries that see it (its tokens, then the padding after them in their row)."""
+    contiguous, and so are the queries that see it (its tokens, then the padding after them in their row).
+    ``chunked_places`` (``[tokens]``, where given) are the places attention chunks are counted from."""
 
-    def __init__(self, bounds, query_segments: torch.Tensor | None = None, key_segments: torch.Tensor | None = None):
+    def __init__(
+        self,
+        bounds,
+        query_segments: torch.Tensor | None = None,
+        key_segments: torch.Tensor | None = None,
+        chunked_places: torch.Tensor | None = None,
+    ):
         self.bounds = bounds
+        self._segments, self._chunked_places, self._within_chunks = (query_segments, key_segments), chunked_places, {}
         self._runs = None
         if query_segments is not None:
             self._runs = [(_runs(query_segments[start:end]), _runs(key_segments[start:end])) for start, end in bounds]
+
+    def seen_by(self, heads: Heads) -> Segments:
+        """These segments as ``heads`` see them: cut at the bounds of its attention chunks, where it has them (a
+        segment's run within one attention chunk is a segment of its own)."""
+        size = heads.attention_chunk
+        if size is None:
+            return self
+        if size not in self._within_chunks:
+            if self._chunked_places is None:
+                raise ValueError("Segments: attention chunks asked for without the places they are counted from")
+            queries, keys = self._segments
+            if queries is None:
+                queries = keys = torch.zeros_like(self._chunked_places)
+            chunk = self._chunked_places.div(size, rounding_mode="floor")
+            chunk = chunk - chunk.min()
+            count = int(chunk.max()) + 1
+            queries, keys = (torch.where(ids >= 0, ids * count + chunk, -1) for ids in (queries, keys))
+            self._within_chunks[size] = Segments(self.bounds, queries, keys)
+        return self._within_chunks[size]
 
     def blocks(self, queries_chunk: int, keys_chunk: int) -> list[_Block]:
         """The blocks of ``queries_chunk`` against ``keys_chunk`` (at or before it): the queries that see those
@@ -204,6 +233,7 @@ def _pairs(heads: Heads, segments: Segments, chunk: int, query, read_ahead):
     """The chunks of keys up to ``chunk`` that some block of its queries reads, each with those blocks; before each
     is computed with, ``read_ahead`` (where given) is told the next one read, so that a chunk no block reads (another
     document's, one past a window) is never read ahead and left in memory."""
+    segments = segments.seen_by(heads)
     pairs = []
     for earlier in range(chunk + 1):
         blocks = [b for b in segments.blocks(chunk, earlier) if _reach(heads, b, query, segments, earlier) != "none"]

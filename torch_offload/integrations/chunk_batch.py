@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ..attention_block import attention_block_segment_ids
 
-__all__ = ["Batch", "batch_of", "checked_rows", "reach_of", "runs_of_real_tokens"]
+__all__ = ["Batch", "batch_of", "checked_rows", "chunk_bounds", "reach_of", "runs_of_real_tokens"]
 
 
 @dataclass
@@ -26,6 +26,10 @@ class Batch:
     ignore_index: int
     query_segments: torch.Tensor | None  # None: one causal sequence (chunk_attention.Segments)
     key_segments: torch.Tensor | None
+    row_length: int
+    # The place each token's attention chunk (Llama 4's chunked attention) is counted from, as transformers' masks
+    # count it: a packed document's position, else the place in the row after its left padding.
+    chunked_places: torch.Tensor
 
 
 def batch_of(
@@ -57,6 +61,11 @@ def batch_of(
         # Ids grow along a row: a pad sees the last segment before it (transformers' causal mask over real keys).
         query_segments, key_segments = keys.cummax(dim=1).values.reshape(-1), keys.reshape(-1)
     positions = torch.arange(length) if position_ids is None else position_ids
+    chunked_places = torch.arange(length).expand(rows, length)
+    if attention_mask is not None:
+        chunked_places = chunked_places - (attention_mask.cumsum(1) == 0).sum(1, keepdim=True)
+    elif position_ids is not None and packed and _restarts(position_ids):
+        chunked_places = position_ids.expand(rows, length)
     targets = shift_labels if shift_labels is not None else F.pad(labels, (0, 1), value=ignore_index)[:, 1:]
     count = num_items_in_batch if num_items_in_batch is not None else (targets != ignore_index).sum()
     return Batch(
@@ -67,7 +76,24 @@ def batch_of(
         ignore_index,
         query_segments,
         key_segments,
+        length,
+        chunked_places.reshape(-1).clone(),
     )
+
+
+def _restarts(position_ids: torch.Tensor) -> bool:
+    """Whether transformers reads packed documents off ``position_ids``: a step other than 1 along some row."""
+    return bool((position_ids.diff(dim=-1) != 1).any())
+
+
+def chunk_bounds(batch: Batch, chunk_tokens: int, within_rows: bool) -> list[tuple[int, int]]:
+    """The step's chunks of ``batch``: ``chunk_tokens`` tokens each, the last shorter; ``within_rows``: cut at each
+    row's end too, so that a chunk's tokens have consecutive places in their row."""
+    tokens = len(batch.ids)
+    starts = range(0, tokens, chunk_tokens)
+    if within_rows:
+        starts = sorted({*starts, *range(0, tokens, batch.row_length)})
+    return [(start, end) for start, end in zip(starts, [*starts[1:], tokens])]
 
 
 def reach_of(batch: Batch) -> int:

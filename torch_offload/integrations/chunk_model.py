@@ -13,6 +13,7 @@ forward from its input, one layer of one chunk at a time (``_ReplayedLayer``).
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 from torch import nn
@@ -39,13 +40,22 @@ class StepModel:
         self.layer_of = {id(getattr(layer, _attention_of(layer))): index for index, layer in enumerate(self.layers)}
         self.math: _HeadMath = _head_math(model, self.head)
         self.configs = _configs(self.decoder)
+        family = family_of(getattr(self.decoder, "config", None))
+        self.places_from_cache = family is not None and family.places_from_cache
+        self._place = 0  # where the running chunk begins in its row
         # Eager attention gives a query that sees no key (a left pad) a softmax over its whole row, later keys too.
         self.eager = any(vars(config).get("_attn_implementation_internal") == "eager" for config in self.configs)
 
-    def hidden(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The decoder's own output ``[C, hidden]`` (after its final norm) for one chunk's ``ids`` at ``positions``."""
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, place: int) -> torch.Tensor:
+        """The decoder's own output ``[C, hidden]`` (after its final norm) for one chunk's ``ids`` at ``positions``,
+        beginning at ``place`` in its row."""
+        self._place = place
         output = self.decoder(input_ids=ids[None], position_ids=positions[None], use_cache=False)
         return output.last_hidden_state[0]
+
+    def _placed(self, kwargs: dict) -> dict:
+        """A layer's keyword arguments, with a _ChunkPlace for its cache where the family reads places there."""
+        return {**kwargs, "cache": _ChunkPlace(self._place)} if self.places_from_cache else kwargs
 
     def plain_embedding(self) -> bool:
         """Whether the input embedding is a trained plain ``nn.Embedding``, whose gradient the step adds by rows
@@ -88,7 +98,7 @@ class StepModel:
 
         def wrapped(index, own):
             def forward(*args, **kwargs):
-                output = own(*args, **kwargs)
+                output = own(*args, **self._placed(kwargs))
                 write(index, _hidden_of(output, self.layers[index]))
                 return output
 
@@ -109,7 +119,7 @@ class StepModel:
 
         def wrapped(index, own):
             def forward(hidden, *args, **kwargs):
-                leaves, spec = _pytree.tree_flatten((args, kwargs))
+                leaves, spec = _pytree.tree_flatten((args, self._placed(kwargs)))
                 tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
                 def run(hidden, *tensor_leaves):
@@ -131,6 +141,21 @@ class StepModel:
 
         with _layers_wrapped(self.layers, wrapped):
             yield entries
+
+
+class _ChunkPlace:
+    """What a layer of a family that reads each token's place in the call off its key/value cache (families.py:
+    ``places_from_cache``) is handed as its cache while the step runs a chunk: the chunk's tokens before it in its
+    row as the cache's length, and nothing kept (``update`` hands the chunk's keys and values back)."""
+
+    def __init__(self, place: int):
+        self.place = place
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.place
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return key_states, value_states
 
 
 class _LayerReplay:
@@ -242,6 +267,10 @@ def step_model_problem(model: nn.Module) -> str | None:
         return "its output layer is inside its decoder"
     if any(_attention_of(layer) is None for layer in layers):
         return "a decoder layer has no single attention module"
+    if family.places_from_cache and any(
+        "cache" not in inspect.signature(getattr(layer, _attention_of(layer)).forward).parameters for layer in layers
+    ):  # transformers before 5.24 names it past_key_values and reads places off cache_position
+        return "its attention takes no cache argument, through which the step would hand it a chunk's place"
     math = _head_math(model, head)
     if isinstance(math, str):
         return math

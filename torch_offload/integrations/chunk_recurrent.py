@@ -38,7 +38,7 @@ from torch import nn
 from ..disk import default_spill_directory, spill_directory_in_ram
 from ..linear_cross_entropy import linear_cross_entropy
 from .chunk_attention import Segments
-from .chunk_batch import Batch, batch_of, checked_rows, reach_of, runs_of_real_tokens
+from .chunk_batch import Batch, batch_of, checked_rows, chunk_bounds, reach_of, runs_of_real_tokens
 from .chunk_model import StepModel, add_gradients, packs_documents, step_model_problem
 from .chunk_seam import StepAttention, Unsupported, running
 from .chunk_store import ChunkStore, return_freed_memory
@@ -186,10 +186,9 @@ class _ChunkRecurrentStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, parts, batch, chunk_tokens, directory, trained_and_read_again, *parameters):
         trained, read_again = trained_and_read_again
-        tokens = len(batch.ids)
-        bounds = [(start, min(start + chunk_tokens, tokens)) for start in range(0, tokens, chunk_tokens)]
+        bounds = chunk_bounds(batch, chunk_tokens, within_rows=parts.places_from_cache)
         store = ChunkStore(directory)
-        segments = Segments(bounds, batch.query_segments, batch.key_segments)
+        segments = Segments(bounds, batch.query_segments, batch.key_segments, batch.chunked_places)
         seam = StepAttention(store, segments, reach_of(batch), parts.layer_of)
         wants_gradients = any(ctx.needs_input_grad[5:])
         if parts.eager and batch.query_segments is not None:
@@ -212,7 +211,9 @@ class _ChunkRecurrentStep(torch.autograd.Function):
                 for chunk, (start, end) in enumerate(bounds):
                     seam.start(chunk, backward=False)
                     with torch.no_grad():
-                        hidden = parts.hidden(batch.ids[start:end], batch.positions[start:end])
+                        hidden = parts.hidden(
+                            batch.ids[start:end], batch.positions[start:end], start % batch.row_length
+                        )
                     seam.finish(len(parts.layers))
                     chunk_loss, grad_hidden = _chunk_loss(
                         parts, hidden, batch, start, end, wants_gradients, head, gradients
@@ -263,7 +264,9 @@ class _ChunkRecurrentStep(torch.autograd.Function):
                     seam.start(chunk, backward=True)
                     entries.clear()
                     with torch.enable_grad(), parts.embeddings_seen() as seen:
-                        hidden = parts.hidden(batch.ids[start:end], batch.positions[start:end])
+                        hidden = parts.hidden(
+                            batch.ids[start:end], batch.positions[start:end], start % batch.row_length
+                        )
                         embedded = [output for _, output in seen] if plain else []
                         found = torch.autograd.grad(
                             hidden,

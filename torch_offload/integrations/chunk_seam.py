@@ -6,9 +6,9 @@ to every chunk of keys and values up to it (chunk_attention.py), keeping what ba
 
 Its mask function builds no mask: the step knows the batch's documents and rows (``Segments``), and it reads only
 how far transformers' mask lets a query reach: a sliding window, which the seam computes with the scores the
-attention module passes on (soft-capped, with sinks), or Llama 4's attention chunks, which it refuses where shorter
-than a query's reach. The seam refuses by name (``Unsupported``) whatever else would change attention (dropout, a
-call that is not causal, an argument it does not know), so that a probe or a call fails loudly rather than differ.
+attention module passes on (soft-capped, with sinks), or Llama 4's attention chunks, which cut the segments. The
+seam refuses by name (``Unsupported``) whatever else would change attention (dropout, a call that is not causal, an
+argument it does not know), so that a probe or a call fails loudly rather than differ.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ class Unsupported(RuntimeError):
 
 
 class Reach:
-    """The mask function's answer where transformers composed a reach (a sliding window, attention chunks): the seam
-    refuses one shorter than the batch."""
+    """The mask function's answer where transformers composed a reach: ``kind`` "a sliding window" or "an attention
+    chunk" (masking._describe), of ``size`` tokens."""
 
     def __init__(self, kind: str, size: int):
         self.kind, self.size = kind, size
@@ -142,8 +142,7 @@ def _heads(module, query, key, value, mask, dropout, scaling, reach, kwargs) -> 
         raise Unsupported(f"{type(module).__name__} is not causal")
     if mask is not None and not isinstance(mask, Reach):
         raise Unsupported(f"its mask is a {type(mask).__name__}, which the step does not compute")
-    if isinstance(mask, Reach) and mask.kind != "a sliding window" and mask.size < reach:
-        raise Unsupported(f"its mask is {mask.kind} of {mask.size} tokens, shorter than the {reach} keys a query sees")
+    attention_chunk = mask.size if isinstance(mask, Reach) and mask.kind == "an attention chunk" else None
     if isinstance(mask, Reach) and mask.kind == "a sliding window":
         if window is not None and window != mask.size:
             raise Unsupported(f"its attention passes sliding_window={window} where its mask's window is {mask.size}")
@@ -158,6 +157,7 @@ def _heads(module, query, key, value, mask, dropout, scaling, reach, kwargs) -> 
         softcap=float(softcap) if softcap else None,
         window=window if window is not None and window < reach else None,
         sinks=sinks,
+        attention_chunk=attention_chunk,
     )
 
 
