@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+import transformers
 from test_apply import FAMILIES, MODELS, make_model
 from test_chunk_recurrent import assert_equal_to_rounding, batches, reference
 from test_chunk_recurrent_route import applied, applied_step, small_chunks  # noqa: F401 (a fixture)
@@ -15,10 +16,9 @@ from torch_offload.integrations import chunk_recurrent_route
 
 # Families whose own forward computes in float32 inside a float64 model (norms, routers): their gradients are the
 # plain model's to float32's rounding of sums over tokens, which the step groups by chunk.
-FLOAT32_INSIDE = {"gemma", "gemma2", "gemma3_text", "cohere", "deepseek_v3", "gpt_oss"}
+FLOAT32_INSIDE = {"gemma", "gemma2", "gemma3_text", "gemma3n", "cohere", "deepseek_v3", "gpt_oss"}
 # What the step does not compute yet, as handle.chunk_recurrent says it.
 NOT_YET = {
-    "gemma3n": "its layers past the sharing point reuse an earlier layer's keys",  # torch_offload.families
     "qwen2_vl": "model.visual.patch_embed.proj.weight is trained",  # the vision tower: the step trains no tower
 }
 
@@ -27,10 +27,21 @@ def build(name):
     if name in MODELS:
         return make_model(name)
     torch.manual_seed(0)
-    model = FAMILIES[name][0]().float().train()
+    model = (gemma3n_sharing_keys_and_values() if name == "gemma3n" else FAMILIES[name][0]()).float().train()
     model.config.output_router_logits = False  # a router loss keeps calls on the other path (not computed yet)
     if name == "llama4":  # its layers with rotary embedding in attention chunks, as at long context
         model.config.attention_chunk_size = 8
+    return model
+
+
+def gemma3n_sharing_keys_and_values():
+    """Gemma 3n as released: its last layers attend with the keys and values of the last earlier layer of their
+    type (here layer 2 with layer 0's), which the decoder hands on."""
+    config = FAMILIES["gemma3n"][0]().config
+    config.layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+    config.num_kv_shared_layers = 1
+    model = transformers.Gemma3nForCausalLM(config)
+    assert model.model.layers[2].self_attn.is_kv_shared_layer
     return model
 
 
@@ -121,3 +132,30 @@ def test_a_left_pad_of_eager_attention_keeps_the_other_path(name, tmp_path):
     want, got = reference_model(**call, use_cache=False), model(**call, use_cache=False)
     assert handle.route == "chunk-recurrent step" and handle.chunk_recurrent_calls == 0
     torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+
+
+def test_a_layer_handing_on_what_its_attention_did_not_pass_keeps_the_other_path(tmp_path):
+    """Backward recomputes a layer at a time and can hand on again only the keys and values the attention passed:
+    a layer that hands on copies (which the later layer's gradient would not reach through the step) is refused by
+    name at apply, and its calls give the un-applied model's results on the other path."""
+    reference_model, model = (float64(build("gemma3n")) for _ in range(2))
+    for each in (reference_model, model):
+        attention = each.model.layers[0].self_attn
+        own = attention.forward
+
+        def copies_handed_on(*args, shared_kv_states, own=own, **kwargs):
+            output = own(*args, shared_kv_states=shared_kv_states, **kwargs)
+            shared_kv_states["sliding_attention"] = tuple(t * 1 for t in shared_kv_states["sliding_attention"])
+            return output
+
+        attention.forward = copies_handed_on
+    handle = applied(model, tmp_path)
+    assert handle.route == "layers' path"
+    assert handle.chunk_recurrent.startswith("off: layer 0 hands shared_kv_states['sliding_attention'] on to the")
+    call = batches()["packed documents"]
+    arguments = dict(call)
+    want = reference(reference_model, arguments.pop("input_ids"), arguments.pop("labels"), **arguments)
+    output, grads = applied_step(model, call)
+    torch.testing.assert_close(output.loss.detach(), want[0].float(), rtol=1e-6, atol=1e-7)
+    for key, gradient in want[1].items():
+        torch.testing.assert_close(grads[key], gradient, rtol=1e-5, atol=1e-7, msg=lambda m: f"{key}: {m}")

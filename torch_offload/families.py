@@ -57,13 +57,7 @@ FAMILIES: dict[str, Family] = {
     "gemma": Family("Gemma", llama_loop=True),
     "gemma2": Family("Gemma 2", masks="eager", passes_window=True),
     "gemma3_text": Family("Gemma 3", passes_window=True),
-    "gemma3n_text": Family(
-        "Gemma 3n",
-        masks=None,
-        sequence_parallel=False,
-        step="its layers past the sharing point reuse an earlier layer's keys and values, which the step's "
-        "layer-by-layer recomputation does not hand on",
-    ),
+    "gemma3n_text": Family("Gemma 3n", masks=None, sequence_parallel=False),
     "phi3": Family("Phi-3", passes_window=True),
     "gpt2": Family("GPT-2"),
     "olmo2": Family("OLMo 2"),

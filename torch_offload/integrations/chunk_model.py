@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import MutableMapping
 
 import torch
 from torch import nn
@@ -92,14 +93,21 @@ class StepModel:
                 vars(self.embed)["forward"] = before
 
     @contextlib.contextmanager
-    def layers_recorded(self, write):
+    def layers_recorded(self, write, hand_on):
         """Each layer's forward, while the step's forward runs: the layer's own, its output handed to
-        ``write(layer, output)``."""
+        ``write(layer, output)``, and each entry it sets in a mapping the decoder hands every layer (Gemma 3n's
+        ``shared_kv_states``) to ``hand_on(layer, name, key, value)``."""
 
         def wrapped(index, own):
             def forward(*args, **kwargs):
-                output = own(*args, **self._placed(kwargs))
+                kwargs = self._placed(kwargs)
+                before = {name: dict(given) for name, given in kwargs.items() if isinstance(given, MutableMapping)}
+                output = own(*args, **kwargs)
                 write(index, _hidden_of(output, self.layers[index]))
+                for name, entries in before.items():
+                    for key, value in kwargs[name].items():
+                        if entries.get(key) is not value:
+                            hand_on(index, name, key, value)
                 return output
 
             return forward
@@ -108,17 +116,20 @@ class StepModel:
             yield
 
     @contextlib.contextmanager
-    def layers_replayed(self, read, gradients: dict):
-        """Each layer's forward, while backward's pass runs: the output ``read(layer)`` gives (forward's); its
-        backward recomputes the layer's own forward and adds its parameters' gradients into ``gradients``. A layer
-        whose input is the layer before's output, untouched, reads it again in backward rather than hold it: one
-        chunk's outputs of every layer would otherwise stay alive through backward's pass. Yields a list of the
-        inputs that did not require a gradient (a frozen embedding's output), made leaves that do, so that autograd
-        runs back through every layer: the caller asks for their gradients too."""
-        handed_on, entries = [None], []  # the output the last layer handed on; the leaves made
+    def layers_replayed(self, read, gradients: dict, handed_on):
+        """Each layer's forward, while backward's pass runs: the output ``read(layer)`` gives (forward's), and the
+        entries ``handed_on(layer)`` gives ((name, key, value): what it set in forward) set again for the layers
+        after it; its backward recomputes the layer's own forward and adds its parameters' gradients into
+        ``gradients``. A layer whose input is the layer before's output, untouched, reads it again in backward rather
+        than hold it: one chunk's outputs of every layer would otherwise stay alive through backward's pass. Yields a
+        list of the inputs that did not require a gradient (a frozen embedding's output), made leaves that do, so
+        that autograd runs back through every layer: the caller asks for their gradients too."""
+        last, entries = [None], []  # the output the last layer handed on; the leaves made
 
         def wrapped(index, own):
             def forward(hidden, *args, **kwargs):
+                for name, key, value in handed_on(index):
+                    kwargs[name][key] = value
                 leaves, spec = _pytree.tree_flatten((args, self._placed(kwargs)))
                 tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
@@ -132,10 +143,10 @@ class StepModel:
                 if not hidden.requires_grad:
                     hidden = hidden.detach().requires_grad_()
                     entries.append(hidden)
-                again = (lambda: read(index - 1)) if index and hidden is handed_on[0] else None
+                again = (lambda: read(index - 1)) if index and hidden is last[0] else None
                 layer = _LayerReplay(self.layers[index], run, read(index), again, gradients)
-                handed_on[0] = _ReplayedLayer.apply(layer, hidden, *(leaves[i] for i in tensors))
-                return handed_on[0]
+                last[0] = _ReplayedLayer.apply(layer, hidden, *(leaves[i] for i in tensors))
+                return last[0]
 
             return forward
 

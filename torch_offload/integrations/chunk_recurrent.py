@@ -207,7 +207,7 @@ class _ChunkRecurrentStep(torch.autograd.Function):
             store.write(("output", layer, seam.chunk), output)
 
         try:
-            with running(seam, parts.configs), parts.layers_recorded(write):
+            with running(seam, parts.configs), parts.layers_recorded(write, seam.hand_on):
                 for chunk, (start, end) in enumerate(bounds):
                     seam.start(chunk, backward=False)
                     with torch.no_grad():
@@ -258,7 +258,7 @@ class _ChunkRecurrentStep(torch.autograd.Function):
             def read(layer):
                 return store.read(("output", layer, seam.chunk))
 
-            with running(seam, parts.configs), parts.layers_replayed(read, gradients) as entries:
+            with running(seam, parts.configs), parts.layers_replayed(read, gradients, seam.handed_on) as entries:
                 for chunk in reversed(range(len(seam.segments.bounds))):
                     start, end = seam.segments.bounds[chunk]
                     seam.start(chunk, backward=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -46,15 +47,54 @@ class Reach:
 
 class StepAttention:
     """The seam's state in one step: its file, the batch's segments, the most keys a query sees (``reach``), each
-    attention module's layer, and the chunk and pass (forward, or backward's recomputation) now running."""
+    attention module's layer, and the chunk and pass (forward, or backward's recomputation) now running.
+
+    A layer may attend with the very keys and values an earlier layer passed (Gemma 3n's layers past its sharing
+    point, handed them by the decoder): forward finds it by identity (``shares``), keeps them once, under the earlier
+    layer, and backward adds the later layer's share of their gradients to the earlier one's."""
 
     def __init__(self, store, segments, reach: int, layer_of: dict[int, int]):
         self.store, self.segments, self.reach, self.layer_of = store, segments, reach, layer_of
         self.chunk, self.backward = 0, False
         self.called: set[int] = set()  # layers whose attention ran in the current pass of the current chunk
+        self.shares: dict[int, int] = {}  # layer: the earlier layer whose keys and values it attends with
+        self._passed: dict[int, tuple] = {}  # this pass: layer -> weak references to the keys and values it passed
+        self._handing_on: dict[int, set] = {}  # layer: the (mapping, key) entries it sets to its keys and values
 
     def start(self, chunk: int, backward: bool) -> None:
-        self.chunk, self.backward, self.called = chunk, backward, set()
+        self.chunk, self.backward, self.called, self._passed = chunk, backward, set(), {}
+
+    def keys_of(self, layer: int, key, value) -> int:
+        """The layer whose keys and values ``layer`` attends with: in forward, an earlier layer that passed these very
+        tensors in this chunk's pass, else itself, the same in every chunk; in backward, forward's."""
+        if self.backward:
+            return self.shares.get(layer, layer)
+        source = next((i for i, (k, v) in self._passed.items() if k() is key and v() is value), layer)
+        self._passed[layer] = (weakref.ref(key), weakref.ref(value))
+        if self.chunk == 0 and source != layer:
+            self.shares[layer] = source
+        if self.shares.get(layer, layer) != source:
+            raise Unsupported(f"layer {layer} attends with another layer's keys and values in some chunks only")
+        return source
+
+    def hand_on(self, layer: int, name: str, key, value) -> None:
+        """Forward: ``layer`` set ``name[key]`` (a mapping the decoder hands every layer) to ``value`` for the layers
+        after it. Backward recomputes one layer at a time, and can set again only the keys and values its attention
+        passed (handed_on)."""
+        k, v = self._passed.get(layer, (lambda: None, lambda: None))
+        if not (isinstance(value, tuple) and len(value) == 2 and k() is value[0] and v() is value[1]):
+            raise Unsupported(
+                f"layer {layer} hands {name}[{key!r}] on to the layers after it, which the step, recomputing one "
+                "layer at a time, cannot hand on again"
+            )
+        self._handing_on.setdefault(layer, set()).add((name, key))
+
+    def handed_on(self, layer: int) -> list:
+        """Backward: what ``layer`` handed on in forward, (name, key, its keys and values of this chunk), again."""
+        if layer not in self._handing_on:
+            return []
+        keys_and_values = tuple(t[None] for t in self.keys_and_values(layer)(self.chunk))
+        return [(name, key, keys_and_values) for name, key in sorted(self._handing_on[layer], key=repr)]
 
     def finish(self, layers: int) -> None:
         """Every layer's attention ran through the seam in this chunk's pass (not, say, a forward of its own)."""
@@ -74,13 +114,15 @@ class StepAttention:
 
         return read_ahead
 
-    def forward(self, layer: int, heads: Heads, q, k, v):
-        """One chunk's attention output ``[heads, C, dv]``, its keys, values, output and log-sum-exp kept."""
+    def forward(self, layer: int, keys_layer: int, heads: Heads, q, k, v):
+        """One chunk's attention output ``[heads, C, dv]``, its keys and values (those of ``keys_layer``, kept once),
+        output and log-sum-exp kept."""
         self.store.settle()  # the layer before's writes: what is being written stays a layer's
-        self.store.write(("k", layer, self.chunk), k)
-        self.store.write(("v", layer, self.chunk), v)
+        if keys_layer == layer:
+            self.store.write(("k", layer, self.chunk), k)
+            self.store.write(("v", layer, self.chunk), v)
         out, log_sum_exp = attend(
-            heads, self.segments, self.chunk, q, self.keys_and_values(layer), self.read_ahead(layer)
+            heads, self.segments, self.chunk, q, self.keys_and_values(keys_layer), self.read_ahead(keys_layer)
         )
         self.store.write(("out", layer, self.chunk), out)
         self.store.write(("lse", layer, self.chunk), log_sum_exp)
@@ -120,11 +162,12 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     if layer in step.called:
         raise Unsupported(f"layer {layer}'s attention ran twice in one chunk's pass")
     step.called.add(layer)
+    keys_layer = step.keys_of(layer, key, value)
     q, k, v = query[0], key[0], value[0]
     if step.backward:
-        out = _ChunkAttention.apply(step, layer, heads, q, k, v, heads.sinks)
+        out = _ChunkAttention.apply(step, (layer, keys_layer), heads, q, k, v, heads.sinks)
     else:
-        out = step.forward(layer, heads, q, k, v)
+        out = step.forward(layer, keys_layer, heads, q, k, v)
     return out.transpose(0, 1)[None], None
 
 
@@ -171,17 +214,17 @@ class _ChunkAttention(torch.autograd.Function):
     backward runs the chunks last to first); this chunk's shares of earlier chunks' go into the file."""
 
     @staticmethod
-    def forward(ctx, step, layer, heads, q, k, v, sinks):
-        ctx.step, ctx.layer, ctx.heads, ctx.chunk = step, layer, heads, step.chunk
+    def forward(ctx, step, layers, heads, q, k, v, sinks):
+        ctx.step, (ctx.layer, ctx.keys_layer), ctx.heads, ctx.chunk = step, layers, heads, step.chunk
         ctx.save_for_backward(q, k, v)
-        return step.store.read(("out", layer, step.chunk)).to(q.dtype)
+        return step.store.read(("out", ctx.layer, step.chunk)).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        step, layer, chunk, store = ctx.step, ctx.layer, ctx.chunk, ctx.step.store
+        step, layer, keys_layer, chunk, store = ctx.step, ctx.layer, ctx.keys_layer, ctx.chunk, ctx.step.store
         store.settle()
         q, k, v = ctx.saved_tensors
-        earlier = step.keys_and_values(layer)
+        earlier = step.keys_and_values(keys_layer)
 
         def keys_and_values(keys_chunk):
             return (k, v) if keys_chunk == chunk else earlier(keys_chunk)
@@ -190,11 +233,11 @@ class _ChunkAttention(torch.autograd.Function):
         own = {}
 
         def add_share(keys_chunk, share_k, share_v):
-            if keys_chunk == chunk:
+            if keys_chunk == chunk and keys_layer == layer:
                 own.update(k=share_k, v=share_v)
-            else:
-                _add_into(store, ("grad k", layer, keys_chunk), share_k)
-                _add_into(store, ("grad v", layer, keys_chunk), share_v)
+            else:  # an earlier chunk's, or an earlier layer's keys and values, whose backward comes later
+                _add_into(store, ("grad k", keys_layer, keys_chunk), share_k)
+                _add_into(store, ("grad v", keys_layer, keys_chunk), share_v)
 
         grad_q, grad_sinks = attend_backward(
             ctx.heads,
@@ -206,14 +249,16 @@ class _ChunkAttention(torch.autograd.Function):
             log_sum_exp,
             keys_and_values,
             add_share,
-            step.read_ahead(layer),
+            step.read_ahead(keys_layer),
         )
-        grads = []
-        for name, tensor in (("k", k), ("v", v)):
-            total = own.get(name, torch.zeros(tensor.shape, dtype=grad_q.dtype))
-            if store.has((f"grad {name}", layer, chunk)):  # the later chunks' shares
-                total = total + store.pop((f"grad {name}", layer, chunk))
-            grads.append(total.to(tensor.dtype))
+        grads = [None, None]  # another layer's keys and values: their gradient is all in the file
+        if keys_layer == layer:
+            grads = []
+            for name, tensor in (("k", k), ("v", v)):
+                total = own.get(name, torch.zeros(tensor.shape, dtype=grad_q.dtype))
+                if store.has((f"grad {name}", layer, chunk)):  # the later chunks' (and later layers') shares
+                    total = total + store.pop((f"grad {name}", layer, chunk))
+                grads.append(total.to(tensor.dtype))
         sinks = ctx.heads.sinks
         grad_sinks = None if grad_sinks is None or not ctx.needs_input_grad[6] else grad_sinks.to(sinks.dtype)
         return None, None, None, grad_q.to(q.dtype), *grads, grad_sinks
