@@ -9,6 +9,7 @@ import re
 import peft
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from test_chunk_recurrent import assert_equal_to_rounding, batches, reference
 from test_chunk_recurrent_route import applied, applied_step, build, small_chunks  # noqa: F401 (a fixture)
@@ -31,8 +32,30 @@ class GatedAttention(transformers.models.llama.modeling_llama.LlamaAttention):
         return out * (1 + self.gate), weights
 
 
+class ShiftedLlama(transformers.LlamaForCausalLM):
+    """A causal LM whose own forward adds a trained shift (zero at first) to its decoder's output: a parameter in
+    neither the decoder nor the output layer that its loss reaches, which the step would give no gradient."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.shift = torch.nn.Parameter(torch.zeros(config.hidden_size))
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state + self.shift
+        logits = self.lm_head(hidden)
+        targets = None if labels is None else F.pad(labels, (0, 1), value=-100)[:, 1:]
+        loss = None if labels is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten()).float()
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
 def llama():
     return build("llama").double()
+
+
+def a_shift_outside_the_decoder():
+    model = ShiftedLlama(llama().config).double()
+    model.load_state_dict(llama().state_dict(), strict=False)
+    return model
 
 
 def lora_on_the_embedding():
@@ -104,6 +127,7 @@ CASES = {
     "lora on the embedding": (lora_on_the_embedding, None, True),
     "peft's trainable tokens": (trainable_tokens, None, True),
     "a parameter of the final norm beside its weight": (a_bias_on_the_final_norm, move_the_bias, True),
+    "a trained parameter outside the decoder its loss reaches": (a_shift_outside_the_decoder, None, False),
     "scale_grad_by_freq": (scale_grad_by_freq, None, False),
     "a sparse embedding": (sparse_embedding, None, False),
     "a layer's own attention scaling": (one_layer_scaled_otherwise, None, True),
@@ -132,6 +156,7 @@ def test_the_step_gives_the_un_applied_models_results_or_keeps_the_other_path(ca
 @pytest.mark.parametrize(
     "case, reason",
     [
+        ("a trained parameter outside the decoder its loss reaches", "shift is trained, .* its loss reaches it"),
         ("scale_grad_by_freq", "scales gradients by token frequency"),
         ("a sparse embedding", "gradient is sparse"),
     ],

@@ -30,7 +30,8 @@ class Family:
     - ``passes_window``: its attention modules pass their layer's sliding window to the attention function.
     - ``sequence_parallel``: its attention runs over a sequence-parallel group's ranks (tested over ranks).
     - ``packs_documents``: its decoder reads packed documents off ``position_ids`` (GPT-OSS's, in transformers 5.24,
-      builds its masks without them, so its documents attend to each other; its attention over ranks does the same).
+      builds its masks without them, so its documents attend to each other; its attention over ranks does the same;
+      Qwen2-VL's reads them only off a fourth row of 3D positions, text positions, which a text call does not pass).
     - ``llama_loop``: its decoder and layer forwards are Llama's, so that apply can run the loop over the layers.
     - ``places_from_cache``: its attention reads each token's place in the call (the call's 0..T-1, not its
       ``position_ids``) off a key/value cache's length: Llama 4's query temperature in its layers without rotary
@@ -71,7 +72,7 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v3": Family("DeepSeek-V3", llama_loop=True),
     "gpt_oss": Family("GPT-OSS", masks="eager", passes_window=True, packs_documents=False),
     "llama4_text": Family("Llama 4", sequence_parallel=False, places_from_cache=True),
-    "qwen2_vl_text": Family("Qwen2-VL", masks=None, sequence_parallel=False),
+    "qwen2_vl_text": Family("Qwen2-VL", masks=None, sequence_parallel=False, packs_documents=False),
 }
 
 

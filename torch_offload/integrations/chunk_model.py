@@ -25,7 +25,7 @@ from ..families import family_of
 from .implementations import _configs
 from .layers import _attention_of, _find_layers
 
-__all__ = ["StepModel", "packs_documents", "step_model_problem"]
+__all__ = ["StepModel", "packs_documents", "reached_outside", "step_model_problem", "trained_outside"]
 
 
 class StepModel:
@@ -256,8 +256,35 @@ def _decoder_and_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
     return model.get_submodule(path.rpartition(".")[0]), layers
 
 
-def step_model_problem(model: nn.Module) -> str | None:
-    """What in ``model`` the step cannot run as described above, or None."""
+def trained_outside(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The trained parameters of ``model`` in neither its decoder nor its output layer (a vision tower's), by name:
+    the step gives them no gradient, which is the model's own only where its loss on text does not reach them
+    (reached_outside)."""
+    decoder, _ = _decoder_and_layers(model)
+    ours = {id(p) for module in (decoder, model.get_output_embeddings()) for p in module.parameters()}
+    return {name: p for name, p in model.named_parameters() if p.requires_grad and id(p) not in ours}
+
+
+def reached_outside(model: nn.Module, call: dict) -> str | None:
+    """Which of trained_outside(model) the model's own loss on ``call`` (text: the calls the step takes) reaches, or
+    None."""
+    outside = trained_outside(model)
+    if not outside:
+        return None
+    with torch.enable_grad():
+        loss = model(**call, use_cache=False).loss
+        found = torch.autograd.grad(loss, list(outside.values()), allow_unused=True)
+    reached = next((name for name, gradient in zip(outside, found) if gradient is not None), None)
+    return (
+        None
+        if reached is None
+        else f"{reached} is trained, in neither the decoder nor the output layer, and its loss reaches it"
+    )
+
+
+def step_model_problem(model: nn.Module, unreached: frozenset = frozenset()) -> str | None:
+    """What in ``model`` the step cannot run as described above, or None; ``unreached``: the names of trained
+    parameters outside its decoder and output layer that its loss was found not to reach (reached_outside)."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if type(head) is not nn.Linear:
@@ -285,8 +312,7 @@ def step_model_problem(model: nn.Module) -> str | None:
     math = _head_math(model, head)
     if isinstance(math, str):
         return math
-    ours = {id(p) for module in (decoder, head) for p in module.parameters()}
-    outside = next((n for n, p in model.named_parameters() if p.requires_grad and id(p) not in ours), None)
+    outside = next((name for name in trained_outside(model) if name not in unreached), None)
     if outside is not None:
         return f"{outside} is trained and is in neither the decoder nor the output layer"
     embeddings = [m for m in decoder.modules() if isinstance(m, nn.Embedding)]

@@ -18,13 +18,13 @@ the chunk's queries against every earlier chunk, whose keys' and values' shares 
 chunk runs.
 
 What it takes (``step_problem``): a causal LM whose ``get_decoder()`` holds the decoder layers and the input
-embedding and whose output layer is a plain ``nn.Linear`` outside it, every trained parameter in one of the two,
-float32 or float64, no dropout in training (backward's recomputation would draw other masks), a rotary embedding
-that does not depend on the call's longest position, no embedding that counts tokens (``scale_grad_by_freq``) or
-whose gradient is sparse; and what the seam refuses at run time (``Unsupported``: dropout in attention, soft-capped
-scores, sinks, a window shorter than the batch). Rows of tokens on the CPU: one row, several, packed documents
-(``position_ids`` restarting), padded rows (``attention_mask``), read as transformers reads them without a
-key/value cache (chunk_batch.py).
+embedding and whose output layer is a plain ``nn.Linear`` outside it, every trained parameter in one of the two (or
+one its loss on text does not reach: a vision tower's, which gets no gradient either way), float32 or float64, no
+dropout in training (backward's recomputation would draw other masks), a rotary embedding that does not depend on the
+call's longest position, no embedding that counts tokens (``scale_grad_by_freq``) or whose gradient is sparse; and
+what the seam refuses at run time (``Unsupported``: dropout in attention, a mask composed from overlays, an argument
+it does not know). Rows of tokens on the CPU: one row, several, packed documents (``position_ids`` restarting),
+padded rows (``attention_mask``), read as transformers reads them without a key/value cache (chunk_batch.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from ..disk import default_spill_directory, spill_directory_in_ram
 from ..linear_cross_entropy import linear_cross_entropy
 from .chunk_attention import Segments
 from .chunk_batch import Batch, batch_of, checked_rows, chunk_bounds, reach_of, runs_of_real_tokens
-from .chunk_model import StepModel, add_gradients, packs_documents, step_model_problem
+from .chunk_model import StepModel, add_gradients, packs_documents, reached_outside, step_model_problem, trained_outside
 from .chunk_seam import StepAttention, Unsupported, running
 from .chunk_store import ChunkStore, return_freed_memory
 from .sequence_parallelism import rope_of_the_calls_positions
@@ -50,10 +50,11 @@ CHUNK_TOKENS = 2048  # tokens per chunk: attention's pairs of chunks work in [he
 _PROBE_TOKENS = 12
 
 
-def step_problem(model: nn.Module) -> str | None:
+def step_problem(model: nn.Module, unreached: frozenset = frozenset()) -> str | None:
     """What in ``model`` the step would not compute as its own forward and loss do (see the module's docstring), or
-    None; what only a call shows, the seam refuses then."""
-    problem = step_model_problem(model)
+    None; what only a call shows, the seam refuses then. ``unreached``: trained parameters outside its decoder and
+    output layer that its loss was found not to reach (chunk_model.reached_outside)."""
+    problem = step_model_problem(model, unreached)
     if problem is not None:
         return problem
     dropout = next((name for name, m in model.named_modules() if _drops_out(m)), None)
@@ -100,8 +101,9 @@ def chunk_recurrent_loss(
     documents restart at 0) are transformers'. ``chunk_tokens`` sets the chunk (the working set grows with its square:
     attention's ``[heads, C, C]`` blocks); ``directory`` where the chunk file lives (the disk tier's default; RAM file
     systems are refused)."""
-    if step_problem(model) is not None:
-        raise ValueError(f"chunk_recurrent_loss: model: {step_problem(model)}")
+    problem = step_problem(model, frozenset(trained_outside(model)))  # the probe below checks those
+    if problem is not None:
+        raise ValueError(f"chunk_recurrent_loss: model: {problem}")
     input_ids, labels, attention_mask, position_ids = (
         checked_rows(name, value, optional, input_ids)
         for name, value, optional in (
@@ -141,6 +143,9 @@ def _probe(model: nn.Module, ids: torch.Tensor, directory: str) -> None:
     """Refuse a model whose own loss on the sequence's first tokens is not the step's (what only running it shows:
     a call of its attention the seam refuses, a forward across tokens outside attention)."""
     probe = ids[None, :_PROBE_TOKENS]
+    reached = reached_outside(model, dict(input_ids=probe, labels=probe))
+    if reached is not None:
+        raise ValueError(f"chunk_recurrent_loss: model: {reached}")
     with torch.no_grad():
         want = model(input_ids=probe, labels=probe, use_cache=False).loss
         try:

@@ -30,7 +30,7 @@ from ..causal_lm_loss import _PROBE_RTOL, _adds_router_loss, _hooks_of, _owner_o
 from ..disk import default_spill_directory, spill_directory_in_ram
 from .checkpointing import warn_empty_cache_dropped
 from .chunk_batch import batch_of, runs_of_real_tokens
-from .chunk_model import packs_documents
+from .chunk_model import packs_documents, reached_outside, trained_outside
 from .chunk_recurrent import CHUNK_TOKENS, autocast_on, chunk_recurrent_step, step_problem
 from .chunk_seam import Unsupported
 from .layer_loop import _asks_for_cache, _cache_name, _recording_outside, _runs_hooks
@@ -60,7 +60,7 @@ def step_route(model: nn.Module, options: dict[str, Any]) -> tuple[str | None, n
     outside = next((n for n, p in model.named_parameters() if p.requires_grad and id(p) not in inside), None)
     if outside is not None:
         return f"{outside} is trained and is outside the causal LM {type(owner).__name__}", None, None
-    problem = step_problem(owner)
+    problem = step_problem(owner, frozenset(trained_outside(owner)))  # the probe checks those
     if problem is None and "forward" in vars(owner):  # the step would bypass it (TRL's, accelerate's)
         problem = f"{type(owner).__name__}'s forward was replaced before apply"
     if problem is None:
@@ -92,6 +92,7 @@ def install_step_route(
     head = owner.get_output_embeddings()
     head_forward = vars(head).get("forward")  # the fused loss's: one put on since, the step would not call
     modelling, cache_name = sys.modules[type(owner).__module__], _cache_name(owner)
+    unreached = frozenset(trained_outside(owner))  # the probe found its loss on text reaches none of them
 
     @functools.wraps(installed)
     def forward(*args, **kwargs):
@@ -102,7 +103,7 @@ def install_step_route(
         except TypeError:  # the model's own forward says what is wrong
             return installed(*args, **kwargs)
         extra = dict(call.pop(var_keyword, None) or {})
-        batch = _batch_of_call(owner, head, head_forward, signature, call, extra)
+        batch = _batch_of_call(owner, head, head_forward, unreached, signature, call, extra)
         if batch is None:
             return installed(*args, **kwargs)
         try:
@@ -127,9 +128,10 @@ def _directory(options: dict[str, Any]) -> str:
     return os.fspath(directory) if directory is not None else default_spill_directory()
 
 
-def _batch_of_call(model, head, head_forward, signature, call: dict, extra: dict):
+def _batch_of_call(model, head, head_forward, unreached, signature, call: dict, extra: dict):
     """The step's batch for a causal LM's call (its named arguments and the others), or None where the step would
-    not compute what the model's own forward does (see the module's docstring)."""
+    not compute what the model's own forward does (see the module's docstring); ``unreached``: the trained parameters
+    outside its decoder and output layer the probe cleared."""
     labels, input_ids = call.get("labels"), call.get("input_ids")
     shift_labels, ignore_index = extra.pop("shift_labels", None), extra.pop("ignore_index", -100)
     mask, positions, keep = call.get("attention_mask"), call.get("position_ids"), call.get("logits_to_keep", 0)
@@ -163,7 +165,7 @@ def _batch_of_call(model, head, head_forward, signature, call: dict, extra: dict
         and not any(_runs_hooks(module) for module in model.modules() if module is not model)
         and not any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
         and not _recording_outside()
-        and step_problem(model) is None
+        and step_problem(model, unreached) is None
     ):
         return None
     if mask is not None and bool((runs_of_real_tokens(mask) > 1).any()):
@@ -208,7 +210,8 @@ def _probe(model: nn.Module, owner: nn.Module, directory: str) -> tuple[str | No
     modes = [(module, module.training) for module in model.modules()]
     try:
         model.train()
-        problem = step_problem(owner)  # in training mode, where dropout counts
+        problem = step_problem(owner, frozenset(trained_outside(owner)))  # in training mode, where dropout counts
+        problem = problem or reached_outside(owner, calls["one row"])
         if problem is not None:
             return problem, None
         for what, call in calls.items():
