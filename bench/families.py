@@ -1,5 +1,5 @@
 """Peak training memory per token across model families: plain training against `torch_offload.apply(model)`
-with every default (on a CPU: the disk tier in the temp directory), on small random models of 19 transformers
+with every default (on a CPU: the disk tier in the temp directory), on small random models of 20 transformers
 families (hidden 256, 4 layers, 4 attention heads, 2 key/value heads, MLP 512, vocabulary 32K, float32;
 mixture-of-experts blocks with 4 experts, top-2, experts of 256).
 
@@ -95,6 +95,20 @@ FAMILIES = {
     "granite": ("Granite", "GraniteForCausalLM", "GraniteConfig", {}),
     "smollm3": ("SmolLM3", "SmolLM3ForCausalLM", "SmolLM3Config", {}),
     "glm4": ("GLM-4", "Glm4ForCausalLM", "Glm4Config", HEAD),
+    # Gemma 3n as released: layers past a point attend with an earlier layer's keys and values.
+    "gemma3n": (
+        "Gemma 3n (text)",
+        "Gemma3nForCausalLM",
+        "Gemma3nTextConfig",
+        dict(
+            **HEAD,
+            vocab_size_per_layer_input=32000,
+            hidden_size_per_layer_input=64,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            num_kv_shared_layers=2,
+            activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0],
+        ),
+    ),
     "llama4": (
         "Llama 4 (text)",
         "Llama4ForCausalLM",
