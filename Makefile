@@ -40,7 +40,10 @@ define run-example-cpp
 	build/example-cpp/train_mlp_stack
 endef
 
-test: lint build $(AXOLOTL_VENV)/.ready
+# Its prerequisites two at a time: axolotl's venv installs (the network and the disk) while .venv installs and the
+# library builds (the cores); each one's output printed whole when it is done.
+test:
+	$(MAKE) --no-print-directory -j2 --output-sync=target lint build $(AXOLOTL_VENV)/.ready
 	$(VENV)/bin/ctest --test-dir $(BUILD_DIR) --output-on-failure
 	$(run-example-cpp)
 	$(PY) -m pytest $(PYTEST_PARALLEL) python_tests
