@@ -1,5 +1,6 @@
 """Run a function on N CPU ranks (Gloo) in fresh processes, for DDP/FSDP tests."""
 
+import multiprocessing
 import os
 import socket
 
@@ -36,5 +37,19 @@ def run_ranks(fn, world_size, *args, backend="gloo"):
 
     Results travel through files the caller names in args (e.g. under tmp_path).
     Raises if any rank fails.
+
+    The ranks are forks of a server process (multiprocessing's forkserver) that imported torch, transformers and the
+    first caller's test module once: spawned afresh, each rank imported them itself (5-10 s a rank on 2 cores, most of
+    the sequence-parallel tests' time). The server imports no CUDA (a fork after CUDA's start would break it): the
+    NCCL tests spawn.
     """
-    mp.spawn(_entry, args=(world_size, free_port(), fn, args, backend), nprocs=world_size, join=True)
+    start_method = "spawn" if backend == "nccl" else "forkserver"
+    if start_method == "forkserver":
+        multiprocessing.set_forkserver_preload(["torch", "transformers", fn.__module__])
+    mp.start_processes(
+        _entry,
+        args=(world_size, free_port(), fn, args, backend),
+        nprocs=world_size,
+        join=True,
+        start_method=start_method,
+    )
