@@ -282,9 +282,10 @@ def reached_outside(model: nn.Module, call: dict) -> str | None:
     )
 
 
-def step_model_problem(model: nn.Module, unreached: frozenset = frozenset()) -> str | None:
+def step_model_problem(model: nn.Module, unreached: frozenset | None = frozenset()) -> str | None:
     """What in ``model`` the step cannot run as described above, or None; ``unreached``: the names of trained
-    parameters outside its decoder and output layer that its loss was found not to reach (reached_outside)."""
+    parameters outside its decoder and output layer that its loss was found not to reach (reached_outside), or None
+    where a probe will look (the model's other checks passed)."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if type(head) is not nn.Linear:
@@ -312,7 +313,7 @@ def step_model_problem(model: nn.Module, unreached: frozenset = frozenset()) -> 
     math = _head_math(model, head)
     if isinstance(math, str):
         return math
-    outside = next((name for name in trained_outside(model) if name not in unreached), None)
+    outside = None if unreached is None else next((n for n in trained_outside(model) if n not in unreached), None)
     if outside is not None:
         return f"{outside} is trained and is in neither the decoder nor the output layer"
     embeddings = [m for m in decoder.modules() if isinstance(m, nn.Embedding)]

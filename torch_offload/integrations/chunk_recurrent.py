@@ -39,7 +39,7 @@ from ..disk import default_spill_directory, spill_directory_in_ram
 from ..linear_cross_entropy import linear_cross_entropy
 from .chunk_attention import Segments
 from .chunk_batch import Batch, batch_of, checked_rows, chunk_bounds, reach_of, runs_of_real_tokens
-from .chunk_model import StepModel, add_gradients, packs_documents, reached_outside, step_model_problem, trained_outside
+from .chunk_model import StepModel, add_gradients, packs_documents, reached_outside, step_model_problem
 from .chunk_seam import StepAttention, Unsupported, running
 from .chunk_store import ChunkStore, return_freed_memory
 from .sequence_parallelism import rope_of_the_calls_positions
@@ -50,10 +50,10 @@ CHUNK_TOKENS = 2048  # tokens per chunk: attention's pairs of chunks work in [he
 _PROBE_TOKENS = 12
 
 
-def step_problem(model: nn.Module, unreached: frozenset = frozenset()) -> str | None:
+def step_problem(model: nn.Module, unreached: frozenset | None = frozenset()) -> str | None:
     """What in ``model`` the step would not compute as its own forward and loss do (see the module's docstring), or
     None; what only a call shows, the seam refuses then. ``unreached``: trained parameters outside its decoder and
-    output layer that its loss was found not to reach (chunk_model.reached_outside)."""
+    output layer that its loss was found not to reach (chunk_model.reached_outside), None where a probe will look."""
     problem = step_model_problem(model, unreached)
     if problem is not None:
         return problem
@@ -101,7 +101,7 @@ def chunk_recurrent_loss(
     documents restart at 0) are transformers'. ``chunk_tokens`` sets the chunk (the working set grows with its square:
     attention's ``[heads, C, C]`` blocks); ``directory`` where the chunk file lives (the disk tier's default; RAM file
     systems are refused)."""
-    problem = step_problem(model, frozenset(trained_outside(model)))  # the probe below checks those
+    problem = step_problem(model, unreached=None)  # the probe below looks at the parameters outside
     if problem is not None:
         raise ValueError(f"chunk_recurrent_loss: model: {problem}")
     input_ids, labels, attention_mask, position_ids = (

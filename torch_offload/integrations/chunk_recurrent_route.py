@@ -60,7 +60,7 @@ def step_route(model: nn.Module, options: dict[str, Any]) -> tuple[str | None, n
     outside = next((n for n, p in model.named_parameters() if p.requires_grad and id(p) not in inside), None)
     if outside is not None:
         return f"{outside} is trained and is outside the causal LM {type(owner).__name__}", None, None
-    problem = step_problem(owner, frozenset(trained_outside(owner)))  # the probe checks those
+    problem = step_problem(owner, unreached=None)  # the probe looks at the parameters outside
     if problem is None and "forward" in vars(owner):  # the step would bypass it (TRL's, accelerate's)
         problem = f"{type(owner).__name__}'s forward was replaced before apply"
     if problem is None:
@@ -210,7 +210,7 @@ def _probe(model: nn.Module, owner: nn.Module, directory: str) -> tuple[str | No
     modes = [(module, module.training) for module in model.modules()]
     try:
         model.train()
-        problem = step_problem(owner, frozenset(trained_outside(owner)))  # in training mode, where dropout counts
+        problem = step_problem(owner, unreached=None)  # in training mode, where dropout counts
         problem = problem or reached_outside(owner, calls["one row"])
         if problem is not None:
             return problem, None

@@ -226,8 +226,8 @@ class _ChunkAttention(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         earlier = step.keys_and_values(keys_layer)
 
-        def keys_and_values(keys_chunk):
-            return (k, v) if keys_chunk == chunk else earlier(keys_chunk)
+        def keys_and_values(keys_chunk):  # another layer's: as forward kept them, whatever the recomputation got
+            return (k, v) if keys_chunk == chunk and keys_layer == layer else earlier(keys_chunk)
 
         out, log_sum_exp = store.read(("out", layer, chunk)), store.read(("lse", layer, chunk))
         own = {}
