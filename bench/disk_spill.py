@@ -3,7 +3,10 @@
     python bench/disk_spill.py [--dir DIR] [--tensors 8] [--mib 256] [--repeats 5] [--gap SECONDS]
 
 Measures, on DIR's file system:
-  raw     dd with oflag=direct / iflag=direct: the disk's own sequential bandwidth;
+  raw     dd with oflag=direct / iflag=direct: the disk's own sequential bandwidth, in
+          each round right after the spills (write) and right before the restores (read),
+          so that both sides meet the disk in the same minute and read data written
+          seconds earlier; the ratios are the median of the rounds' own ratios;
   spill   torch_offload.disk_spill of N tensors until all are on disk, then
           disk_restore of each as backward does it: newest first, two tensors
           prefetched ahead, each let go once used; with the default settings every
@@ -41,15 +44,14 @@ def dd_bandwidth(args):
     return float(value) * {"kB": 1e-6, "MB": 1e-3, "GB": 1.0, "B": 1e-9}[unit]
 
 
-def raw_disk(directory, total_mib):
-    path = os.path.join(directory, "dd_probe")
-    count = total_mib // 8
-    try:
-        write = dd_bandwidth(["if=/dev/zero", f"of={path}", "bs=8M", f"count={count}", "oflag=direct", "conv=fsync"])
-        read = dd_bandwidth([f"if={path}", "of=/dev/null", "bs=8M", "iflag=direct"])
-    finally:
-        os.unlink(path)
-    return write, read
+def dd_write(path, total_mib):
+    return dd_bandwidth(
+        ["if=/dev/zero", f"of={path}", "bs=8M", f"count={total_mib // 8}", "oflag=direct", "conv=fsync"]
+    )
+
+
+def dd_read(path):
+    return dd_bandwidth([f"if={path}", "of=/dev/null", "bs=8M", "iflag=direct"])
 
 
 def spill_all(directory, tensors):
@@ -59,14 +61,19 @@ def spill_all(directory, tensors):
     return tickets
 
 
-def spill_round(directory, tensors, gap=0.0, window=2, verify=False):
+def spill_round(directory, tensors, gap=0.0, window=2, verify=False, beside=None):
     """Spill all, wait `gap` seconds (the rest of forward, untimed), then restore as backward
     does: newest first, `window` tensors prefetched ahead, each let go once used (its buffer
-    serves a later restore)."""
+    serves a later restore). `beside(phase)`, where given, runs right after the spills and
+    right after the gap, so `dd` is measured in the same minute as the tier each way."""
     start = time.perf_counter()
     tickets = spill_all(directory, tensors)
     spill_seconds = time.perf_counter() - start
+    if beside:
+        beside("write")
     time.sleep(gap)
+    if beside:
+        beside("read")
     spilled = time.perf_counter()
     order = list(reversed(range(len(tensors))))
     for i in order[:window]:
@@ -79,6 +86,26 @@ def spill_round(directory, tensors, gap=0.0, window=2, verify=False):
             torch_offload.disk_prefetch(tickets[order[position + window]])
     end = time.perf_counter()
     return spill_seconds, end - spilled
+
+
+def paired_round(directory, tensors, gap):
+    """One round of the tier against `dd` on the same bytes: `dd` writes its probe right after
+    the spills and reads it back right after the gap, just before the restores, so both reads
+    find data written seconds earlier, after other writes. Returns GB/s: dd write, spill,
+    dd read, restore."""
+    probe = os.path.join(directory, "dd_probe")
+    total_mib = sum(t.numel() * t.element_size() for t in tensors) >> 20
+    raw = {}
+
+    def beside(phase):
+        raw[phase] = dd_write(probe, total_mib) if phase == "write" else dd_read(probe)
+
+    try:
+        spill_seconds, restore_seconds = spill_round(directory, tensors, gap, beside=beside)
+    finally:
+        os.unlink(probe)
+    gb = total_mib * 2**20 / 1e9
+    return raw["write"], gb / spill_seconds, raw["read"], gb / restore_seconds
 
 
 def spill_round_with_cache(directory, tensors, gap):
@@ -161,27 +188,28 @@ def main():
         tensors = [torch.randn(args.mib << 18) for _ in range(args.tensors)]  # float32: mib MiB each
         gb = sum(t.numel() * 4 for t in tensors) / 1e9
         spill_round(directory, tensors, verify=True)  # warm up (file, threads) and check every byte
-        runs = {"raw": [], "spill": [], "cache": [], "save": [], "all_at_once": []}
+        runs = {"paired": [], "cache": [], "save": [], "all_at_once": []}
         for _ in range(args.repeats):
-            runs["raw"].append(raw_disk(directory, args.tensors * args.mib))
-            runs["spill"].append(spill_round(directory, tensors, args.gap))
+            runs["paired"].append(paired_round(directory, tensors, args.gap))
             runs["cache"].append(spill_round_with_cache(directory, tensors, args.gap))
             runs["all_at_once"].append((restore_all_at_once(directory, tensors, args.gap),))
             runs["save"].append(save_round(directory, tensors))
         median = {k: [statistics.median(column) for column in zip(*v)] for k, v in runs.items()}
-        raw_write, raw_read = median["raw"]
-        spill_write, spill_read = median["spill"]
+        raw_write, spill_write, raw_read, spill_read = median["paired"]
+        write_ratio = statistics.median(spill / raw for raw, spill, _, _ in runs["paired"])
+        read_ratio = statistics.median(restore / raw for _, _, raw, restore in runs["paired"])
+        both_ratio = statistics.median((1 / rw + 1 / rr) / (1 / sw + 1 / sr) for rw, sw, rr, sr in runs["paired"])
         _, cache_read = median["cache"]
         save_write, save_read = median["save"]
         (all_at_once_read,) = median["all_at_once"]
         cpu_with = cpu_seconds_per_gb(directory, tensors, True)
         cpu_without = cpu_seconds_per_gb(directory, tensors, False)
     rows = [
-        ("raw disk (dd, O_DIRECT)", raw_write, raw_read),
+        ("raw disk (dd, O_DIRECT), beside each spill and restore", raw_write, raw_read),
         (
             f"disk_spill / disk_restore ({args.tensors} x {args.mib} MiB, backward order)",
-            gb / spill_write,
-            gb / spill_read,
+            spill_write,
+            spill_read,
         ),
         ("the same with restore_cache_bytes of two tensors (freed buffers reused)", None, gb / cache_read),
         ("disk_restore of all at once into fresh memory", None, gb / all_at_once_read),
@@ -197,11 +225,16 @@ def main():
         print(f"| {name} | {'' if write is None else f'{write:.2f}'} | {read:.2f} |")
     print()
     print(
-        f"spill vs raw disk: write {gb / spill_write / raw_write:.2f}x, read {gb / spill_read / raw_read:.2f}x, "
-        f"spill + restore {(gb / raw_write + gb / raw_read) / (spill_write + spill_read):.2f}x"
+        "spill vs raw disk, median of the rounds' ratios: "
+        f"write {write_ratio:.2f}x, read {read_ratio:.2f}x, spill + restore {both_ratio:.2f}x"
     )
-    print(f"spill vs torch.save baseline: write {save_write / spill_write:.2f}x, read {save_read / spill_read:.2f}x")
-    print(f"restore cache on: read {gb / cache_read / raw_read:.2f}x raw disk, {spill_read / cache_read:.2f}x off")
+    rounds = "; ".join(", ".join(f"{x:.2f}" for x in r) for r in runs["paired"])
+    print(f"each round (dd write, spill, dd read, restore, GB/s): {rounds}")
+    print(
+        "spill vs torch.save baseline: "
+        f"write {spill_write * save_write / gb:.2f}x, read {spill_read * save_read / gb:.2f}x"
+    )
+    print(f"restore cache on: read {gb / cache_read / raw_read:.2f}x raw disk, {gb / cache_read / spill_read:.2f}x off")
     print(
         f"all at once into fresh memory: read {gb / all_at_once_read / raw_read:.2f}x raw disk, "
         f"{save_read / all_at_once_read:.2f}x torch.load"
