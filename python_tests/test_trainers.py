@@ -1,9 +1,8 @@
 """apply() under the trainers users run: transformers' Trainer and TRL's SFTTrainer, with packed
 (padding-free) and padded batches, 4 steps on a tiny model: the losses of every step equal the
-un-applied model's; the same through TorchOffloadCallback, and TRL's GRPOTrainer and DPOTrainer with it
-(3 steps: losses and every gradient)."""
+un-applied model's; the same through TorchOffloadCallback, and TRL's GRPOTrainer, DPOTrainer and SFTTrainer with
+it (3 steps: losses and every gradient; in float32 and under their configurations' default bf16)."""
 
-import contextlib
 import copy
 import warnings
 from unittest import mock
@@ -355,47 +354,86 @@ def logged_metrics(trainer):
 FUSED_HEAD = hasattr(trl.trainer.utils, "add_fused_lm_head")
 
 
-def rl_losses_and_gradients(make_trainer):
-    """Losses, metrics and gradients per step without and with TorchOffloadCallback, equal; the callback."""
-    runs = []
+# TRL's configurations turn bf16 mixed precision on by default (accelerate then wraps the model's forward in
+# autocast and a float32 cast of its outputs); the tests run each trainer in float32 and under that default.
+PRECISIONS = ("float32", "bf16 by default")
+
+
+def precision_options(precision):
+    """The trainer's arguments for ``precision``: float32 (bf16 off), or the configuration's own default."""
+    return {"bf16": False} if precision == "float32" else {}
+
+
+def trl_losses_and_gradients(make_trainer, precision="float32"):
+    """Losses, logged figures and gradients per step of ``make_trainer(model, callbacks, precision)`` without and
+    with TorchOffloadCallback, and no warning about the head; returns the callback. In float32 they are equal. Under
+    bf16 mixed precision the op and TRL's kernel round differently, so each is measured against the float32 run of
+    TRL's own: the callback's error at most twice TRL's own bf16 error (plus 2^-10 of the terms' size)."""
+    runs, applied_callback = {}, None
     original = getattr(trl.trainer.utils, "_ChunkedLogProbFunction", None)
-    for applied in (False, True):
+    kinds = [("plain", precision), ("applied", precision)]
+    if precision != "float32":
+        kinds.append(("plain", "float32"))
+    for kind in kinds:
         torch.manual_seed(0)
         gradients = Gradients()
-        callback = torch_offload.TorchOffloadCallback(num_shards=2)
-        trainer = make_trainer(tiny_model(), [gradients, callback] if applied else [gradients])
-        said = pytest.warns(UserWarning, match="no fused LM head") if applied and not FUSED_HEAD else None
-        with said or contextlib.nullcontext():
-            runs.append((losses(trainer), gradients.steps, logged_metrics(trainer)))
+        callback = torch_offload.TorchOffloadCallback(num_shards=2) if kind[0] == "applied" else None
+        applied_callback = callback or applied_callback
+        trainer = make_trainer(tiny_model(), [gradients] + ([callback] if callback else []), kind[1])
+        assert trainer.args.bf16 == (kind[1] != "float32")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runs[kind] = (losses(trainer), gradients.steps, logged_metrics(trainer))
+        said = [str(w.message) for w in caught if "fused LM head" in str(w.message)]
+        # Said only where TRL has no fused head (TRL 1.9), and then that it has none.
+        assert len(said) == (callback is not None and not FUSED_HEAD), said
+        assert all("no fused LM head" in message for message in said), said
         assert getattr(trl.trainer.utils, "_ChunkedLogProbFunction", None) is original  # TRL's own after training
-    (plain, plain_gradients, plain_metrics), (applied, applied_gradients, applied_metrics) = runs
+    (plain, plain_gradients, plain_metrics) = runs["plain", precision]
+    (applied, applied_gradients, applied_metrics) = runs["applied", precision]
+    truth = runs.get(("plain", "float32"))
     assert len(plain) == 3 and len(plain_gradients) == 3
-    torch.testing.assert_close(applied, plain, rtol=1e-4, atol=1e-5)
-    # The metrics too (entropy, DPO's mean logits and accuracies): the same keys, the same values.
-    torch.testing.assert_close(applied_metrics, plain_metrics, rtol=1e-4, atol=1e-5)
-    for got, want in zip(applied_gradients, plain_gradients):
-        assert got.keys() == want.keys()
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
-    return callback
+
+    def close(got, want, truth, name):
+        if precision == "float32":
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+            return
+        got, want, truth = (torch.as_tensor(x, dtype=torch.float64) for x in (got, want, truth))
+        error, trls_error = (got - truth).abs().max().item(), (want - truth).abs().max().item()
+        assert error <= 2 * trls_error + 2**-10 * max(truth.abs().max().item(), 1.0), (name, error, trls_error)
+
+    steps = range(len(plain))
+    for step in steps:
+        close(applied[step], plain[step], truth and truth[0][step], f"loss of step {step}")
+        # The logged figures too (entropy, DPO's mean logits and accuracies): the same keys, the same values.
+        assert applied_metrics[step].keys() == plain_metrics[step].keys()
+        for name in plain_metrics[step]:
+            want = plain_metrics[step][name]
+            close(applied_metrics[step][name], want, truth and truth[2][step][name], f"{name} of step {step}")
+        assert applied_gradients[step].keys() == plain_gradients[step].keys()
+        for name in plain_gradients[step]:
+            want = plain_gradients[step][name]
+            close(applied_gradients[step][name], want, truth and truth[1][step][name], f"{name} of step {step}")
+    return applied_callback
 
 
-def rl_arguments(tmp_path, cls, **kwargs):
-    config = arguments(tmp_path, cls, gradient_checkpointing=False, bf16=False, **kwargs)
+def trl_arguments(tmp_path, cls, precision="float32", **kwargs):
+    config = arguments(tmp_path, cls, gradient_checkpointing=False, **precision_options(precision), **kwargs)
     config.max_steps = 3
     return config
 
 
-def test_grpo_trainer_callback_losses_and_gradients_equal(tmp_path):
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_grpo_trainer_callback_losses_and_gradients_equal(precision, tmp_path):
     tok = tokenizer()
     dataset = datasets.Dataset.from_dict({"prompt": texts(8)})
 
     def reward(completions, **kwargs):  # in-process: longer completions score higher
         return [len(completion) / 10 for completion in completions]
 
-    def make_trainer(model, callbacks):
-        config = rl_arguments(
-            tmp_path, trl.GRPOConfig, num_generations=2, max_completion_length=8, beta=0.0, temperature=0.7
+    def make_trainer(model, callbacks, precision):
+        config = trl_arguments(
+            tmp_path, trl.GRPOConfig, precision, num_generations=2, max_completion_length=8, beta=0.0, temperature=0.7
         )
         return trl.GRPOTrainer(
             model=model,
@@ -406,19 +444,20 @@ def test_grpo_trainer_callback_losses_and_gradients_equal(tmp_path):
             callbacks=callbacks,
         )
 
-    callback = rl_losses_and_gradients(make_trainer)
+    callback = trl_losses_and_gradients(make_trainer, precision)
     # Each step scores its completions with gradients (and the old policy's without): every call went through
     # the op.
     assert_scored_through_the_op(callback, calls=3)
 
 
-def test_dpo_trainer_callback_losses_and_gradients_equal(tmp_path):
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_dpo_trainer_callback_losses_and_gradients_equal(precision, tmp_path):
     tok = tokenizer()
     prompts, chosen, rejected = texts(8), texts(16)[:8], texts(16)[8:]
     dataset = datasets.Dataset.from_dict({"prompt": prompts, "chosen": chosen, "rejected": rejected})
 
-    def make_trainer(model, callbacks):
-        config = rl_arguments(tmp_path, trl.DPOConfig, max_length=64)
+    def make_trainer(model, callbacks, precision):
+        config = trl_arguments(tmp_path, trl.DPOConfig, precision, max_length=64)
         # A reference model that is not the policy: with the two equal, the first step's rewards are 0 in plain
         # training and rounding noise (1e-7) through the op, and DPO's accuracy (chosen > rejected) is a coin toss.
         reference = copy.deepcopy(model)
@@ -434,7 +473,7 @@ def test_dpo_trainer_callback_losses_and_gradients_equal(tmp_path):
             callbacks=callbacks,
         )
 
-    callback = rl_losses_and_gradients(make_trainer)
+    callback = trl_losses_and_gradients(make_trainer, precision)
     # The policy's calls (with DPO's metrics: mean logits, top-1) and the reference model's, each step.
     assert_scored_through_the_op(callback, calls=6)
 
@@ -445,6 +484,31 @@ def assert_scored_through_the_op(callback, calls):
         assert callback.fused_head is None
     else:
         assert callback.fused_head.calls >= calls
+
+
+@pytest.mark.skipif(not FUSED_HEAD, reason="TRL's SFTTrainer has a fused LM head from 1.16 on")
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_sft_trainer_callback_serves_its_fused_head(precision, tmp_path):
+    # TRL 1.16's SFTTrainer computes its loss, entropy and token accuracy through the fused head.
+    tok = tokenizer()
+    dataset = datasets.Dataset.from_dict({"text": texts()})
+
+    def make_trainer(model, callbacks, precision):
+        config = trl_arguments(
+            tmp_path,
+            trl.SFTConfig,
+            precision,
+            packing=True,
+            padding_free=True,
+            max_length=64,
+            dataset_text_field="text",
+        )
+        return trl.SFTTrainer(
+            model=model, args=config, train_dataset=dataset, processing_class=tok, callbacks=callbacks
+        )
+
+    callback = trl_losses_and_gradients(make_trainer, precision)
+    assert_scored_through_the_op(callback, calls=3)
 
 
 def test_fused_head_of_an_untested_trl_is_left_alone_with_a_warning(monkeypatch):
@@ -463,6 +527,42 @@ def test_fused_head_of_an_untested_trl_is_left_alone_with_a_warning(monkeypatch)
     assert trl.trainer.utils._ChunkedLogProbFunction is head
     undo()
     assert trl.trainer.utils._ChunkedLogProbFunction is original
+
+
+@pytest.mark.skipif(not FUSED_HEAD, reason="TRL has a fused LM head from 1.16 on")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_head_under_mixed_precision_wrappers_goes_through_the_op(dtype):
+    # Mixed precision wraps the forward TRL patched (accelerate: autocast, then a float32 cast of the outputs),
+    # and a user's functools.wraps decorator around that: the head is found through them all and serves the call.
+    import functools
+    import types
+
+    from accelerate.utils import convert_outputs_to_fp32
+
+    from torch_offload import trl_fused_head
+
+    model = tiny_model()
+    trl.trainer.utils.add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=dtype):
+        want = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    patched = model.forward.__func__
+    autocast = convert_outputs_to_fp32(torch.autocast("cpu", dtype=dtype)(patched))
+
+    @functools.wraps(autocast)
+    def users_wrapper(*args, **kwargs):
+        return autocast(*args, **kwargs)
+
+    model.forward = types.MethodType(users_wrapper, model)
+    head, undo = trl_fused_head.install(model, "caller")
+    try:
+        got = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    finally:
+        undo()
+    assert head is not None and head.calls == 1
+    # The same numbers as TRL's own kernel under the same autocast.
+    torch.testing.assert_close(got.log_probs, want.log_probs)
+    torch.testing.assert_close(got.entropy, want.entropy)
 
 
 def test_fused_head_cast_to_float32_keeps_trls_kernel():
@@ -509,7 +609,7 @@ def test_rl_trainer_scoring_from_whole_logits_is_warned_about(tmp_path):
     # stand in for: said under an RL trainer's configuration, silent under others.
     from torch_offload import trl_fused_head
 
-    grpo = rl_arguments(tmp_path, trl.GRPOConfig, num_generations=2)
+    grpo = trl_arguments(tmp_path, trl.GRPOConfig, num_generations=2)
     with pytest.warns(UserWarning, match=r"caller: under TRL \S+'s GRPOConfig the model has no fused LM head"):
         assert trl_fused_head.install(tiny_model(), "caller", grpo) == (None, None)
 
@@ -517,7 +617,7 @@ def test_rl_trainer_scoring_from_whole_logits_is_warned_about(tmp_path):
         pass
 
     with pytest.warns(UserWarning, match=r"under TRL \S+'s DPOConfig"):
-        trl_fused_head.install(tiny_model(), "caller", rl_arguments(tmp_path, MyDPOConfig))
+        trl_fused_head.install(tiny_model(), "caller", trl_arguments(tmp_path, MyDPOConfig))
     others = (arguments(tmp_path), arguments(tmp_path, trl.SFTConfig, bf16=False), None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -530,7 +630,7 @@ def test_rl_trainers_calls_take_the_layers_path_unless_asked(tmp_path):
     # gives them the layers' path, unless chunk_recurrent is given; a plain Trainer's keep the step.
     from torch_offload.integrations.plan import LAYERS, STEP
 
-    grpo = rl_arguments(tmp_path, trl.GRPOConfig, num_generations=2)
+    grpo = trl_arguments(tmp_path, trl.GRPOConfig, num_generations=2)
     for options, args, route in (({}, grpo, LAYERS), ({"chunk_recurrent": True}, grpo, STEP), ({}, None, STEP)):
         model = tiny_model()
         callback = torch_offload.TorchOffloadCallback(**options)

@@ -25,7 +25,8 @@ class TorchOffloadCallback(transformers.TrainerCallback):
     Unknown options are a TypeError here, at construction; options the model's configuration would
     ignore (e.g. ``min_bytes`` without a tier) are apply()'s ValueError when training begins.
 
-    Under TRL 1.16's trainers (GRPO, DPO, ...), whose fused LM head scores the tokens, its calls go through the
+    Under TRL 1.16's trainers (GRPO, DPO, SFT, ...), whose fused LM head scores the tokens, in float32 or under
+    bf16/fp16 mixed precision (found through accelerate's wrappers), its calls go through the
     ``token_logprobs`` op while training (``callback.fused_head.calls`` counts them; torch_offload/trl_fused_head.py).
     Under an RL trainer of an older TRL (1.9), which scores tokens from the whole logits, a warning says so.
     Under either, whose calls carry no labels, apply() takes the layers' path (``chunk_recurrent=False`` unless

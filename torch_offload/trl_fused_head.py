@@ -96,13 +96,19 @@ class TokenLogprobsHead:
 
 def _has_trl_fused_head(model) -> bool:
     """Whether model.forward, or a PEFT model's base model's (which TRL patches), is TRL's add_fused_lm_head forward
-    (it takes ``fused_lm_head``)."""
+    (it takes ``fused_lm_head``), or wraps it: under bf16/fp16 mixed precision accelerate wraps the forward in
+    autocast and a float32 cast of its outputs, each naming what it wraps in ``__wrapped__``. The whole chain is
+    read, not its end: TRL's own forward names the model class's forward as what it wraps."""
     get_base_model = getattr(model, "get_base_model", None)
     for candidate in (model, get_base_model() if callable(get_base_model) else None):
-        forward = getattr(candidate, "forward", None)
-        code = getattr(getattr(forward, "__func__", forward), "__code__", None)
-        if code is not None and "fused_lm_head" in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]:
-            return True
+        function, seen = getattr(candidate, "forward", None), set()
+        while function is not None and id(function) not in seen:
+            seen.add(id(function))
+            function = getattr(function, "__func__", function)  # a bound method's function
+            code = getattr(function, "__code__", None)
+            if code is not None and "fused_lm_head" in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]:
+                return True
+            function = getattr(function, "__wrapped__", None)
     return False
 
 
