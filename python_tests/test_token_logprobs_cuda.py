@@ -93,3 +93,19 @@ def test_cuda_summaries_match_the_cpu_op():
     for g, w in zip(got, want):
         assert g.is_cuda
         torch.testing.assert_close(g.cpu(), w, rtol=1e-10, atol=1e-12)
+
+
+def test_cuda_graph_capture_of_ops_reading_values_on_the_host_is_refused_by_name():
+    # Each reads a value on the host (an .item()), which would end a capture with CUDA's own error.
+    hidden, weight = torch.randn(2, 5, 8, device="cuda"), torch.randn(11, 8, device="cuda")
+    ids = torch.randint(0, 11, (2, 5), device="cuda")
+    ops = {
+        "token_logprobs": lambda: torch.ops.offload.token_logprobs(hidden, weight, ids),
+        "linear_cross_entropy": lambda: torch_offload.linear_cross_entropy(hidden, weight, ids),
+        "_assert_all": lambda: torch.ops.offload._assert_all(ids, ids.ge(0), "ids must be >= 0"),
+    }
+    for op, run in ops.items():
+        with pytest.raises(RuntimeError, match=f"{op}: cannot run while a CUDA graph is being captured on cuda"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                run()
+        run()  # outside a capture, as before

@@ -1,12 +1,30 @@
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include "ops/attention_block/attention_block.h"
+#include "ops/common/checks.h"
 #include "ops/disk_spill/disk_spill.h"
 #include "ops/linear_cross_entropy/linear_cross_entropy.h"
 #include "ops/offload/offload.h"
 #include "ops/rms_norm/rms_norm.h"
 #include "ops/tiled_mlp/tiled_mlp.h"
 #include "ops/token_logprobs/token_logprobs.h"
+
+namespace {
+
+// check_not_capturing's question for a CUDA device: is its current stream capturing?
+bool cuda_stream_capturing(c10::Device device) {
+  if (!device.is_cuda()) {
+    return false;
+  }
+  const c10::cuda::CUDAGuard guard(device);
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+}
+
+const bool capture_query_set = (torch_offload::set_stream_capture_query(&cuda_stream_capturing), true);
+
+}  // namespace
 
 TORCH_LIBRARY_IMPL(offload, CUDA, m) {
   m.impl("offload_pack", &torch_offload::offload_pack_cuda);

@@ -170,8 +170,6 @@ SegmentAttentionGradients segment_attention_backward_meta(
 #ifdef TORCH_OFFLOAD_WITH_CUDA
 // What CUDA's attention kernels take: x (called `name`) not float64, head_dim (read from `where`) aligned.
 void check_cuda_support(const char* op, const at::Tensor& x, const char* name, int64_t head_dim, const char* where);
-// Errors while a CUDA graph is being captured on segment_ids' device: segment_runs reads them on the host.
-void check_segment_ids_readable(const char* op, const at::Tensor& segment_ids);
 // The memory of CUDA device `index`, in bytes.
 int64_t cuda_device_memory(c10::DeviceIndex index);
 

@@ -13,7 +13,6 @@
 #include <ATen/ops/_scaled_dot_product_flash_attention.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_backward.h>
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
@@ -29,15 +28,6 @@ void check_cuda_support(const char* op, const at::Tensor& x, const char* name, i
   const int64_t alignment = x.element_size() == 4 ? 4 : 8;
   TORCH_CHECK(head_dim % alignment == 0, op, ": the head dimension (", where, ") is ", head_dim,
               "; CUDA's attention kernels need a multiple of ", alignment, " for ", x.scalar_type());
-}
-
-// The copy would fail mid-capture, and a replay would not redo it for other ids.
-void check_segment_ids_readable(const char* op, const at::Tensor& segment_ids) {
-  const c10::cuda::CUDAGuard guard(segment_ids.device());
-  TORCH_CHECK(c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None, op,
-              ": cannot run with segment_ids while a CUDA graph is being captured (torch.cuda.graph, "
-              "torch.compile's mode='reduce-overhead'): the ids are read on the host; run it outside the captured "
-              "region");
 }
 
 int64_t cuda_device_memory(c10::DeviceIndex index) {

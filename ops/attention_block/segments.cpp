@@ -11,6 +11,8 @@
 #include <c10/core/TensorImpl.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include "ops/common/checks.h"
+
 namespace torch_offload {
 namespace {
 
@@ -194,9 +196,8 @@ SegmentRuns segment_runs([[maybe_unused]] const char* op, const at::Tensor& segm
   if (!segment_ids.is_cuda() || !counter.enabled()) {  // CPU, or an inference tensor, with no version
     return read_segment_runs(segment_ids);
   }
-#ifdef TORCH_OFFLOAD_WITH_CUDA
-  check_segment_ids_readable(op, segment_ids);  // every call: a replay would not read them again
-#endif
+  // Every call: the copy would fail mid-capture, and a replay would not read them again.
+  check_not_capturing(op, segment_ids.device(), "it reads segment_ids on the host");
   thread_local ReadRuns last;
   if (last.ids.lock().get() != segment_ids.unsafeGetTensorImpl() || last.version != counter.current_version() ||
       last.data != segment_ids.const_data_ptr()) {

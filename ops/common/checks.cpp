@@ -40,7 +40,25 @@ void check_device_available(c10::Device device, const char* op, const char* arg)
   TORCH_CHECK(false, op, ": ", arg, " is ", device, "; expected a cpu or cuda device");
 }
 
+namespace {
+StreamCaptureQuery stream_capture_query = nullptr;
+}  // namespace
+
+StreamCaptureQuery set_stream_capture_query(StreamCaptureQuery query) {
+  const StreamCaptureQuery replaced = stream_capture_query;
+  stream_capture_query = query;
+  return replaced;
+}
+
+void check_not_capturing(const char* op, c10::Device device, const char* why) {
+  TORCH_CHECK(stream_capture_query == nullptr || !stream_capture_query(device), op,
+              ": cannot run while a CUDA graph is being captured on ", device,
+              " (torch.cuda.graph, torch.compile's mode='reduce-overhead'): ", why, "; call ", op,
+              " outside the captured region");
+}
+
 at::Tensor assert_all_kernel(const at::Tensor& value, const at::Tensor& condition, c10::string_view message) {
+  check_not_capturing("_assert_all", condition.device(), "it reads the condition on the host");
   TORCH_CHECK(condition.all().item<bool>(), message);
   return value.clone();
 }

@@ -24,6 +24,18 @@ void check_device_available(c10::Device device, const char* op, const char* arg)
 at::Tensor assert_all_kernel(const at::Tensor& value, const at::Tensor& condition, c10::string_view message);
 at::Tensor assert_all_meta(const at::Tensor& value, const at::Tensor& condition, c10::string_view message);
 
+// Whether `device`'s current stream is recording a CUDA graph. The CUDA build sets it
+// (registration/cuda.cpp), so that this file needs no CUDA header; without it, never.
+// Returns the query it replaces (tests set a fake one and put the real one back).
+using StreamCaptureQuery = bool (*)(c10::Device device);
+StreamCaptureQuery set_stream_capture_query(StreamCaptureQuery query);
+
+// Refuses, naming `op`, while `device`'s current stream captures a CUDA graph (torch.cuda.graph,
+// torch.compile's mode="reduce-overhead"): `why` says what the op does that a capture cannot
+// hold, e.g. a value read on the host (an .item(), which would end the capture with CUDA's own
+// error, far from the op).
+void check_not_capturing(const char* op, c10::Device device, const char* why);
+
 // Bytes of physical host memory; byte budgets above it are rejected as absurd.
 int64_t physical_host_bytes();
 

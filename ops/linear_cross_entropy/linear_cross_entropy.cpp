@@ -120,6 +120,7 @@ Reduction check_arguments(const char* op, const at::Tensor& hidden, const at::Te
 // A target outside [0, V) that is not ignore_index would index no logit: an error
 // naming the value, before any work (on CUDA this waits for the check's result).
 void check_target_values(const char* op, const at::Tensor& target, int64_t vocab, int64_t ignore_index) {
+  check_not_capturing(op, target.device(), "it reads the target on the host to check its values");
   const at::Tensor bad = target.ne(ignore_index).logical_and(target.lt(0).logical_or(target.ge(vocab)));
   if (bad.any().item<bool>()) {
     const int64_t index = at::nonzero(bad)[0][0].item<int64_t>();

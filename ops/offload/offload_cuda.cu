@@ -10,7 +10,6 @@
 #include <ATen/ops/from_blob.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/accumulate.h>
@@ -40,11 +39,7 @@ c10::cuda::CUDAStream copy_stream(c10::DeviceIndex device, Direction direction) 
 
 // Copies that wait on events and reuse pinned slices cannot be captured into a CUDA graph
 // (event queries are illegal while capturing, and replays would reuse the slices).
-void check_not_capturing(const char* op) {
-  TORCH_CHECK(c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None, op,
-              ": cannot run while a CUDA graph is being captured (torch.cuda.graph, torch.compile's "
-              "mode='reduce-overhead'); offload outside the captured region");
-}
+constexpr const char* kNotCapturable = "its copies wait on events and reuse pinned slices";
 
 void make_stream_wait(const Fence& fence, const c10::cuda::CUDAStream& stream) {
   // Every fence in the arena is made in this file, so the cast cannot fail.
@@ -80,7 +75,7 @@ at::Tensor pinned_source(const at::Tensor& host) {
 at::Tensor offload_pack_cuda(const at::Tensor& src, bool non_blocking) {
   check_defined(src, "offload_pack", "src");
   const c10::cuda::CUDAGuard device_guard(src.device());
-  check_not_capturing("offload_pack");
+  check_not_capturing("offload_pack", src.device(), kNotCapturable);
   const c10::DeviceIndex device = src.device().index();
   const auto current = c10::cuda::getCurrentCUDAStream(device);
   const auto d2h = copy_stream(device, Direction::kDeviceToHost);
@@ -119,7 +114,7 @@ at::Tensor offload_pack_cuda(const at::Tensor& src, bool non_blocking) {
 PendingUnpack start_host_to_cuda(const at::Tensor& packed, c10::Device device) {
   const c10::DeviceIndex index = device.has_index() ? device.index() : c10::cuda::current_device();
   const c10::cuda::CUDAGuard device_guard(index);
-  check_not_capturing("offload_unpack");
+  check_not_capturing("offload_unpack", c10::Device(c10::kCUDA, index), kNotCapturable);
   const auto h2d = copy_stream(index, Direction::kHostToDevice);
   PinnedArena& arena = host_arena();
 

@@ -49,6 +49,7 @@ void check_arguments(const char* op, const at::Tensor& hidden, const at::Tensor&
 
 // An id outside [0, V) would pick no logit: an error naming it, before any work.
 void check_id_values(const char* op, const at::Tensor& ids, int64_t vocab) {
+  check_not_capturing(op, ids.device(), "it reads the ids on the host to check their values");
   const at::Tensor bad = ids.lt(0).logical_or(ids.ge(vocab));
   if (bad.any().item<bool>()) {
     const int64_t index = at::nonzero(bad)[0][0].item<int64_t>();
