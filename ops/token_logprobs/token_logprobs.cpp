@@ -168,10 +168,13 @@ TokenLogprobsForward token_logprobs_forward_kernel(TORCH_OFFLOAD_TOKEN_LOGPROBS_
   const VocabularyFold f =
       fold_vocabulary("token_logprobs", hidden, weight, ids, value_or_undefined(bias), temperature, {entropy});
   const at::Tensor log_sum = at::log(f.sum_exp);
-  const at::Tensor lse = f.max + log_sum;
-  const at::Tensor logprobs = (f.picked - lse).view(ids.sizes());
+  // At large logits (1e4 in float32: a unit in the last place of 1e-3) m + log S rounds off what a log-probability
+  // is made of: the id's s - m is exact (two close floats), then log S. The log-sum-exp kept for backward is
+  // float64 for the same reason (token_logprobs_backward).
+  const at::Tensor lse = f.max.to(at::kDouble) + log_sum.to(at::kDouble);
+  const at::Tensor logprobs = ((f.picked - f.max) - log_sum).view(ids.sizes());
   const at::Tensor entropies =
-      entropy ? (log_sum - f.shifted_sum / f.sum_exp).view(ids.sizes()) : at::empty({0}, lse.options());
+      entropy ? (log_sum - f.shifted_sum / f.sum_exp).view(ids.sizes()) : at::empty({0}, log_sum.options());
   return {logprobs, entropies, lse};
 }
 
@@ -196,7 +199,7 @@ TokenLogprobsGradients token_logprobs_backward_kernel(TORCH_OFFLOAD_TOKEN_LOGPRO
   const auto dtype = hidden.scalar_type();
   const auto acc_type = at::toOpMathType(dtype);
   const auto acc = hidden.options().dtype(acc_type);
-  check_tensor(op, "lse", lse, hidden, "hidden", acc_type, {ids.sym_numel()}, "[tokens]");
+  check_tensor(op, "lse", lse, hidden, "hidden", at::kDouble, {ids.sym_numel()}, "[tokens]");
   const at::Tensor a = value_or_undefined(grad_logprobs), g = value_or_undefined(grad_entropy);
   const at::Tensor h_values = value_or_undefined(entropy);
   if (a.defined()) {
@@ -224,18 +227,23 @@ TokenLogprobsGradients token_logprobs_backward_kernel(TORCH_OFFLOAD_TOKEN_LOGPRO
     // bf16/fp16: gradients add up in float32; off CUDA the GEMM operands are float32 (CUDA multiplies the
     // tile's gradient rounded to the input dtype, accumulating in float32).
     const bool reduced = acc_type != dtype, convert = reduced && !hidden.is_cuda();
+    // log p = (s - lse_high) - lse_low: lse's float64 split in two of the accumulation type, so that s - lse_high
+    // is exact where p is not negligible (two close floats) and log p is as good as eager's s - m - log S.
+    const at::Tensor lse_high = lse.to(acc_type), lse_low = (lse - lse_high.to(at::kDouble)).to(acc_type);
     const at::Tensor hidden_grad_tile_buffer = want_hidden ? at::empty({t.rows, h}, acc) : at::Tensor();
     for (int64_t start = 0; start < t.tokens; start += t.rows) {
       const int64_t rows = std::min(t.rows, t.tokens - start);
       const at::Tensor hidden_tile = t.hidden.narrow(0, start, rows), ids_tile = t.ids.narrow(0, start, rows);
       const at::Tensor hidden_operand = convert && want_weight ? hidden_tile.to(acc_type) : hidden_tile;
-      const at::Tensor lse_tile = lse.narrow(0, start, rows).unsqueeze(1);
+      const at::Tensor lse_high_tile = lse_high.narrow(0, start, rows).unsqueeze(1);
+      const at::Tensor lse_low_tile = lse_low.narrow(0, start, rows).unsqueeze(1);
       const at::Tensor grad_hidden_tile =
           want_hidden ? hidden_grad_tile_buffer.narrow(0, 0, rows).zero_() : at::Tensor();
       for (int64_t col0 = 0; col0 < t.vocab; col0 += t.cols) {
         const int64_t cols = std::min(t.cols, t.vocab - col0);
-        const at::Tensor log_p =
-            scaled_logits(buffer, hidden_tile, weight, b, col0, cols, temperature, acc_type).sub_(lse_tile);
+        const at::Tensor log_p = scaled_logits(buffer, hidden_tile, weight, b, col0, cols, temperature, acc_type)
+                                     .sub_(lse_high_tile)
+                                     .sub_(lse_low_tile);
         const at::Tensor p = at::exp(log_p);
         at::Tensor d_s;
         if (a.defined()) {
@@ -279,7 +287,7 @@ TokenLogprobsForward token_logprobs_forward_meta(TORCH_OFFLOAD_TOKEN_LOGPROBS_AR
   const auto acc = hidden.options().dtype(at::toOpMathType(hidden.scalar_type()));
   return {at::empty_symint(ids.sym_sizes(), acc),
           entropy ? at::empty_symint(ids.sym_sizes(), acc) : at::empty({0}, acc),
-          at::empty_symint({ids.sym_numel()}, acc)};
+          at::empty_symint({ids.sym_numel()}, acc.dtype(at::kDouble))};
 }
 
 TokenLogprobs token_logprobs_meta(TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS) {
@@ -298,7 +306,7 @@ TokenLogprobsGradients token_logprobs_backward_meta(TORCH_OFFLOAD_TOKEN_LOGPROBS
   const char* op = "token_logprobs_backward";
   const at::Tensor b = value_or_undefined(bias);
   check_arguments(op, hidden, weight, ids, b, temperature);
-  check_tensor(op, "lse", lse, hidden, "hidden", at::toOpMathType(hidden.scalar_type()), {ids.sym_numel()}, "[tokens]");
+  check_tensor(op, "lse", lse, hidden, "hidden", at::kDouble, {ids.sym_numel()}, "[tokens]");
   (void)grad_logprobs, (void)grad_entropy, (void)entropy;
   const auto like = [](bool want, const at::Tensor& x) {
     return want && x.defined() ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor();
