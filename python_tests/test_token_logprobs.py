@@ -239,6 +239,34 @@ def test_float32_at_large_logits_is_as_close_to_float64_as_eager(size):
         assert error <= 2 * eagers, (name, error.item(), eagers.item())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_reduced_precision_logits_are_not_rounded_before_the_softmax(dtype):
+    # The products of bf16/fp16 inputs stay float32 through the bias and the temperature: against float64 on the
+    # same (rounded) inputs, float32's error, where eager's rounding of each logit (logits near 8) puts them 5e-2
+    # off in bf16, 6e-3 in fp16.
+    hidden, weight, b, ids = (t.detach() for t in make_inputs((2, 300, 32), 3000, bias=True))
+    b = b + 8
+    rounded = [t.to(dtype) for t in (hidden, weight, b)]
+    want = [t.to(torch.float32) for t in reference(*[t.double() for t in rounded[:2]], ids, rounded[2].double(), 0.7)]
+    got = torch_offload.token_logprobs(*rounded[:2], ids, bias=rounded[2], temperature=0.7, entropy=True)
+    summaries = torch_offload.token_logprob_summaries(*rounded[:2], ids, bias=rounded[2], temperature=0.7)
+    logits = F.linear(*[t.double() for t in rounded]) / 0.7
+    want_mean = logits.mean(-1)
+    for name, g, w in zip(["logprobs", "entropy", "mean logit"], [*got, summaries[0]], [*want, want_mean]):
+        torch.testing.assert_close(g, w.float(), rtol=0, atol=2e-5, msg=name)
+
+
+def test_summaries_under_autocast_run_in_the_autocast_dtype():
+    # As token_logprobs: the GEMMs in the autocast dtype (the inputs cast to it), mixed input dtypes taken.
+    hidden, weight, b, ids = (t.detach() for t in make_inputs((2, 9, 16), 40, bias=True, dtype=torch.float32))
+    want = torch_offload.token_logprob_summaries(hidden.bfloat16(), weight.bfloat16(), ids, bias=b.bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = torch_offload.token_logprob_summaries(hidden, weight, ids, bias=b)
+        mixed = torch_offload.token_logprob_summaries(hidden.bfloat16(), weight, ids, bias=b)
+    for g, m, w in zip(got, mixed, want):
+        assert torch.equal(g, w) and torch.equal(m, w)
+
+
 def test_autocast_runs_the_gemms_in_the_autocast_dtype_and_returns_float32():
     hidden, weight, b, ids = make_inputs((2, 9, 16), 40, bias=True, dtype=torch.float32)
     upstream = [torch.randn(ids.shape), torch.randn(ids.shape)]

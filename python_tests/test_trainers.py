@@ -544,6 +544,7 @@ def test_fused_head_under_mixed_precision_wrappers_goes_through_the_op(dtype):
     model = tiny_model()
     trl.trainer.utils.add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    truth = model(input_ids=ids, labels=ids, fused_lm_head=True)  # float32
     with torch.autocast("cpu", dtype=dtype):
         want = model(input_ids=ids, labels=ids, fused_lm_head=True)
     patched = model.forward.__func__
@@ -560,9 +561,11 @@ def test_fused_head_under_mixed_precision_wrappers_goes_through_the_op(dtype):
     finally:
         undo()
     assert head is not None and head.calls == 1
-    # The same numbers as TRL's own kernel under the same autocast.
-    torch.testing.assert_close(got.log_probs, want.log_probs)
-    torch.testing.assert_close(got.entropy, want.entropy)
+    # As close to float32's as TRL's own kernel under the same autocast (which rounds each logit to bf16/fp16; the
+    # op does not).
+    for name in ("log_probs", "entropy"):
+        error = (getattr(got, name) - getattr(truth, name)).abs().max()
+        assert error <= 2 * (getattr(want, name) - getattr(truth, name)).abs().max(), name
 
 
 def test_fused_head_cast_to_float32_keeps_trls_kernel():

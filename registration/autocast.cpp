@@ -68,17 +68,33 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs_autocast(const at::Tensor& hid
   return token_logprobs(cast(hidden), cast(weight), ids, cast(bias), temperature, entropy);
 }
 
+// token_logprob_summaries likewise (TRL asks for them beside token_logprobs, under the same autocast).
+template <c10::DeviceType kDevice>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprob_summaries_autocast(const at::Tensor& hidden,
+                                                                                const at::Tensor& weight,
+                                                                                const at::Tensor& ids,
+                                                                                const std::optional<at::Tensor>& bias,
+                                                                                double temperature) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
+  const auto cast = [&](const auto& t) { return at::autocast::cached_cast(dtype, t, kDevice); };
+  return token_logprob_summaries(cast(hidden), cast(weight), ids, cast(bias), temperature);
+}
+
 }  // namespace
 }  // namespace torch_offload
 
 TORCH_LIBRARY_IMPL(offload, AutocastCPU, m) {
   m.impl("linear_cross_entropy", &torch_offload::linear_cross_entropy_autocast<c10::DeviceType::CPU>);
   m.impl("token_logprobs", &torch_offload::token_logprobs_autocast<c10::DeviceType::CPU>);
+  m.impl("token_logprob_summaries", &torch_offload::token_logprob_summaries_autocast<c10::DeviceType::CPU>);
 }
 
 TORCH_LIBRARY_IMPL(offload, AutocastCUDA, m) {
   m.impl("linear_cross_entropy", &torch_offload::linear_cross_entropy_autocast<c10::DeviceType::CUDA>);
   m.impl("token_logprobs", &torch_offload::token_logprobs_autocast<c10::DeviceType::CUDA>);
+  m.impl("token_logprob_summaries", &torch_offload::token_logprob_summaries_autocast<c10::DeviceType::CUDA>);
 }
 
 namespace torch_offload {

@@ -50,4 +50,22 @@ inline at::Tensor value_or_undefined(const std::optional<at::Tensor>& t) {
   return t.has_value() ? *t : at::Tensor();
 }
 
+// out <- in @ w^T + b in out's dtype: for bf16/fp16 operands a float32 out gets their products unrounded and
+// the bias added in float32 (accumulate_mm onto the bias, or onto zeros), where linear_into would round each
+// logit to the operands' dtype.
+inline void linear_into_accumulator(const at::Tensor& out, const at::Tensor& in, const at::Tensor& w,
+                                    const at::Tensor& b) {
+  if (out.scalar_type() == in.scalar_type()) {
+    linear_into(out, in, w, b);
+    return;
+  }
+  at::Tensor result = out;
+  if (b.defined()) {
+    result.copy_(b.unsqueeze(0).expand_as(result));
+  } else {
+    result.zero_();
+  }
+  accumulate_mm(result, in, w.t());
+}
+
 }  // namespace torch_offload

@@ -77,14 +77,13 @@ struct Tiles {
   }
 };
 
-// s = logits / temperature of rows [start, start + rows) and columns [col0, col0 + cols), in the
-// accumulation type, from the reused GEMM buffer.
+// s = logits / temperature of rows [start, start + rows) and columns [col0, col0 + cols), in the reused buffer
+// of the accumulation type: bf16/fp16 products are not rounded to bf16/fp16 before the bias and the temperature.
 at::Tensor scaled_logits(const at::Tensor& buffer, const at::Tensor& hidden_tile, const at::Tensor& weight,
-                         const at::Tensor& bias, int64_t col0, int64_t cols, double temperature,
-                         at::ScalarType acc_type) {
+                         const at::Tensor& bias, int64_t col0, int64_t cols, double temperature) {
   const at::Tensor logits = buffer.narrow(0, 0, hidden_tile.size(0) * cols).view({hidden_tile.size(0), cols});
-  linear_into(logits, hidden_tile, weight.narrow(0, col0, cols), narrow_or_undefined(bias, col0, cols));
-  return logits.to(acc_type).mul_(1.0 / temperature);
+  linear_into_accumulator(logits, hidden_tile, weight.narrow(0, col0, cols), narrow_or_undefined(bias, col0, cols));
+  return logits.mul_(1.0 / temperature);
 }
 
 // Where each row's id falls in the columns [col0, col0 + cols): the mask and the column (clamped) to gather.
@@ -117,7 +116,7 @@ VocabularyFold fold_vocabulary(const char* op, const at::Tensor& hidden, const a
                    optional(wanted.entropy, 0.0),    optional(wanted.mean, 0.0), optional(wanted.top1, -kInf),
                    optional(wanted.squares, 0.0)};
   if (t.tokens > 0 && t.vocab > 0) {
-    const at::Tensor buffer = at::empty({t.rows * t.cols}, hidden.options());
+    const at::Tensor buffer = at::empty({t.rows * t.cols}, acc);
     const at::Tensor zero = at::zeros({}, acc);
     for (int64_t start = 0; start < t.tokens; start += t.rows) {
       const int64_t rows = std::min(t.rows, t.tokens - start);
@@ -126,7 +125,7 @@ VocabularyFold fold_vocabulary(const char* op, const at::Tensor& hidden, const a
       at::Tensor m = part(f.max), s_sum = part(f.sum_exp);
       for (int64_t col0 = 0; col0 < t.vocab; col0 += t.cols) {
         const int64_t cols = std::min(t.cols, t.vocab - col0);
-        const at::Tensor s = scaled_logits(buffer, hidden_tile, weight, b, col0, cols, temperature, acc_type);
+        const at::Tensor s = scaled_logits(buffer, hidden_tile, weight, b, col0, cols, temperature);
         const at::Tensor new_max = at::maximum(m, std::get<0>(s.max(1)));
         // A row whose every s so far is -inf (a bias masking the vocabulary) keeps m = -inf and S = 0.
         const at::Tensor reference = at::where(new_max.eq(-kInf), zero, new_max);
@@ -222,7 +221,7 @@ TokenLogprobsGradients token_logprobs_backward_kernel(TORCH_OFFLOAD_TOKEN_LOGPRO
     const at::Tensor a_flat = a.defined() ? a.reshape({-1}).to(acc_type) : at::Tensor();
     const at::Tensor g_flat = g.defined() ? g.reshape({-1}).to(acc_type) : at::Tensor();
     const at::Tensor h_flat = g.defined() ? h_values.reshape({-1}) : at::Tensor();
-    const at::Tensor buffer = at::empty({t.rows * t.cols}, hidden.options());
+    const at::Tensor buffer = at::empty({t.rows * t.cols}, acc);
     const at::Tensor zero = at::zeros({}, acc);
     // bf16/fp16: gradients add up in float32; off CUDA the GEMM operands are float32 (CUDA multiplies the
     // tile's gradient rounded to the input dtype, accumulating in float32).
@@ -241,7 +240,7 @@ TokenLogprobsGradients token_logprobs_backward_kernel(TORCH_OFFLOAD_TOKEN_LOGPRO
           want_hidden ? hidden_grad_tile_buffer.narrow(0, 0, rows).zero_() : at::Tensor();
       for (int64_t col0 = 0; col0 < t.vocab; col0 += t.cols) {
         const int64_t cols = std::min(t.cols, t.vocab - col0);
-        const at::Tensor log_p = scaled_logits(buffer, hidden_tile, weight, b, col0, cols, temperature, acc_type)
+        const at::Tensor log_p = scaled_logits(buffer, hidden_tile, weight, b, col0, cols, temperature)
                                      .sub_(lse_high_tile)
                                      .sub_(lse_low_tile);
         const at::Tensor p = at::exp(log_p);
