@@ -12,16 +12,28 @@ from torch.testing._internal.optests import opcheck
 import torch_offload
 
 
-def reference(hidden, weight, ids, bias=None, temperature=1.0):
-    """(log-probabilities, entropies) from the whole [..., V] logits, as TRL's selective_log_softmax and
-    entropy_from_logits compute them (in float32 for bf16/fp16 logits)."""
+def scores(hidden, weight, bias=None, temperature=1.0, softcap=0.0, logit_scale=1.0):
+    """The whole [..., V] scores as TRL's fused head makes them: scaled, soft-capped, over the temperature (in
+    float32 for bf16/fp16 logits)."""
     logits = F.linear(hidden, weight, bias)
     if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
-    log_p = torch.log_softmax(logits / temperature, dim=-1)
+    logits = logits * logit_scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    return logits / temperature
+
+
+def reference(hidden, weight, ids, bias=None, temperature=1.0, softcap=0.0, logit_scale=1.0, ignore_index=None):
+    """(log-probabilities, entropies) from the whole scores, as TRL's selective_log_softmax and
+    entropy_from_logits compute them; 0 where the id is ignore_index, as TRL masks them."""
+    counted = torch.ones_like(ids, dtype=torch.bool) if ignore_index is None else ids != ignore_index
+    ids = ids.masked_fill(~counted, 0)
+    log_p = torch.log_softmax(scores(hidden, weight, bias, temperature, softcap, logit_scale), dim=-1)
     # p log p is 0 where a logit is masked to -inf (not 0 * -inf = NaN, nor a NaN gradient through it).
     finite_log_p = log_p.masked_fill(log_p.isneginf(), 0.0)
-    return log_p.gather(-1, ids.unsqueeze(-1)).squeeze(-1), -(log_p.exp() * finite_log_p).sum(-1)
+    logprobs, entropies = log_p.gather(-1, ids.unsqueeze(-1)).squeeze(-1), -(log_p.exp() * finite_log_p).sum(-1)
+    return logprobs.masked_fill(~counted, 0), entropies.masked_fill(~counted, 0)
 
 
 def make_inputs(shape, vocab, bias=False, dtype=torch.float64, seed=0):
@@ -71,6 +83,63 @@ def test_matches_eager_float64_for_any_upstream_gradient(shape, vocab, temperatu
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+# Gemma 2's final soft-capping, Cohere's logit scale, and labels with ignored positions, as TRL's fused head passes
+# them; each alone and together.
+SCORINGS = {
+    "softcap": dict(softcap=3.0),
+    "logit_scale": dict(logit_scale=0.0625 * 8),
+    "ignore_index": dict(ignore_index=-100),
+    "all": dict(softcap=2.0, logit_scale=4.0, ignore_index=7),
+}
+
+
+@pytest.mark.parametrize("shape, vocab", SHAPES, ids=["one_tile", "many_tiles"])
+@pytest.mark.parametrize("scoring", list(SCORINGS))
+def test_softcap_logit_scale_and_ignore_index_match_eager_float64(shape, vocab, scoring):
+    kwargs = SCORINGS[scoring]
+    hidden, weight, b, ids = make_inputs(shape, vocab, bias=True)
+    if "ignore_index" in kwargs:
+        ids = ids.masked_fill(
+            torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)) < 0.3, kwargs["ignore_index"]
+        )
+    leaves = [hidden, weight, b]
+    upstream = [
+        torch.randn(shape[:-1], generator=torch.Generator().manual_seed(i), dtype=torch.float64) for i in (3, 4)
+    ]
+    want, want_grads = outputs_and_grads(reference(hidden, weight, ids, b, 0.7, **kwargs), upstream, leaves)
+    got, got_grads = outputs_and_grads(
+        torch_offload.token_logprobs(hidden, weight, ids, bias=b, temperature=0.7, entropy=True, **kwargs),
+        upstream,
+        leaves,
+    )
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    # The summaries take the same scores, and give 0 (False) at ignored ids.
+    mean, top1, log_sum_sq = torch_offload.token_logprob_summaries(
+        hidden, weight, ids, bias=b, temperature=0.7, **kwargs
+    )
+    kept = ids != kwargs.get("ignore_index", -100)
+    s = scores(hidden, weight, b, 0.7, kwargs.get("softcap", 0.0), kwargs.get("logit_scale", 1.0)).detach()
+    safe_ids = ids.masked_fill(~kept, 0)
+    torch.testing.assert_close(mean, s.mean(-1).masked_fill(~kept, 0), rtol=1e-12, atol=1e-12)
+    assert torch.equal(top1, (s.argmax(-1) == safe_ids) & kept)
+    torch.testing.assert_close(log_sum_sq, (2 * s.log_softmax(-1)).logsumexp(-1).masked_fill(~kept, 0))
+
+
+@pytest.mark.parametrize("scoring", ["softcap", "all"])
+def test_gradcheck_float64_with_softcap_and_logit_scale(scoring):
+    kwargs = dict(SCORINGS[scoring], entropy=True, temperature=0.7)
+    hidden, weight, b, ids = make_inputs((2, 5, 6), 11, bias=True)
+    ids[0, 1] = kwargs.get("ignore_index", ids[0, 1])
+
+    def both(hidden, weight, b):
+        return torch_offload.token_logprobs(hidden, weight, ids, bias=b, **kwargs)
+
+    assert torch.autograd.gradcheck(both, (hidden, weight, b))
 
 
 def test_default_log_probabilities_and_gradients_match_eager_on_odd_layouts():
@@ -308,18 +377,25 @@ def test_no_tensor_of_tokens_by_vocabulary_is_allocated():
 def test_opcheck():
     for bias in (False, True):
         hidden, weight, b, ids = make_inputs((2, 7, 16), 19, bias=bias, dtype=torch.float32)
+        scoring = (2.0, 0.5, int(ids[0, 0]))  # softcap, logit_scale, and an id present as ignore_index
         for entropy in (False, True):
             opcheck(
                 torch.ops.offload.token_logprobs.default,
                 (hidden, weight, ids),
                 dict(bias=b, temperature=0.7, entropy=entropy),
             )
+        opcheck(
+            torch.ops.offload.token_logprobs.default,
+            (hidden, weight, ids),
+            dict(bias=b, temperature=0.7, entropy=True, softcap=2.0, logit_scale=0.5, ignore_index=scoring[2]),
+        )
         detached = [t.detach() if t is not None else None for t in (hidden, weight, b)]
         opcheck(
-            torch.ops.offload.token_logprobs_forward.default, (detached[0], detached[1], ids, detached[2], 0.7, True)
+            torch.ops.offload.token_logprobs_forward.default,
+            (detached[0], detached[1], ids, detached[2], 0.7, True, *scoring),
         )
         logprobs, entropy, lse = torch.ops.offload.token_logprobs_forward(
-            detached[0], detached[1], ids, detached[2], 0.7, True
+            detached[0], detached[1], ids, detached[2], 0.7, True, *scoring
         )
         grad = torch.randn(ids.shape)
         for grads, mask in (
@@ -329,7 +405,7 @@ def test_opcheck():
         ):
             opcheck(
                 torch.ops.offload.token_logprobs_backward.default,
-                (*grads, detached[0], detached[1], ids, detached[2], lse, entropy, 0.7, mask),
+                (*grads, detached[0], detached[1], ids, detached[2], lse, entropy, 0.7, *scoring, mask),
             )
 
 
@@ -358,14 +434,16 @@ def test_meta_tensors_give_shapes_only():
     hidden = torch.empty(2, 5, 16, device="meta", dtype=torch.bfloat16)
     weight = torch.empty(30, 16, device="meta", dtype=torch.bfloat16)
     ids = torch.empty(2, 5, dtype=torch.long, device="meta")
-    logprobs, entropy, lse = torch.ops.offload.token_logprobs_forward(hidden, weight, ids, None, 1.0, True)
+    logprobs, entropy, lse = torch.ops.offload.token_logprobs_forward(
+        hidden, weight, ids, None, 1.0, True, 0.0, 1.0, -100
+    )
     assert [(t.shape, t.dtype, t.is_meta) for t in (logprobs, entropy, lse)] == [
         ((2, 5), torch.float32, True),
         ((2, 5), torch.float32, True),
         ((10,), torch.float64, True),  # the log-sum-exp kept for backward: float64 for every input dtype
     ]
     grads = torch.ops.offload.token_logprobs_backward(
-        logprobs, None, hidden, weight, ids, None, lse, None, 1.0, [False, True, True]
+        logprobs, None, hidden, weight, ids, None, lse, None, 1.0, 0.0, 1.0, -100, [False, True, True]
     )
     assert [g.shape if g is not None else None for g in grads] == [None, (30, 16), None]
 
@@ -375,7 +453,8 @@ def test_meta_tensors_give_shapes_only():
     [
         (
             dict(ids=torch.tensor([[0, 19, 1]])),
-            r"token_logprobs: ids holds 19 at \(flattened\) index 1; expected token ids in \[0, 19\)",
+            r"token_logprobs: ids holds 19 at \(flattened\) index 1; expected token ids in \[0, 19\) "
+            r"or ignore_index \(-100\)",
         ),
         (dict(ids=torch.tensor([[0, -1, 1]])), r"ids holds -1 at \(flattened\) index 1"),
         (dict(ids=torch.zeros(1, 3)), r"token_logprobs: ids has dtype Float; expected int64 \(or int32\) token ids"),
@@ -384,6 +463,10 @@ def test_meta_tensors_give_shapes_only():
         (dict(bias=torch.randn(18)), r"token_logprobs: bias"),
         (dict(temperature=0.0), r"token_logprobs: temperature is 0; expected a finite value > 0"),
         (dict(temperature=float("inf")), r"token_logprobs: temperature is inf"),
+        (dict(softcap=-1.0), r"token_logprobs: softcap is -1; expected a finite value >= 0 \(0: no softcap\)"),
+        (dict(softcap=float("inf")), r"token_logprobs: softcap is inf"),
+        (dict(logit_scale=float("nan")), r"token_logprobs: logit_scale is nan; expected a finite value"),
+        (dict(ids=torch.tensor([[0, -100, 1]]), ignore_index=-1), r"ids holds -100 at \(flattened\) index 1"),
         (dict(hidden=torch.zeros(1, 3, 8, dtype=torch.long)), r"token_logprobs: hidden has dtype Long"),
         (dict(hidden=None), r"token_logprobs: hidden is NoneType; expected a defined tensor"),
     ],
@@ -396,6 +479,10 @@ def test_meta_tensors_give_shapes_only():
         "bias_shape",
         "zero_temperature",
         "inf_temperature",
+        "negative_softcap",
+        "inf_softcap",
+        "nan_logit_scale",
+        "ignore_index_other_than_the_id",
         "integer_hidden",
         "no_hidden",
     ],
@@ -403,7 +490,9 @@ def test_meta_tensors_give_shapes_only():
 def test_bad_arguments_are_refused_by_name(change, message):
     arguments = dict(hidden=torch.randn(1, 3, 8), weight=torch.randn(19, 8), ids=torch.tensor([[0, 1, 2]]))
     arguments.update(change)
-    keywords = {k: arguments.pop(k) for k in ("bias", "temperature") if k in arguments}
+    keywords = {
+        k: arguments.pop(k) for k in ("bias", "temperature", "softcap", "logit_scale", "ignore_index") if k in arguments
+    }
     with pytest.raises(RuntimeError, match=message):
         torch_offload.token_logprobs(arguments["hidden"], arguments["weight"], arguments["ids"], **keywords)
 

@@ -644,3 +644,27 @@ def test_rl_trainers_calls_take_the_layers_path_unless_asked(tmp_path):
             assert callback.handle.route == route, (options, args)
         finally:
             callback.on_train_end(args, None, None)
+
+
+@pytest.mark.skipif(not FUSED_HEAD, reason="TRL has a fused LM head from 1.16 on")
+@pytest.mark.parametrize("config", [dict(final_logit_softcapping=5.0), dict(logit_scale=3.0)], ids=str)
+def test_fused_head_with_soft_capping_or_a_logit_scale_goes_through_the_op(config):
+    # Gemma 2's final soft-capping and Cohere's logit scale, which TRL reads off the model's configuration and
+    # applies in its kernel: the op applies them too, with every output TRL's head can ask for.
+    from torch_offload import trl_fused_head
+
+    model = tiny_model()
+    for name, value in config.items():
+        setattr(model.config, name, value)
+    outputs = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    trl.trainer.utils.add_fused_lm_head(model, temperature=0.7, outputs=outputs)
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    want = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    head, undo = trl_fused_head.install(model, "caller")
+    try:
+        got = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    finally:
+        undo()
+    assert head.calls == 1
+    for name in outputs:
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-5, msg=name)

@@ -60,26 +60,27 @@ at::Tensor linear_cross_entropy_autocast(const at::Tensor& hidden, const at::Ten
 template <c10::DeviceType kDevice>
 std::tuple<at::Tensor, at::Tensor> token_logprobs_autocast(const at::Tensor& hidden, const at::Tensor& weight,
                                                            const at::Tensor& ids, const std::optional<at::Tensor>& bias,
-                                                           double temperature, bool entropy) {
+                                                           double temperature, bool entropy, double softcap,
+                                                           double logit_scale, int64_t ignore_index) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(
       at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
   const auto cast = [&](const auto& t) { return at::autocast::cached_cast(dtype, t, kDevice); };
-  return token_logprobs(cast(hidden), cast(weight), ids, cast(bias), temperature, entropy);
+  return token_logprobs(cast(hidden), cast(weight), ids, cast(bias), temperature, entropy, softcap, logit_scale,
+                        ignore_index);
 }
 
 // token_logprob_summaries likewise (TRL asks for them beside token_logprobs, under the same autocast).
 template <c10::DeviceType kDevice>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprob_summaries_autocast(const at::Tensor& hidden,
-                                                                                const at::Tensor& weight,
-                                                                                const at::Tensor& ids,
-                                                                                const std::optional<at::Tensor>& bias,
-                                                                                double temperature) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprob_summaries_autocast(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids, const std::optional<at::Tensor>& bias,
+    double temperature, double softcap, double logit_scale, int64_t ignore_index) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(
       at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
   const auto cast = [&](const auto& t) { return at::autocast::cached_cast(dtype, t, kDevice); };
-  return token_logprob_summaries(cast(hidden), cast(weight), ids, cast(bias), temperature);
+  return token_logprob_summaries(cast(hidden), cast(weight), ids, cast(bias), temperature, softcap, logit_scale,
+                                 ignore_index);
 }
 
 }  // namespace

@@ -325,14 +325,18 @@ class TokenLogprobsFunction : public torch::autograd::Function<TokenLogprobsFunc
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                                const at::Tensor& ids, const std::optional<at::Tensor>& bias, double temperature,
-                               bool entropy) {
+                               bool entropy, double softcap, double logit_scale, int64_t ignore_index) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [logprobs, entropies, lse] = token_logprobs_forward(hidden, weight, ids, bias, temperature, entropy);
+    auto [logprobs, entropies, lse] =
+        token_logprobs_forward(hidden, weight, ids, bias, temperature, entropy, softcap, logit_scale, ignore_index);
     // A copy of the entropies ([tokens]): callers mask or clean the output in place (masked_fill_, nan_to_num_),
     // which must not invalidate the backward.
     ctx->save_for_backward(
         {hidden, weight, bias.value_or(at::Tensor()), ids, lse, entropy ? entropies.clone() : at::Tensor()});
     ctx->saved_data["temperature"] = temperature;
+    ctx->saved_data["softcap"] = softcap;
+    ctx->saved_data["logit_scale"] = logit_scale;
+    ctx->saved_data["ignore_index"] = ignore_index;
     // An output without a gradient (entropy kept for logging) gets none: its tiles' term is skipped.
     ctx->set_materialize_grads(false);
     if (!entropy) {
@@ -349,11 +353,13 @@ class TokenLogprobsFunction : public torch::autograd::Function<TokenLogprobsFunc
     // Absent optional inputs have no autograd edge: bias (input 3) takes one only when given.
     const std::array<bool, 3> output_mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                           has_bias && ctx->needs_input_grad(3)};
-    const auto [grad_hidden, grad_weight, grad_bias] =
-        token_logprobs_backward(present(true, grads[0]), present(has_entropy, grads[1]), saved[0], saved[1], saved[3],
-                                present(has_bias, saved[2]), saved[4], present(has_entropy, saved[5]),
-                                ctx->saved_data.at("temperature").toDouble(), output_mask);
-    return {grad_hidden, grad_weight, at::Tensor(), grad_bias, at::Tensor(), at::Tensor()};
+    const auto [grad_hidden, grad_weight, grad_bias] = token_logprobs_backward(
+        present(true, grads[0]), present(has_entropy, grads[1]), saved[0], saved[1], saved[3],
+        present(has_bias, saved[2]), saved[4], present(has_entropy, saved[5]),
+        ctx->saved_data.at("temperature").toDouble(), output_mask, ctx->saved_data.at("softcap").toDouble(),
+        ctx->saved_data.at("logit_scale").toDouble(), ctx->saved_data.at("ignore_index").toInt());
+    return {grad_hidden,  grad_weight,  at::Tensor(), grad_bias,   at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -406,17 +412,20 @@ at::Tensor rms_norm_autograd(const at::Tensor& x, const at::Tensor& weight, doub
 
 std::tuple<at::Tensor, at::Tensor> token_logprobs_autograd(const at::Tensor& hidden, const at::Tensor& weight,
                                                            const at::Tensor& ids, const std::optional<at::Tensor>& bias,
-                                                           double temperature, bool entropy) {
-  const variable_list outputs = TokenLogprobsFunction::apply(hidden, weight, ids, bias, temperature, entropy);
+                                                           double temperature, bool entropy, double softcap,
+                                                           double logit_scale, int64_t ignore_index) {
+  const variable_list outputs =
+      TokenLogprobsFunction::apply(hidden, weight, ids, bias, temperature, entropy, softcap, logit_scale, ignore_index);
   return {outputs[0], outputs[1]};
 }
 
 // Summaries carry no gradient: computed below autograd, their outputs never require one.
 TokenLogprobSummaries token_logprob_summaries_autograd(const at::Tensor& hidden, const at::Tensor& weight,
                                                        const at::Tensor& ids, const std::optional<at::Tensor>& bias,
-                                                       double temperature) {
+                                                       double temperature, double softcap, double logit_scale,
+                                                       int64_t ignore_index) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return token_logprob_summaries(hidden, weight, ids, bias, temperature);
+  return token_logprob_summaries(hidden, weight, ids, bias, temperature, softcap, logit_scale, ignore_index);
 }
 
 }  // namespace

@@ -98,26 +98,28 @@ TORCH_LIBRARY(offload, m) {
       "linear_cross_entropy_with_gradients(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
       "int ignore_index, float label_smoothing, float softcap, float z_loss, str reduction, SymInt tile_tokens, "
       "bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");
-  // Each token's log-probability of its id under softmax(logits / temperature) and, with entropy=True, its
-  // entropy (else an empty [0] tensor), logits = hidden @ weight^T + bias in tiles (no [tokens, V]), float32
-  // for bf16/fp16 inputs. The forward op also returns each token's log-sum-exp of logits / temperature for
-  // the backward op, which takes either upstream gradient (or both) and returns the gradients output_mask
-  // asks for (hidden, weight, bias); it needs the forward's entropies with grad_entropy.
+  // Each token's log-probability of its id under softmax(scores) and, with entropy=True, its entropy (else an
+  // empty [0] tensor), scores = cap(logit_scale * logits) / temperature (cap: softcap * tanh(x / softcap) where
+  // softcap > 0), logits = hidden @ weight^T + bias in tiles (no [tokens, V]), float32 for bf16/fp16 inputs;
+  // 0 for ids equal to ignore_index. The forward op also returns each token's log-sum-exp of the scores
+  // (float64) for the backward op, which takes either upstream gradient (or both) and returns the gradients
+  // output_mask asks for (hidden, weight, bias); it needs the forward's entropies with grad_entropy.
   m.def(
       "token_logprobs(Tensor hidden, Tensor weight, Tensor ids, *, Tensor? bias=None, float temperature=1.0, "
-      "bool entropy=False) -> (Tensor, Tensor)");
+      "bool entropy=False, float softcap=0.0, float logit_scale=1.0, int ignore_index=-100) -> (Tensor, Tensor)");
   m.def(
       "token_logprobs_forward(Tensor hidden, Tensor weight, Tensor ids, Tensor? bias, float temperature, "
-      "bool entropy) -> (Tensor, Tensor, Tensor)");
+      "bool entropy, float softcap, float logit_scale, int ignore_index) -> (Tensor, Tensor, Tensor)");
   m.def(
       "token_logprobs_backward(Tensor? grad_logprobs, Tensor? grad_entropy, Tensor hidden, Tensor weight, "
-      "Tensor ids, Tensor? bias, Tensor lse, Tensor? entropy, float temperature, bool[3] output_mask) "
-      "-> (Tensor, Tensor, Tensor)");
-  // Per token, without gradients: the mean of logits / temperature, whether the id is the first maximum, and
-  // log sum p^2 (float32 for bf16/fp16; the second bool).
+      "Tensor ids, Tensor? bias, Tensor lse, Tensor? entropy, float temperature, float softcap, "
+      "float logit_scale, int ignore_index, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  // Per token, without gradients: the mean of the scores, whether the id is the first maximum, and log sum p^2
+  // (float32 for bf16/fp16; the second bool); 0 (False) for ids equal to ignore_index.
   m.def(
       "token_logprob_summaries(Tensor hidden, Tensor weight, Tensor ids, *, Tensor? bias=None, "
-      "float temperature=1.0) -> (Tensor, Tensor, Tensor)");
+      "float temperature=1.0, float softcap=0.0, float logit_scale=1.0, int ignore_index=-100) "
+      "-> (Tensor, Tensor, Tensor)");
   // transformers' RMSNorm over x's last dimension: weight * round(x / sqrt(mean(x^2) + eps)), in float32 for
   // bf16/fp16 and rounded to x's dtype before the weight's product; weight [h] in x's dtype. The backward op
   // returns the gradients output_mask asks for (x, weight), recomputing each row's scale from x.

@@ -2,10 +2,11 @@
 
 TRL 1.16's trainers (GRPO, DPO, RLOO, KTO, SFT) patch the model with ``add_fused_lm_head``: a call with
 ``fused_lm_head=True`` runs the backbone and scores the positions with ``ChunkedLogProbFunction``, which holds
-tiles of 4096 tokens x 32768 vocabulary rows of logits (512 MiB in bf16) and float32 accumulators. Calls without
-soft-capping or a logit scale, with the head in the hidden states' dtype, go through ``token_logprobs`` instead
-(8 MiB tiles, float64 kept in float64), and the metrics they ask for (mean logits, top-1, log sum of squared
-probabilities) through ``token_logprob_summaries``; the others keep TRL's. The stand-in is put in
+tiles of 4096 tokens x 32768 vocabulary rows of logits (512 MiB in bf16) and float32 accumulators. Calls with
+the head in the hidden states' dtype go through ``token_logprobs`` instead (8 MiB tiles, float64 kept in
+float64; soft-capping and a logit scale, Gemma 2's and Cohere's, as TRL applies them), and the metrics they ask
+for (mean logits, top-1, log sum of squared probabilities) through ``token_logprob_summaries``; the others
+(a head cast to float32 against bf16 hidden states, outputs the op does not compute) keep TRL's. The stand-in is put in
 ``trl.trainer.utils`` for the time of training and taken out after.
 """
 
@@ -71,19 +72,23 @@ class TokenLogprobsHead:
         # TRL's cast_lm_head_to_fp32 hands a float32 hidden to a bf16/fp16 head, which the op refuses (one dtype):
         # TRL's kernel casts each tile.
         mixed = weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype)
-        if final_logit_softcapping is not None or logit_scale != 1.0 or mixed or not set(outputs) <= _OURS:
+        if mixed or not set(outputs) <= _OURS:
             return self.original.apply(
                 hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs
             )
         self.calls += 1
         entropy = "entropy" in outputs
-        logprobs, entropies = torch.ops.offload.token_logprobs(
-            hidden, weight, targets, bias=bias, temperature=float(temperature), entropy=entropy
+        scoring = dict(
+            bias=bias,
+            temperature=float(temperature),
+            softcap=float(final_logit_softcapping or 0.0),
+            logit_scale=float(logit_scale),
         )
+        logprobs, entropies = torch.ops.offload.token_logprobs(hidden, weight, targets, entropy=entropy, **scoring)
         summaries = {}
         if any(name in outputs for name in _SUMMARIES):
             mean_logits, is_top1, log_sum_sq_probs = torch.ops.offload.token_logprob_summaries(
-                hidden, weight, targets, bias=bias, temperature=float(temperature)
+                hidden, weight, targets, **scoring
             )
             summaries = {"log_sum_sq_probs": log_sum_sq_probs, "mean_logits": mean_logits, "is_top1": is_top1}
         # TRL's fields: log-probabilities, entropy, log sum of squared probabilities, mean logit, top-1.

@@ -282,67 +282,77 @@ inline std::vector<int64_t> linear_cross_entropy_tile(int64_t tokens, int64_t vo
   return handle.call(tokens, vocab, dtype);
 }
 
-// Each token's log-probability of its id under softmax(logits / temperature), logits = hidden @ weight^T +
-// bias ([..., h] against [V, h]; ids hidden's shape without h, in [0, V)), and with entropy=true each
-// token's entropy (else an empty [0] tensor), both ids' shape, float32 for bf16/fp16 inputs, computed in
-// tiles so that no [tokens, V] tensor exists. Differentiable through either output: backward recomputes
-// the tiles (the upstream gradients per token are unknown in forward).
+// Each token's log-probability of its id under softmax(scores), scores = cap(logit_scale * logits) /
+// temperature (cap(z) = softcap * tanh(z / softcap) where softcap > 0, else z: Gemma 2's soft-capping),
+// logits = hidden @ weight^T + bias ([..., h] against [V, h]; ids hidden's shape without h, in [0, V) or
+// ignore_index), and with entropy=true each token's entropy (else an empty [0] tensor), both ids' shape, 0
+// where the id is ignore_index, float32 for bf16/fp16 inputs, computed in tiles so that no [tokens, V]
+// tensor exists. Differentiable through either output: backward recomputes the tiles (the upstream
+// gradients per token are unknown in forward).
 using TokenLogprobs = std::tuple<at::Tensor, at::Tensor>;
 inline TokenLogprobs token_logprobs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids,
                                     const std::optional<at::Tensor>& bias = std::nullopt, double temperature = 1.0,
-                                    bool entropy = false) {
+                                    bool entropy = false, double softcap = 0.0, double logit_scale = 1.0,
+                                    int64_t ignore_index = -100) {
   TORCH_CHECK(hidden.defined(), "token_logprobs: hidden is an undefined tensor; expected a defined tensor");
   static const auto handle =
       detail::op<TokenLogprobs(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const std::optional<at::Tensor>&, double, bool)>("offload::token_logprobs");
-  return handle.call(hidden, weight, ids, bias, temperature, entropy);
+                               const std::optional<at::Tensor>&, double, bool, double, double, int64_t)>(
+          "offload::token_logprobs");
+  return handle.call(hidden, weight, ids, bias, temperature, entropy, softcap, logit_scale, ignore_index);
 }
 
-// Per token, summaries of softmax(logits / temperature) that carry no gradient, as RL trainers log them: the
-// mean of logits / temperature over the vocabulary, whether the id is the first maximum (argmax), and
-// log sum_j p_j^2; ids' shape (the second bool), in tiles as token_logprobs.
+// Per token, summaries of softmax(scores) (token_logprobs' scores) that carry no gradient, as RL trainers log
+// them: the mean of the scores over the vocabulary, whether the id is the first maximum (argmax), and
+// log sum_j p_j^2; ids' shape (the second bool), 0 (false) where the id is ignore_index, in tiles as
+// token_logprobs.
 using TokenLogprobSummaries = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 inline TokenLogprobSummaries token_logprob_summaries(const at::Tensor& hidden, const at::Tensor& weight,
                                                      const at::Tensor& ids,
                                                      const std::optional<at::Tensor>& bias = std::nullopt,
-                                                     double temperature = 1.0) {
+                                                     double temperature = 1.0, double softcap = 0.0,
+                                                     double logit_scale = 1.0, int64_t ignore_index = -100) {
   TORCH_CHECK(hidden.defined(), "token_logprob_summaries: hidden is an undefined tensor; expected a defined tensor");
   static const auto handle =
       detail::op<TokenLogprobSummaries(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                       const std::optional<at::Tensor>&, double)>("offload::token_logprob_summaries");
-  return handle.call(hidden, weight, ids, bias, temperature);
+                                       const std::optional<at::Tensor>&, double, double, double, int64_t)>(
+          "offload::token_logprob_summaries");
+  return handle.call(hidden, weight, ids, bias, temperature, softcap, logit_scale, ignore_index);
 }
 
 // The forward token_logprobs' autograd formula runs: (log-probabilities, entropies, and each token's
-// log-sum-exp of logits / temperature, [tokens], which the backward reuses).
+// log-sum-exp of the scores, [tokens] float64, which the backward reuses).
 using TokenLogprobsForward = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 inline TokenLogprobsForward token_logprobs_forward(const at::Tensor& hidden, const at::Tensor& weight,
                                                    const at::Tensor& ids, const std::optional<at::Tensor>& bias,
-                                                   double temperature, bool entropy) {
+                                                   double temperature, bool entropy, double softcap = 0.0,
+                                                   double logit_scale = 1.0, int64_t ignore_index = -100) {
   TORCH_CHECK(hidden.defined(), "token_logprobs: hidden is an undefined tensor; expected a defined tensor");
-  static const auto handle = detail::op<TokenLogprobsForward(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                             const std::optional<at::Tensor>&, double, bool)>(
-      "offload::token_logprobs_forward");
-  return handle.call(hidden, weight, ids, bias, temperature, entropy);
+  static const auto handle =
+      detail::op<TokenLogprobsForward(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const std::optional<at::Tensor>&, double, bool, double, double, int64_t)>(
+          "offload::token_logprobs_forward");
+  return handle.call(hidden, weight, ids, bias, temperature, entropy, softcap, logit_scale, ignore_index);
 }
 
 // The gradients of token_logprobs with respect to (hidden, weight, bias) for upstream gradients of the
 // log-probabilities and of the entropies (either may be absent: zero), each computed only where
 // output_mask asks for it and the input exists (undefined otherwise). lse and entropy are the forward's
-// (entropy needed with grad_entropy). bf16/fp16 gradients add up in float32 and are rounded once.
+// (entropy needed with grad_entropy), softcap, logit_scale and ignore_index its too. bf16/fp16 gradients
+// add up in float32 and are rounded once.
 using TokenLogprobsGradients = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
-inline TokenLogprobsGradients token_logprobs_backward(const std::optional<at::Tensor>& grad_logprobs,
-                                                      const std::optional<at::Tensor>& grad_entropy,
-                                                      const at::Tensor& hidden, const at::Tensor& weight,
-                                                      const at::Tensor& ids, const std::optional<at::Tensor>& bias,
-                                                      const at::Tensor& lse, const std::optional<at::Tensor>& entropy,
-                                                      double temperature, std::array<bool, 3> output_mask) {
+inline TokenLogprobsGradients token_logprobs_backward(
+    const std::optional<at::Tensor>& grad_logprobs, const std::optional<at::Tensor>& grad_entropy,
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids, const std::optional<at::Tensor>& bias,
+    const at::Tensor& lse, const std::optional<at::Tensor>& entropy, double temperature,
+    std::array<bool, 3> output_mask, double softcap = 0.0, double logit_scale = 1.0, int64_t ignore_index = -100) {
   TORCH_CHECK(hidden.defined(), "token_logprobs_backward: hidden is an undefined tensor; expected a defined tensor");
   static const auto handle = detail::op<TokenLogprobsGradients(
       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
       const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const std::optional<at::Tensor>&, double,
-      std::array<bool, 3>)>("offload::token_logprobs_backward");
-  return handle.call(grad_logprobs, grad_entropy, hidden, weight, ids, bias, lse, entropy, temperature, output_mask);
+      double, double, int64_t, std::array<bool, 3>)>("offload::token_logprobs_backward");
+  return handle.call(grad_logprobs, grad_entropy, hidden, weight, ids, bias, lse, entropy, temperature, softcap,
+                     logit_scale, ignore_index, output_mask);
 }
 
 // transformers' RMSNorm over x's last dimension: weight * round(x / sqrt(mean(x^2) + eps)), in float32 for

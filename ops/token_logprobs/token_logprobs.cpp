@@ -1,9 +1,12 @@
-// The tiling loops of token_logprobs. With s = (hidden @ weight^T + bias) / temperature over the vocabulary,
-// a token's log-probability of its id t is s_t - lse and its entropy H = -sum_j p_j log p_j, p = softmax(s).
+// The tiling loops of token_logprobs. With the scores s = cap(logit_scale * (hidden @ weight^T + bias)) /
+// temperature over the vocabulary (cap(z) = softcap tanh(z / softcap) where softcap > 0, else z), a token's
+// log-probability of its id t is s_t - lse and its entropy H = -sum_j p_j log p_j, p = softmax(s).
 // Forward folds tile by tile each token's running max m, S = sum_j exp(s_j - m) and Q = sum_j exp(s_j - m)
 // (s_j - m), so that lse = m + log S and H = log S - Q / S without a cancellation between two large terms.
 // Backward recomputes each tile; for upstream gradients a (log-probability) and b (entropy),
-//   d/ds_j = a ([j = t] - p_j) - b p_j (log p_j + H),   d/dlogit_j = d/ds_j / temperature.
+//   d/ds_j = a ([j = t] - p_j) - b p_j (log p_j + H),
+//   d/dlogit_j = d/ds_j logit_scale (1 - (s_j temperature / softcap)^2) / temperature (the tanh from s itself).
+// Tokens whose id is ignore_index get 0 for every output and give no gradient.
 // Elementwise work is ATen's on [rows, cols] tiles, so every device runs the same code; only the GEMMs
 // touch the [V, h] weight.
 #include "ops/token_logprobs/token_logprobs.h"
@@ -34,9 +37,34 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
+// How logits become the scores the softmax takes (the header's s), tile by tile in place.
+struct Scoring {
+  double temperature, softcap, logit_scale;
+  int64_t ignore_index;
+
+  at::Tensor scores(at::Tensor logits) const {
+    if (logit_scale != 1.0) {
+      logits.mul_(logit_scale);
+    }
+    if (softcap > 0.0) {
+      logits.div_(softcap).tanh_().mul_(softcap);
+    }
+    return logits.mul_(1.0 / temperature);
+  }
+  // d/ds into d/dlogits, in place, for the scores s of those logits (read only with a softcap).
+  void to_logits_gradient(at::Tensor& d_s, const at::Tensor& s) const {
+    d_s.mul_(logit_scale / temperature);
+    if (softcap > 0.0) {
+      const at::Tensor capped = s * (temperature / softcap);  // tanh(logit_scale * logit / softcap)
+      d_s.mul_(capped.mul_(capped).neg_().add_(1.0));
+    }
+  }
+};
+
 // Every argument against hidden [..., h] and weight [V, h]; works on symbolic shapes.
 void check_arguments(const char* op, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids,
-                     const at::Tensor& bias, double temperature) {
+                     const at::Tensor& bias, const Scoring& scoring) {
+  const double temperature = scoring.temperature;
   check_lm_head(op, hidden, weight, bias);
   check_defined(ids, op, "ids");
   TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, op, ": ids has dtype ",
@@ -45,16 +73,20 @@ void check_arguments(const char* op, const at::Tensor& hidden, const at::Tensor&
                "hidden's shape without h");
   TORCH_CHECK(temperature > 0.0 && temperature < kInf, op, ": temperature is ", temperature,
               "; expected a finite value > 0");
+  TORCH_CHECK(scoring.softcap >= 0.0 && scoring.softcap < kInf, op, ": softcap is ", scoring.softcap,
+              "; expected a finite value >= 0 (0: no softcap)");
+  TORCH_CHECK(std::isfinite(scoring.logit_scale), op, ": logit_scale is ", scoring.logit_scale,
+              "; expected a finite value");
 }
 
-// An id outside [0, V) would pick no logit: an error naming it, before any work.
-void check_id_values(const char* op, const at::Tensor& ids, int64_t vocab) {
+// An id outside [0, V) that is not ignore_index would pick no logit: an error naming it, before any work.
+void check_id_values(const char* op, const at::Tensor& ids, int64_t vocab, int64_t ignore_index) {
   check_not_capturing(op, ids.device(), "it reads the ids on the host to check their values");
-  const at::Tensor bad = ids.lt(0).logical_or(ids.ge(vocab));
+  const at::Tensor bad = ids.ne(ignore_index).logical_and(ids.lt(0).logical_or(ids.ge(vocab)));
   if (bad.any().item<bool>()) {
     const int64_t index = at::nonzero(bad)[0][0].item<int64_t>();
     TORCH_CHECK(false, op, ": ids holds ", ids[index].item<int64_t>(), " at (flattened) index ", index,
-                "; expected token ids in [0, ", vocab, ")");
+                "; expected token ids in [0, ", vocab, ") or ignore_index (", ignore_index, ")");
   }
 }
 
@@ -62,28 +94,33 @@ at::Tensor narrow_or_undefined(const at::Tensor& t, int64_t start, int64_t lengt
   return t.defined() ? t.narrow(0, start, length) : t;
 }
 
-// The problem flattened: hidden [T, h] contiguous, ids [T] int64, and the tile shape.
+// The problem flattened: hidden [T, h] contiguous, ids [T] int64 (checked, then ignored ones as 0: they pick
+// column 0, whose result is dropped), whether each counts, and the tile shape.
 struct Tiles {
-  at::Tensor hidden, ids;
+  at::Tensor hidden, ids, counted;
   int64_t tokens, vocab, rows, cols;
 
-  Tiles(const at::Tensor& hidden_in, const at::Tensor& weight, const at::Tensor& ids_in)
+  Tiles(const char* op, const at::Tensor& hidden_in, const at::Tensor& weight, const at::Tensor& ids_in,
+        int64_t ignore_index)
       : hidden(token_rows(hidden_in)), ids(ids_in.reshape({-1}).to(at::kLong).contiguous()) {
     tokens = ids.size(0);
     vocab = weight.size(0);
     const auto tile = linear_cross_entropy_tile_kernel(tokens, vocab, hidden.scalar_type());
     rows = tile[0];
     cols = tile[1];
+    check_id_values(op, ids, vocab, ignore_index);
+    counted = ids.ne(ignore_index);
+    ids = ids.masked_fill(counted.logical_not(), 0);
   }
 };
 
-// s = logits / temperature of rows [start, start + rows) and columns [col0, col0 + cols), in the reused buffer
-// of the accumulation type: bf16/fp16 products are not rounded to bf16/fp16 before the bias and the temperature.
-at::Tensor scaled_logits(const at::Tensor& buffer, const at::Tensor& hidden_tile, const at::Tensor& weight,
-                         const at::Tensor& bias, int64_t col0, int64_t cols, double temperature) {
+// The scores s of rows [start, start + rows) and columns [col0, col0 + cols), in the reused buffer of the
+// accumulation type: bf16/fp16 products are not rounded to bf16/fp16 before the bias, scale, cap and temperature.
+at::Tensor tile_scores(const at::Tensor& buffer, const at::Tensor& hidden_tile, const at::Tensor& weight,
+                       const at::Tensor& bias, int64_t col0, int64_t cols, const Scoring& scoring) {
   const at::Tensor logits = buffer.narrow(0, 0, hidden_tile.size(0) * cols).view({hidden_tile.size(0), cols});
   linear_into_accumulator(logits, hidden_tile, weight.narrow(0, col0, cols), narrow_or_undefined(bias, col0, cols));
-  return logits.mul_(1.0 / temperature);
+  return scoring.scores(logits);
 }
 
 // Where each row's id falls in the columns [col0, col0 + cols): the mask and the column (clamped) to gather.
@@ -104,11 +141,12 @@ struct VocabularyFold {
   at::Tensor max, sum_exp, picked, shifted_sum, sum_s, max_before, sum_exp2;
 };
 
-VocabularyFold fold_vocabulary(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
-                               const at::Tensor& ids, const at::Tensor& b, double temperature, Wanted wanted) {
-  check_arguments(op, hidden, weight, ids, b, temperature);
-  const Tiles t(hidden, weight, ids);
-  check_id_values(op, t.ids, t.vocab);
+// With the flattened problem, whose `counted` says which tokens' results to keep.
+std::pair<VocabularyFold, Tiles> fold_vocabulary(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
+                                                 const at::Tensor& ids, const at::Tensor& b, const Scoring& scoring,
+                                                 Wanted wanted) {
+  check_arguments(op, hidden, weight, ids, b, scoring);
+  const Tiles t(op, hidden, weight, ids, scoring.ignore_index);
   const auto acc_type = at::toOpMathType(hidden.scalar_type());
   const auto acc = hidden.options().dtype(acc_type);
   const auto optional = [&](bool want, double value) { return want ? at::full({t.tokens}, value, acc) : at::Tensor(); };
@@ -125,7 +163,7 @@ VocabularyFold fold_vocabulary(const char* op, const at::Tensor& hidden, const a
       at::Tensor m = part(f.max), s_sum = part(f.sum_exp);
       for (int64_t col0 = 0; col0 < t.vocab; col0 += t.cols) {
         const int64_t cols = std::min(t.cols, t.vocab - col0);
-        const at::Tensor s = scaled_logits(buffer, hidden_tile, weight, b, col0, cols, temperature);
+        const at::Tensor s = tile_scores(buffer, hidden_tile, weight, b, col0, cols, scoring);
         const at::Tensor new_max = at::maximum(m, std::get<0>(s.max(1)));
         // A row whose every s so far is -inf (a bias masking the vocabulary) keeps m = -inf and S = 0.
         const at::Tensor reference = at::where(new_max.eq(-kInf), zero, new_max);
@@ -158,43 +196,50 @@ VocabularyFold fold_vocabulary(const char* op, const at::Tensor& hidden, const a
       }
     }
   }
-  return f;
+  return {f, t};
+}
+
+// x with the ignored tokens' entries 0, in ids' shape.
+at::Tensor kept(const at::Tensor& x, const Tiles& t, const at::Tensor& ids) {
+  return x.masked_fill(t.counted.logical_not(), 0).view(ids.sizes());
 }
 
 }  // namespace
 
 TokenLogprobsForward token_logprobs_forward_kernel(TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS) {
-  const VocabularyFold f =
-      fold_vocabulary("token_logprobs", hidden, weight, ids, value_or_undefined(bias), temperature, {entropy});
+  const auto [f, t] = fold_vocabulary("token_logprobs", hidden, weight, ids, value_or_undefined(bias),
+                                      {temperature, softcap, logit_scale, ignore_index}, {entropy});
   const at::Tensor log_sum = at::log(f.sum_exp);
   // At large logits (1e4 in float32: a unit in the last place of 1e-3) m + log S rounds off what a log-probability
   // is made of: the id's s - m is exact (two close floats), then log S. The log-sum-exp kept for backward is
   // float64 for the same reason (token_logprobs_backward).
   const at::Tensor lse = f.max.to(at::kDouble) + log_sum.to(at::kDouble);
-  const at::Tensor logprobs = ((f.picked - f.max) - log_sum).view(ids.sizes());
+  const at::Tensor logprobs = kept((f.picked - f.max) - log_sum, t, ids);
   const at::Tensor entropies =
-      entropy ? (log_sum - f.shifted_sum / f.sum_exp).view(ids.sizes()) : at::empty({0}, log_sum.options());
+      entropy ? kept(log_sum - f.shifted_sum / f.sum_exp, t, ids) : at::empty({0}, log_sum.options());
   return {logprobs, entropies, lse};
 }
 
 TokenLogprobSummaries token_logprob_summaries_kernel(TORCH_OFFLOAD_TOKEN_LOGPROB_SUMMARIES_ARGS) {
-  const VocabularyFold f = fold_vocabulary("token_logprob_summaries", hidden, weight, ids, value_or_undefined(bias),
-                                           temperature, {false, true, true, true});
+  const auto [f, t] = fold_vocabulary("token_logprob_summaries", hidden, weight, ids, value_or_undefined(bias),
+                                      {temperature, softcap, logit_scale, ignore_index}, {false, true, true, true});
   const int64_t vocab = weight.size(0);
-  return {(f.sum_s / static_cast<double>(vocab)).view(ids.sizes()),
-          f.picked.ge(f.max).logical_and(f.picked.gt(f.max_before)).view(ids.sizes()),
-          (at::log(f.sum_exp2) - 2 * at::log(f.sum_exp)).view(ids.sizes())};
+  return {kept(f.sum_s / static_cast<double>(vocab), t, ids),
+          f.picked.ge(f.max).logical_and(f.picked.gt(f.max_before)).logical_and(t.counted).view(ids.sizes()),
+          kept(at::log(f.sum_exp2) - 2 * at::log(f.sum_exp), t, ids)};
 }
 
 TokenLogprobs token_logprobs_kernel(TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS) {
-  auto [logprobs, entropies, lse] = token_logprobs_forward_kernel(hidden, weight, ids, bias, temperature, entropy);
+  auto [logprobs, entropies, lse] = token_logprobs_forward_kernel(hidden, weight, ids, bias, temperature, entropy,
+                                                                  softcap, logit_scale, ignore_index);
   return {logprobs, entropies};
 }
 
 TokenLogprobsGradients token_logprobs_backward_kernel(TORCH_OFFLOAD_TOKEN_LOGPROBS_BACKWARD_ARGS) {
   const char* op = "token_logprobs_backward";
   const at::Tensor b = value_or_undefined(bias);
-  check_arguments(op, hidden, weight, ids, b, temperature);
+  const Scoring scoring{temperature, softcap, logit_scale, ignore_index};
+  check_arguments(op, hidden, weight, ids, b, scoring);
   const auto dtype = hidden.scalar_type();
   const auto acc_type = at::toOpMathType(dtype);
   const auto acc = hidden.options().dtype(acc_type);
@@ -209,8 +254,7 @@ TokenLogprobsGradients token_logprobs_backward_kernel(TORCH_OFFLOAD_TOKEN_LOGPRO
     TORCH_CHECK(h_values.defined(), op, ": grad_entropy is given without entropy; expected the forward's entropies");
     check_tensor(op, "entropy", h_values, hidden, "hidden", acc_type, ids.sym_sizes(), "ids' shape");
   }
-  const Tiles t(hidden, weight, ids);
-  check_id_values(op, t.ids, t.vocab);
+  const Tiles t(op, hidden, weight, ids, ignore_index);
   const bool want_hidden = output_mask[0], want_weight = output_mask[1], want_bias = output_mask[2] && b.defined();
   const int64_t h = hidden.size(-1);
   at::Tensor grad_hidden = want_hidden ? at::zeros({t.tokens, h}, hidden.options()) : at::Tensor();
@@ -218,8 +262,10 @@ TokenLogprobsGradients token_logprobs_backward_kernel(TORCH_OFFLOAD_TOKEN_LOGPRO
   at::Tensor grad_bias = want_bias ? at::zeros({t.vocab}, acc) : at::Tensor();
 
   if (t.tokens > 0 && t.vocab > 0 && (a.defined() || g.defined()) && (want_hidden || want_weight || want_bias)) {
-    const at::Tensor a_flat = a.defined() ? a.reshape({-1}).to(acc_type) : at::Tensor();
-    const at::Tensor g_flat = g.defined() ? g.reshape({-1}).to(acc_type) : at::Tensor();
+    // The ignored tokens' upstream gradients count as 0.
+    const at::Tensor ignored = t.counted.logical_not();
+    const at::Tensor a_flat = a.defined() ? a.reshape({-1}).to(acc_type).masked_fill(ignored, 0) : at::Tensor();
+    const at::Tensor g_flat = g.defined() ? g.reshape({-1}).to(acc_type).masked_fill(ignored, 0) : at::Tensor();
     const at::Tensor h_flat = g.defined() ? h_values.reshape({-1}) : at::Tensor();
     const at::Tensor buffer = at::empty({t.rows * t.cols}, acc);
     const at::Tensor zero = at::zeros({}, acc);
@@ -240,9 +286,9 @@ TokenLogprobsGradients token_logprobs_backward_kernel(TORCH_OFFLOAD_TOKEN_LOGPRO
           want_hidden ? hidden_grad_tile_buffer.narrow(0, 0, rows).zero_() : at::Tensor();
       for (int64_t col0 = 0; col0 < t.vocab; col0 += t.cols) {
         const int64_t cols = std::min(t.cols, t.vocab - col0);
-        const at::Tensor log_p = scaled_logits(buffer, hidden_tile, weight, b, col0, cols, temperature)
-                                     .sub_(lse_high_tile)
-                                     .sub_(lse_low_tile);
+        at::Tensor s = tile_scores(buffer, hidden_tile, weight, b, col0, cols, scoring);
+        // A softcap's gradient reads s again; otherwise log p takes its place.
+        const at::Tensor log_p = (scoring.softcap > 0.0 ? s - lse_high_tile : s.sub_(lse_high_tile)).sub_(lse_low_tile);
         const at::Tensor p = at::exp(log_p);
         at::Tensor d_s;
         if (a.defined()) {
@@ -258,7 +304,7 @@ TokenLogprobsGradients token_logprobs_backward_kernel(TORCH_OFFLOAD_TOKEN_LOGPRO
               g_flat.narrow(0, start, rows).unsqueeze(1) * at::where(p.gt(0), p * (log_p + h_tile), zero);
           d_s = d_s.defined() ? d_s.sub_(term) : term.neg_();
         }
-        d_s.mul_(1.0 / temperature);
+        scoring.to_logits_gradient(d_s, s);
         const at::Tensor d_logits = reduced && !convert ? d_s.to(dtype) : d_s;
         const at::Tensor weight_tile = weight.narrow(0, col0, cols);
         if (want_hidden) {
@@ -282,7 +328,8 @@ TokenLogprobsGradients token_logprobs_backward_kernel(TORCH_OFFLOAD_TOKEN_LOGPRO
 
 // Meta: the same checks (on symbolic shapes), then results shaped like the real ones.
 TokenLogprobsForward token_logprobs_forward_meta(TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS) {
-  check_arguments("token_logprobs", hidden, weight, ids, value_or_undefined(bias), temperature);
+  check_arguments("token_logprobs", hidden, weight, ids, value_or_undefined(bias),
+                  {temperature, softcap, logit_scale, ignore_index});
   const auto acc = hidden.options().dtype(at::toOpMathType(hidden.scalar_type()));
   return {at::empty_symint(ids.sym_sizes(), acc),
           entropy ? at::empty_symint(ids.sym_sizes(), acc) : at::empty({0}, acc),
@@ -290,12 +337,14 @@ TokenLogprobsForward token_logprobs_forward_meta(TORCH_OFFLOAD_TOKEN_LOGPROBS_AR
 }
 
 TokenLogprobs token_logprobs_meta(TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS) {
-  auto [logprobs, entropies, lse] = token_logprobs_forward_meta(hidden, weight, ids, bias, temperature, entropy);
+  auto [logprobs, entropies, lse] =
+      token_logprobs_forward_meta(hidden, weight, ids, bias, temperature, entropy, softcap, logit_scale, ignore_index);
   return {logprobs, entropies};
 }
 
 TokenLogprobSummaries token_logprob_summaries_meta(TORCH_OFFLOAD_TOKEN_LOGPROB_SUMMARIES_ARGS) {
-  check_arguments("token_logprob_summaries", hidden, weight, ids, value_or_undefined(bias), temperature);
+  check_arguments("token_logprob_summaries", hidden, weight, ids, value_or_undefined(bias),
+                  {temperature, softcap, logit_scale, ignore_index});
   const auto acc = hidden.options().dtype(at::toOpMathType(hidden.scalar_type()));
   return {at::empty_symint(ids.sym_sizes(), acc), at::empty_symint(ids.sym_sizes(), acc.dtype(at::kBool)),
           at::empty_symint(ids.sym_sizes(), acc)};
@@ -304,7 +353,7 @@ TokenLogprobSummaries token_logprob_summaries_meta(TORCH_OFFLOAD_TOKEN_LOGPROB_S
 TokenLogprobsGradients token_logprobs_backward_meta(TORCH_OFFLOAD_TOKEN_LOGPROBS_BACKWARD_ARGS) {
   const char* op = "token_logprobs_backward";
   const at::Tensor b = value_or_undefined(bias);
-  check_arguments(op, hidden, weight, ids, b, temperature);
+  check_arguments(op, hidden, weight, ids, b, {temperature, softcap, logit_scale, ignore_index});
   check_tensor(op, "lse", lse, hidden, "hidden", at::kDouble, {ids.sym_numel()}, "[tokens]");
   (void)grad_logprobs, (void)grad_entropy, (void)entropy;
   const auto like = [](bool want, const at::Tensor& x) {

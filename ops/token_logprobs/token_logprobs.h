@@ -1,6 +1,7 @@
 #pragma once
-// token_logprobs: each token's log-probability of its id under softmax(logits / temperature), and its
-// entropy, with logits = hidden @ weight^T + bias computed in tiles of tokens x vocabulary, so that no
+// token_logprobs: each token's log-probability of its id under softmax(scores), and its entropy, with
+// scores = cap(logit_scale * logits) / temperature (cap: softcap tanh(x / softcap) where softcap > 0) and
+// logits = hidden @ weight^T + bias computed in tiles of tokens x vocabulary, so that no
 // [tokens, V] tensor exists (what RL trainers take from the LM head). The tiles' arithmetic is ATen's,
 // the same on every device; the tile shape is linear_cross_entropy's. Registration lives in registration/.
 #include <array>
@@ -15,16 +16,16 @@ namespace torch_offload {
 
 #define TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS                                                                          \
   const at::Tensor &hidden, const at::Tensor &weight, const at::Tensor &ids, const std::optional<at::Tensor>&bias, \
-      double temperature, bool entropy
+      double temperature, bool entropy, double softcap, double logit_scale, int64_t ignore_index
 #define TORCH_OFFLOAD_TOKEN_LOGPROBS_BACKWARD_ARGS                                                                     \
   const std::optional<at::Tensor>&grad_logprobs, const std::optional<at::Tensor>&grad_entropy,                         \
       const at::Tensor &hidden, const at::Tensor &weight, const at::Tensor &ids, const std::optional<at::Tensor>&bias, \
-      const at::Tensor &lse, const std::optional<at::Tensor>&entropy, double temperature,                              \
-      std::array<bool, 3> output_mask
+      const at::Tensor &lse, const std::optional<at::Tensor>&entropy, double temperature, double softcap,              \
+      double logit_scale, int64_t ignore_index, std::array<bool, 3> output_mask
 
 #define TORCH_OFFLOAD_TOKEN_LOGPROB_SUMMARIES_ARGS                                                                 \
   const at::Tensor &hidden, const at::Tensor &weight, const at::Tensor &ids, const std::optional<at::Tensor>&bias, \
-      double temperature
+      double temperature, double softcap, double logit_scale, int64_t ignore_index
 
 // The kernels of every dense device (CPU and CUDA: ATen on tiles) and the shapes for Meta.
 TokenLogprobs token_logprobs_kernel(TORCH_OFFLOAD_TOKEN_LOGPROBS_ARGS);
