@@ -985,7 +985,8 @@ def test_fused_loss_with_frozen_head_under_lora_and_its_own_loss_when_unprovable
 
 def test_fused_loss_of_a_bf16_model_is_float32_like_transformers():
     # transformers upcasts a bf16 model's logits and returns a float32 loss: the fused one
-    # must not round it to bf16 (an error of up to 2e-3 relative).
+    # must not round it to bf16 (an error of up to 2e-3 relative). It keeps the logits' products
+    # unrounded on the CPU, where transformers rounds each logit to bf16 first: within 2e-5.
     model = make_model("llama").to(torch.bfloat16)
     ids, labels = _labelled_batch()
     want = loss_and_grads(model, ids, run=lambda **kw: model(**{**kw, "labels": labels}))
@@ -993,7 +994,7 @@ def test_fused_loss_of_a_bf16_model_is_float32_like_transformers():
     assert torch_offload.apply(model, offload=None, tiled_mlp=False, checkpoint=False).loss == "linear_cross_entropy"
     got = loss_and_grads(model, ids, run=lambda **kw: model(**{**kw, "labels": labels}))
     assert got[0].dtype == want[0].dtype == torch.float32
-    torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=0)
+    torch.testing.assert_close(got[0], want[0], rtol=2e-5, atol=0)
     for name in want[1]:
         torch.testing.assert_close(got[1][name], want[1][name], rtol=2e-2, atol=2e-3, msg=lambda m: f"{name}: {m}")
 

@@ -366,15 +366,41 @@ def test_gradients_are_exact_until_an_input_changes_in_place(path):
         torch.autograd.grad(loss, leaves)
 
 
-def test_forward_op_returns_the_float32_log_sum_exp():
+def test_forward_op_returns_the_float32_log_sum_exp_of_unrounded_logits():
+    # On the CPU the products of bf16 operands stay float32 through the bias (eager rounds each logit to bf16).
     hidden, weight, b, target = [t.detach() if t is not None else None for t in make_inputs((2, 7, 16), 33, True)]
-    loss, lse = torch.ops.offload.linear_cross_entropy_forward(
-        hidden.bfloat16(), weight.bfloat16(), b.bfloat16(), target, -100, 0.0, 0.0, 0.0, "none", 4, 8
-    )
+    rounded = [t.bfloat16() for t in (hidden, weight, b)]
+    loss, lse = torch.ops.offload.linear_cross_entropy_forward(*rounded, target, -100, 0.0, 0.0, 0.0, "none", 4, 8)
     assert loss.dtype == torch.float32 and loss.shape == (2, 7)
     assert lse.dtype == torch.float32 and lse.shape == (14,)
-    want = F.linear(hidden.bfloat16(), weight.bfloat16(), b.bfloat16()).float().logsumexp(-1).view(-1)
-    torch.testing.assert_close(lse, want)
+    want = F.linear(*[t.double() for t in rounded]).logsumexp(-1).view(-1)
+    torch.testing.assert_close(lse, want.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("softcap", [0.0, 20.0], ids=["no_softcap", "softcap"])
+def test_reduced_precision_passes_cut_cross_entropys_elementwise_criterion(dtype, softcap):
+    # Cut Cross-Entropy's test: each token's log-sum-exp and loss within eager's error (the logits' GEMM in the
+    # input dtype, everything after in float32) plus a tolerance, against the truth on the same rounded inputs.
+    # Rounding each logit before the bias or the soft-cap, and the capped logit again, failed it (issue 71).
+    hidden, weight, b, target = make_inputs((4, 256, 64), 1000, bias=True, dtype=torch.float64)
+    rounded = [t.detach().to(dtype) for t in (hidden, weight, b)]
+    b_rounded = rounded[2] + 8  # logits near 8: a unit in the last place of bf16 is 2^-4 there
+
+    def loss_and_lse(logits):
+        capped = softcap * torch.tanh(logits / softcap) if softcap else logits
+        flat = capped.reshape(-1, capped.shape[-1])
+        return F.cross_entropy(flat, target.reshape(-1), reduction="none"), flat.logsumexp(-1)
+
+    truth = loss_and_lse(F.linear(rounded[0].double(), rounded[1].double(), b_rounded.double()))
+    eager = loss_and_lse(F.linear(rounded[0], rounded[1], b_rounded).float())
+    loss, lse = torch.ops.offload.linear_cross_entropy_forward(
+        rounded[0], rounded[1], b_rounded, target, -100, 0.0, softcap, 0.0, "none", 0, 0
+    )
+    for name, got, e, want in zip(["loss", "log-sum-exp"], (loss.reshape(-1), lse), eager, truth):
+        error, eagers = (got.double() - want).abs(), (e.double() - want).abs()
+        tolerance = 1e-6 * want.abs().clamp_min(1)  # a few float32 roundings
+        assert (error <= eagers + tolerance).all(), (name, (error - eagers).max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

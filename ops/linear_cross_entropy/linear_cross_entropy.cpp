@@ -154,6 +154,13 @@ Flat flatten(const at::Tensor& hidden, const at::Tensor& weight, const at::Tenso
   return f;
 }
 
+// The dtype of the logits' tiles: float32 for bf16/fp16 inputs off CUDA, where the GEMMs' products then stay
+// unrounded through bias, soft-cap and the loss (CPU GEMMs take float32 operands there anyway); CUDA's tile
+// kernels read them in the input dtype.
+c10::ScalarType logits_dtype(const at::Tensor& hidden) {
+  return hidden.is_cuda() ? hidden.scalar_type() : at::toOpMathType(hidden.scalar_type());
+}
+
 // A [rows, cols] contiguous view at the start of the flat tile buffer.
 at::Tensor tile_view(const at::Tensor& buffer, int64_t rows, int64_t cols) {
   return buffer.narrow(0, 0, rows * cols).view({rows, cols});
@@ -163,13 +170,10 @@ at::Tensor narrow_or_undefined(const at::Tensor& t, int64_t start, int64_t lengt
   return t.defined() ? t.narrow(0, start, length) : t;
 }
 
-// The 3-GEMM path's slab of logits over the whole vocabulary: at most kSlabBytes or kMinSlabTokens rows,
-// whichever is more, with the float32 copy a CPU makes of bf16/fp16 ones, its token rows split evenly;
-// tile_tokens rows when fewer.
-int64_t slab_tokens(int64_t tokens, int64_t vocab, c10::ScalarType dtype, bool float_copy,
-                    const c10::SymInt& tile_tokens) {
-  const int64_t row_bytes =
-      std::max<int64_t>(vocab, 1) * (static_cast<int64_t>(c10::elementSize(dtype)) + (float_copy ? 4 : 0));
+// The 3-GEMM path's slab of logits over the whole vocabulary, in `slab_dtype`: at most kSlabBytes or
+// kMinSlabTokens rows, whichever is more, its token rows split evenly; tile_tokens rows when fewer.
+int64_t slab_tokens(int64_t tokens, int64_t vocab, c10::ScalarType slab_dtype, const c10::SymInt& tile_tokens) {
+  const int64_t row_bytes = std::max<int64_t>(vocab, 1) * static_cast<int64_t>(c10::elementSize(slab_dtype));
   const int64_t budget_rows = even_split(tokens, std::max(kSlabBytes / row_bytes, kMinSlabTokens));
   const int64_t asked = tile_tokens.expect_int();
   return asked > 0 ? std::min(asked, budget_rows) : budget_rows;
@@ -271,7 +275,7 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_impl(
   const CrossEntropyOptions options{softcap, label_smoothing, z_loss, f.vocab, /*filter_eps=*/0.0};
   if (f.tokens > 0 && f.vocab > 0) {
     const auto [tile_rows, tile_cols] = tile_shape(f.tokens, f.vocab, dtype, tile_tokens, tile_vocab);
-    const at::Tensor buffer = at::empty({tile_rows * tile_cols}, hidden.options());
+    const at::Tensor buffer = at::empty({tile_rows * tile_cols}, hidden.options().dtype(logits_dtype(hidden)));
     for (int64_t start = 0; start < f.tokens; start += tile_rows) {
       const int64_t rows = std::min(tile_rows, f.tokens - start);
       const at::Tensor hidden_tile = f.hidden.narrow(0, start, rows);
@@ -279,7 +283,8 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_impl(
       for (int64_t col0 = 0; col0 < f.vocab; col0 += tile_cols) {
         const int64_t cols = std::min(tile_cols, f.vocab - col0);
         const at::Tensor logits = tile_view(buffer, rows, cols);
-        linear_into(logits, hidden_tile, weight.narrow(0, col0, cols), narrow_or_undefined(bias, col0, cols));
+        linear_into_accumulator(logits, hidden_tile, weight.narrow(0, col0, cols),
+                                narrow_or_undefined(bias, col0, cols));
         sums.fold(kernels, options, logits, target_tile, col0, start);
       }
     }
@@ -320,22 +325,22 @@ LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_impl(
   TokenSums sums(f.tokens, acc_options);
   const CrossEntropyOptions options{softcap, label_smoothing, z_loss, f.vocab, /*filter_eps=*/0.0};
   if (f.tokens > 0 && f.vocab > 0) {
-    // Off CUDA, bf16/fp16 GEMM operands are converted to float32 (the weight once).
+    // Off CUDA, bf16/fp16 GEMM operands are converted to float32 (the weight once), and the slab is float32.
     const bool convert = acc_type != dtype && !hidden.is_cuda();
-    const int64_t rows_per_slab = slab_tokens(f.tokens, f.vocab, dtype, convert, tile_tokens);
-    const at::Tensor slab = at::empty({rows_per_slab * f.vocab}, hidden.options());
+    const int64_t rows_per_slab = slab_tokens(f.tokens, f.vocab, logits_dtype(hidden), tile_tokens);
+    const at::Tensor slab = at::empty({rows_per_slab * f.vocab}, hidden.options().dtype(logits_dtype(hidden)));
     const at::Tensor weight_operand = convert && want_hidden ? weight.to(acc_type) : weight;
     for (int64_t start = 0; start < f.tokens; start += rows_per_slab) {
       const int64_t rows = std::min(rows_per_slab, f.tokens - start);
       const at::Tensor hidden_tile = f.hidden.narrow(0, start, rows);
       const at::Tensor target_tile = f.target.narrow(0, start, rows);
       const at::Tensor logits = tile_view(slab, rows, f.vocab);
-      linear_into(logits, hidden_tile, weight, bias);
+      linear_into_accumulator(logits, hidden_tile, weight, bias);
       sums.fold(kernels, options, logits, target_tile, /*col0=*/0, start);
       // The slab holds whole rows: their log-sum-exp is final, and the slab becomes d loss / d logits.
       const at::Tensor lse = sums.lse(start, rows);
       kernels.backward(options, logits, target_tile, /*col0=*/0, lse, grad_scale.narrow(0, start, rows));
-      const at::Tensor d_logits = convert ? logits.to(acc_type) : logits;
+      const at::Tensor& d_logits = logits;  // float32 where the operands are converted
       if (want_hidden) {
         accumulate_mm(grad_hidden.narrow(0, start, rows), d_logits, weight_operand);
       }
@@ -393,9 +398,9 @@ LinearCrossEntropyGradients linear_cross_entropy_backward_impl(
   if (f.tokens > 0 && f.vocab > 0 && (want_hidden || want_weight || want_bias)) {
     const CrossEntropyOptions options{softcap, label_smoothing, z_loss, f.vocab, filter_eps};
     const auto [tile_rows, tile_cols] = tile_shape(f.tokens, f.vocab, dtype, tile_tokens, tile_vocab);
-    const at::Tensor buffer = at::empty({tile_rows * tile_cols}, hidden.options());
+    const at::Tensor buffer = at::empty({tile_rows * tile_cols}, hidden.options().dtype(logits_dtype(hidden)));
     // bf16/fp16 gradients add up over the tiles in float32 and are rounded once;
-    // off CUDA the GEMM operands are converted to float32 (hidden once per token tile).
+    // off CUDA the GEMM operands are converted to float32 (hidden once per token tile; the logits are).
     const bool reduced = acc_type != dtype;
     const bool convert = reduced && !hidden.is_cuda();
     const at::Tensor hidden_acc_buffer = want_hidden && reduced ? at::empty({tile_rows, h}, acc_options) : at::Tensor();
@@ -412,13 +417,13 @@ LinearCrossEntropyGradients linear_cross_entropy_backward_impl(
         const int64_t cols = std::min(tile_cols, f.vocab - col0);
         const at::Tensor weight_tile = weight.narrow(0, col0, cols);
         const at::Tensor logits = tile_view(buffer, rows, cols);
-        linear_into(logits, hidden_tile, weight_tile, narrow_or_undefined(bias, col0, cols));
+        linear_into_accumulator(logits, hidden_tile, weight_tile, narrow_or_undefined(bias, col0, cols));
         // logits now hold d loss / d logits; a tile that gradient filtering finds negligible adds nothing.
         if (!kernels.backward(options, logits, target_tile, col0, lse.narrow(0, start, rows),
                               grad_scale.narrow(0, start, rows))) {
           continue;
         }
-        const at::Tensor d_logits = convert ? logits.to(acc_type) : logits;
+        const at::Tensor& d_logits = logits;  // float32 where the operands are converted
         if (want_hidden) {
           accumulate_mm(grad_hidden_tile, d_logits, convert ? weight_tile.to(acc_type) : weight_tile);
         }
