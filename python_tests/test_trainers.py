@@ -1,7 +1,7 @@
 """apply() under the trainers users run: transformers' Trainer and TRL's SFTTrainer, with packed
 (padding-free) and padded batches, 4 steps on a tiny model: the losses of every step equal the
-un-applied model's; the same through TorchOffloadCallback, and TRL's GRPOTrainer, DPOTrainer and SFTTrainer with
-it (3 steps: losses and every gradient; in float32 and under their configurations' default bf16)."""
+un-applied model's; the same through TorchOffloadCallback, and TRL's GRPO, RLOO, DPO, KTO and SFT trainers with it
+(3 steps: losses and every gradient; in float32 and under their configurations' default bf16)."""
 
 import copy
 import warnings
@@ -447,6 +447,43 @@ def test_grpo_trainer_callback_losses_and_gradients_equal(precision, tmp_path):
     callback = trl_losses_and_gradients(make_trainer, precision)
     # Each step scores its completions with gradients (and the old policy's without): every call went through
     # the op.
+    assert_scored_through_the_op(callback, calls=3)
+
+
+@pytest.mark.skipif(not FUSED_HEAD, reason="TRL's RLOO and KTO trainers have a fused LM head from 1.16 on")
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("trainer", ["RLOO", "KTO"])
+def test_rloo_and_kto_trainer_callback_losses_and_gradients_equal(trainer, precision, tmp_path):
+    tok = tokenizer()
+
+    def make_trainer(model, callbacks, precision):
+        if trainer == "RLOO":
+            config = trl_arguments(
+                tmp_path, trl.RLOOConfig, precision, num_generations=2, max_completion_length=8, beta=0.0
+            )
+            return trl.RLOOTrainer(
+                model=model,
+                args=config,
+                reward_funcs=lambda completions, **kwargs: [len(c) / 10 for c in completions],
+                train_dataset=datasets.Dataset.from_dict({"prompt": texts(8)}),
+                processing_class=tok,
+                callbacks=callbacks,
+            )
+        rows = {"prompt": texts(8), "completion": texts(16)[8:], "label": [True, False] * 4}
+        reference = copy.deepcopy(model)
+        with torch.no_grad():
+            for parameter in reference.parameters():
+                parameter.add_(torch.randn_like(parameter), alpha=0.01)
+        return trl.KTOTrainer(
+            model=model,
+            ref_model=reference,
+            args=trl_arguments(tmp_path, trl.KTOConfig, precision, max_length=64),
+            train_dataset=datasets.Dataset.from_dict(rows),
+            processing_class=tok,
+            callbacks=callbacks,
+        )
+
+    callback = trl_losses_and_gradients(make_trainer, precision)
     assert_scored_through_the_op(callback, calls=3)
 
 
