@@ -605,33 +605,11 @@ def test_fused_head_under_mixed_precision_wrappers_goes_through_the_op(dtype):
         assert error <= 2 * (getattr(want, name) - getattr(truth, name)).abs().max(), name
 
 
-def test_fused_head_cast_to_float32_keeps_trls_kernel():
-    # GRPOConfig(cast_lm_head_to_fp32=True): float32 hidden states against a bf16 head, which the op (one dtype)
-    # would refuse; TRL's kernel serves those calls, with the same result.
+def scored_by_trl_then_by_the_stand_in(model):
+    """TRL's fused head's outputs on a batch of 2 x 9 ids, then the same call with the callback's stand-in in place
+    (taken out after), and the stand-in."""
     from torch_offload import trl_fused_head
 
-    model = tiny_model().to(torch.bfloat16)
-    trl.trainer.utils.add_fused_lm_head(model, temperature=0.7, cast_lm_head_to_fp32=True, outputs=("log_probs",))
-    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
-    want = model(input_ids=ids, labels=ids, fused_lm_head=True).log_probs
-    head, undo = trl_fused_head.install(model, "caller")
-    try:
-        got = model(input_ids=ids, labels=ids, fused_lm_head=True).log_probs
-    finally:
-        undo()
-    assert head.calls == 0
-    torch.testing.assert_close(got, want)
-
-
-def test_fused_head_on_a_peft_models_base_model_goes_through_the_op():
-    # TRL patches a PEFT model's base model (get_base_model()), the callback is handed the PEFT model.
-    import peft
-
-    from torch_offload import trl_fused_head
-
-    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    model = peft.get_peft_model(tiny_model(), config)
-    trl.trainer.utils.add_fused_lm_head(model.get_base_model(), temperature=0.7, outputs=("log_probs", "entropy"))
     ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
     want = model(input_ids=ids, labels=ids, fused_lm_head=True)
     head, undo = trl_fused_head.install(model, "caller")
@@ -639,6 +617,27 @@ def test_fused_head_on_a_peft_models_base_model_goes_through_the_op():
         got = model(input_ids=ids, labels=ids, fused_lm_head=True)
     finally:
         undo()
+    return want, got, head
+
+
+def test_fused_head_cast_to_float32_keeps_trls_kernel():
+    # GRPOConfig(cast_lm_head_to_fp32=True): float32 hidden states against a bf16 head, which the op (one dtype)
+    # would refuse; TRL's kernel serves those calls, with the same result.
+    model = tiny_model().to(torch.bfloat16)
+    trl.trainer.utils.add_fused_lm_head(model, temperature=0.7, cast_lm_head_to_fp32=True, outputs=("log_probs",))
+    want, got, head = scored_by_trl_then_by_the_stand_in(model)
+    assert head.calls == 0
+    torch.testing.assert_close(got.log_probs, want.log_probs)
+
+
+def test_fused_head_on_a_peft_models_base_model_goes_through_the_op():
+    # TRL patches a PEFT model's base model (get_base_model()), the callback is handed the PEFT model.
+    import peft
+
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(tiny_model(), config)
+    trl.trainer.utils.add_fused_lm_head(model.get_base_model(), temperature=0.7, outputs=("log_probs", "entropy"))
+    want, got, head = scored_by_trl_then_by_the_stand_in(model)
     assert head.calls == 1
     torch.testing.assert_close(got.log_probs, want.log_probs, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.entropy, want.entropy, rtol=1e-5, atol=1e-5)
@@ -688,20 +687,12 @@ def test_rl_trainers_calls_take_the_layers_path_unless_asked(tmp_path):
 def test_fused_head_with_soft_capping_or_a_logit_scale_goes_through_the_op(config):
     # Gemma 2's final soft-capping and Cohere's logit scale, which TRL reads off the model's configuration and
     # applies in its kernel: the op applies them too, with every output TRL's head can ask for.
-    from torch_offload import trl_fused_head
-
     model = tiny_model()
     for name, value in config.items():
         setattr(model.config, name, value)
     outputs = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
     trl.trainer.utils.add_fused_lm_head(model, temperature=0.7, outputs=outputs)
-    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
-    want = model(input_ids=ids, labels=ids, fused_lm_head=True)
-    head, undo = trl_fused_head.install(model, "caller")
-    try:
-        got = model(input_ids=ids, labels=ids, fused_lm_head=True)
-    finally:
-        undo()
+    want, got, head = scored_by_trl_then_by_the_stand_in(model)
     assert head.calls == 1
     for name in outputs:
         torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-5, msg=name)
