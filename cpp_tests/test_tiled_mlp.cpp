@@ -151,7 +151,7 @@ TEST(TiledMlp, BadInputsRaiseErrorsNamingTheArgument) {
       "tiled_mlp: activation is 'tanh'; expected one of silu, gelu, gelu_tanh, relu");
   expect_error([&] { torch_offload::tiled_mlp(at::Tensor(), m.w_gate, m.w_up, m.w_down); },
                "tiled_mlp: x is an undefined tensor");
-  // Tensors that are not dense reach keys of their own (registration/layouts.cpp).
+  // Tensors that are not dense reach keys of their own (ops/common/op_rules.h).
   expect_error([&] { torch_offload::tiled_mlp(x, m.w_gate, m.w_up.detach().to_sparse(), m.w_down); },
                "tiled_mlp: w_up is a sparse COO tensor; expected a dense (strided) tensor");
 }

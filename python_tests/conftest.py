@@ -29,6 +29,9 @@ RANK_MODULES = frozenset(
 def pytest_configure(config):
     # Registered here too, for runs without pytest-xdist (the GPU check), where the mark does nothing.
     config.addinivalue_line("markers", "xdist_group(name): run on the same pytest-xdist worker as the group")
+    # A module's mark, read by the Makefile (OP_TESTS, GPU_TORCH_TESTS) and test_op_registration.py.
+    config.addinivalue_line("markers", "torch_range: the file runs on both ends of the supported torch range too")
+    config.addinivalue_line("markers", "gpu_torch: the file runs on the range's oldest end too (the GPU machines')")
 
 
 @pytest.fixture

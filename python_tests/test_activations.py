@@ -15,6 +15,8 @@ from torch import nn
 
 import torch_offload
 
+pytestmark = pytest.mark.torch_range
+
 
 def train(model, batches, context_factory=None, layer_fn=None, steps=5):
     """Plain SGD steps; returns the losses, the last step's gradients and the contexts used."""

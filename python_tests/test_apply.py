@@ -17,6 +17,8 @@ from torch import nn
 
 import torch_offload
 
+pytestmark = pytest.mark.torch_range
+
 COMMON = dict(
     vocab_size=128,
     hidden_size=32,

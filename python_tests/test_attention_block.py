@@ -11,6 +11,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import torch_offload
 
+pytestmark = pytest.mark.torch_range
+
 NAMES = ("x", "w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
 
 

@@ -13,6 +13,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 import torch_offload
 
+pytestmark = pytest.mark.torch_range
+
 EPS = 1e-5
 NAMES = ("x", "w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o", "q_norm", "k_norm")
 

@@ -21,6 +21,8 @@ from torch.testing._internal.optests import opcheck
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
+pytestmark = pytest.mark.torch_range
+
 
 def rms_norm(t, weight):
     """Olmo2RMSNorm's arithmetic (test_rms_norm_is_transformers_olmo2_rms_norm): over the last dimension, in float32

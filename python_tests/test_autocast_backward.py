@@ -10,6 +10,8 @@ from test_segment_attention import make_qkv
 
 import torch_offload
 
+pytestmark = pytest.mark.torch_range
+
 
 def attention_block_case(generator):
     x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o = make_inputs(

@@ -16,6 +16,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import torch_offload
 from torch_offload.tiled_mlp import _compiled_num_shards
 
+pytestmark = pytest.mark.torch_range
+
 COMPILED = ["llama", "qwen3", "gemma2", "phi3", "gpt2", "lora"]
 
 

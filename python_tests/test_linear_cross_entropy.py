@@ -17,6 +17,8 @@ from torch.testing._internal.optests import opcheck
 
 import torch_offload
 
+pytestmark = pytest.mark.torch_range
+
 
 def reference(
     hidden,

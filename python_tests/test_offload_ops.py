@@ -12,6 +12,8 @@ from torch.testing._internal.optests import opcheck
 
 import torch_offload
 
+pytestmark = pytest.mark.torch_range
+
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.bool]
 
 
@@ -309,3 +311,12 @@ def test_tensors_that_are_not_dense_get_an_error_naming_the_op_and_argument(case
         with pytest.raises(RuntimeError, match=rf"{op}\w*: {arg} is a {kind} tensor; expected a dense"):
             call(bad)
     assert list(tmp_path.iterdir()) == []  # nothing spilled
+
+
+def test_assert_all_returns_a_copy_of_its_value_or_raises_its_message():
+    ids = torch.arange(6).view(2, 3)
+    got = torch.ops.offload._assert_all(ids, torch.tensor([True, True]), "unused")
+    assert torch.equal(got, ids) and got.data_ptr() != ids.data_ptr()
+    with pytest.raises(RuntimeError, match="row 1 has a hole"):
+        torch.ops.offload._assert_all(ids, torch.tensor([True, False]), "row 1 has a hole")
+    opcheck(torch.ops.offload._assert_all.default, (ids, torch.tensor(True), "unused"))

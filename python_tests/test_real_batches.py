@@ -10,7 +10,6 @@ from op_recording import CountCalls
 from test_apply import FAMILIES, MODELS, assert_close_runs, make_model, tier_options
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
-from torch.library import opcheck
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_offload
@@ -513,15 +512,6 @@ def test_compiled_padding_with_holes_is_refused_at_run_time(checkpoint):
     with pytest.raises(RuntimeError, match="real tokens must be contiguous in each row"):
         compiled_step(model, inputs)
     handle.remove()
-
-
-def test_assert_all_returns_a_copy_of_its_value_or_raises_its_message():
-    ids = torch.arange(6).view(2, 3)
-    got = torch.ops.offload._assert_all(ids, torch.tensor([True, True]), "unused")
-    assert torch.equal(got, ids) and got.data_ptr() != ids.data_ptr()
-    with pytest.raises(RuntimeError, match="row 1 has a hole"):
-        torch.ops.offload._assert_all(ids, torch.tensor([True, False]), "row 1 has a hole")
-    opcheck(torch.ops.offload._assert_all.default, (ids, torch.tensor(True), "unused"))
 
 
 def test_compiled_attention_dropout_takes_the_dense_mask_the_segments_stand_for():

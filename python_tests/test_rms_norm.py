@@ -12,6 +12,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import torch_offload
 
+pytestmark = pytest.mark.torch_range
+
 
 def module_reference(x, weight, eps):
     norm = LlamaRMSNorm(x.shape[-1], eps=eps).to(x.dtype)

@@ -8,6 +8,8 @@ from torch.testing._internal.optests import opcheck
 
 import torch_offload
 
+pytestmark = pytest.mark.torch_range
+
 EPS = 1e-5
 FUSED = torch.ops.offload.rms_norm_tiled_mlp.default
 BACKWARD = torch.ops.offload.rms_norm_tiled_mlp_backward.default

@@ -10,6 +10,8 @@ from torch.testing._internal.optests import opcheck
 
 import torch_offload
 
+pytestmark = pytest.mark.torch_range
+
 
 def make_qkv(batch=3, heads=2, tokens=13, head_dim=4, dtype=torch.float64, device="cpu", seed=0):
     generator = torch.Generator().manual_seed(seed)

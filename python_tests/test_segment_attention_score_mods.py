@@ -12,6 +12,8 @@ from torch.testing._internal.optests import opcheck
 
 import torch_offload
 
+pytestmark = pytest.mark.torch_range
+
 MODS = {"softcap": dict(softcap=2.0), "sinks": dict(sinks=True), "both": dict(softcap=2.0, sinks=True)}
 
 

@@ -10,6 +10,8 @@ from torch.testing._internal.optests import opcheck
 
 import torch_offload
 
+pytestmark = pytest.mark.torch_range
+
 # (query and key head dim, value head dim): value narrower, as MLA's, and wider.
 DIMS = {"narrower_value": (6, 4), "wider_value": (3, 5)}
 

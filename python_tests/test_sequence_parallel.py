@@ -20,6 +20,8 @@ import torch_offload
 import torch_offload.sequence_parallel
 from torch_offload.sequence_parallel import ulysses_attention
 
+pytestmark = pytest.mark.gpu_torch
+
 
 def inputs(heads, kv_heads, tokens=12, batch=2, head_dim=4, value_head_dim=4):
     generator = torch.Generator().manual_seed(0)

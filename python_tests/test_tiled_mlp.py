@@ -16,6 +16,8 @@ from torch.testing._internal.optests import opcheck
 
 import torch_offload
 
+pytestmark = pytest.mark.torch_range
+
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu": F.gelu,

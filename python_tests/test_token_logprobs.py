@@ -11,6 +11,8 @@ from torch.testing._internal.optests import opcheck
 
 import torch_offload
 
+pytestmark = pytest.mark.torch_range
+
 
 def scores(hidden, weight, bias=None, temperature=1.0, softcap=0.0, logit_scale=1.0):
     """The whole [..., V] scores as TRL's fused head makes them: scaled, soft-capped, over the temperature (in

@@ -22,7 +22,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     """
     _require_tensor(x, "rms_norm", "x")
     _require_tensor(weight, "rms_norm", "weight")
-    if x.is_nested:  # a jagged tensor's own rms_norm handler answers before the op's refusal (registration/layouts)
+    if x.is_nested:  # a jagged tensor's own rms_norm handler answers before the op's refusal (ops/common/op_rules.h)
         raise RuntimeError("rms_norm: x is a nested tensor; expected a dense (strided) tensor")
     return torch.ops.offload.rms_norm(x, weight, float(eps))
 

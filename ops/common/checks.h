@@ -25,7 +25,7 @@ at::Tensor assert_all_kernel(const at::Tensor& value, const at::Tensor& conditio
 at::Tensor assert_all_meta(const at::Tensor& value, const at::Tensor& condition, c10::string_view message);
 
 // Whether `device`'s current stream is recording a CUDA graph. The CUDA build sets it
-// (registration/cuda.cpp), so that this file needs no CUDA header; without it, never.
+// (capture_query_cuda.cpp), so that this file needs no CUDA header; without it, never.
 // Returns the query it replaces (tests set a fake one and put the real one back).
 using StreamCaptureQuery = bool (*)(c10::Device device);
 StreamCaptureQuery set_stream_capture_query(StreamCaptureQuery query);

@@ -3,7 +3,7 @@
 // tokens x vocabulary, so that no [tokens, V] logits tensor exists: tiles of a few MiB
 // (the recompute path) or whole-vocabulary slabs of 64 MiB or 512 tokens (gradients
 // in forward). The tiling loops (linear_cross_entropy.cpp) are the same on every device;
-// each device brings its fused per-tile kernels. Registration lives in registration/.
+// each device brings its fused per-tile kernels. Registration: linear_cross_entropy_registration.cpp.
 #include <array>
 #include <optional>
 #include <string_view>

@@ -1,5 +1,5 @@
 #pragma once
-// offload_pack / offload_unpack kernels. Registration lives in registration/.
+// offload_pack / offload_unpack kernels. Registration: offload_registration.cpp.
 #include <memory>
 
 #include <ATen/core/Tensor.h>

@@ -2,7 +2,7 @@
 // rms_norm: transformers' RMSNorm (LlamaRMSNorm and the families that copy it) as one op whose backward
 // holds, beside its inputs, only the gradients it returns; the eager module's autograd holds five
 // [tokens, h] float32 gradients at once. The rows' arithmetic is ATen's, in chunks of rows, so every device
-// runs the same code. Registration lives in registration/.
+// runs the same code. Registration: rms_norm_registration.cpp.
 #include <array>
 #include <tuple>
 

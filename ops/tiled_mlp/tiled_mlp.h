@@ -1,7 +1,7 @@
 #pragma once
 // tiled_mlp / tiled_mlp_backward kernels. The sharding loop (tiled_mlp.cpp) is the
 // same on every device; each device brings its fused elementwise kernels.
-// Registration lives in registration/.
+// Registration: tiled_mlp_registration.cpp.
 #include <array>
 #include <optional>
 #include <string_view>

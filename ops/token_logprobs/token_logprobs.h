@@ -3,7 +3,7 @@
 // scores = cap(logit_scale * logits) / temperature (cap: softcap tanh(x / softcap) where softcap > 0) and
 // logits = hidden @ weight^T + bias computed in tiles of tokens x vocabulary, so that no
 // [tokens, V] tensor exists (what RL trainers take from the LM head). The tiles' arithmetic is ATen's,
-// the same on every device; the tile shape is linear_cross_entropy's. Registration lives in registration/.
+// the same on every device; the tile shape is linear_cross_entropy's. Registration: token_logprobs_registration.cpp.
 #include <array>
 #include <optional>
 #include <tuple>
