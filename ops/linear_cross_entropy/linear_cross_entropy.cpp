@@ -67,18 +67,19 @@ std::vector<int64_t> linear_cross_entropy_tile_kernel(int64_t tokens, int64_t vo
   return {tile_tokens, even_split(vocab, budget_vocab)};
 }
 
-void check_lm_head(const char* op, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias) {
-  check_defined(hidden, op, "hidden");
+void check_lm_head(const char* op, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
+                   const LmHeadNames& names) {
+  check_defined(hidden, op, names.hidden);
   const auto dtype = hidden.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf, op,
-              ": hidden has dtype ", dtype, "; expected float32, float64, bfloat16 or float16");
-  TORCH_CHECK(hidden.dim() >= 1, op, ": hidden is a 0-d tensor; expected [..., h]");
-  check_defined(weight, op, "weight");
-  TORCH_CHECK(weight.dim() == 2, op, ": weight has shape ", weight.sym_sizes(), "; expected [V, h]");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf, op, ": ",
+              names.hidden, " has dtype ", dtype, "; expected float32, float64, bfloat16 or float16");
+  TORCH_CHECK(hidden.dim() >= 1, op, ": ", names.hidden, " is a 0-d tensor; expected [..., h]");
+  check_defined(weight, op, names.weight);
+  TORCH_CHECK(weight.dim() == 2, op, ": ", names.weight, " has shape ", weight.sym_sizes(), "; expected [V, h]");
   const c10::SymInt vocab = weight.sym_size(0);
-  check_tensor(op, "weight", weight, hidden, "hidden", dtype, {vocab, hidden.sym_size(-1)}, "[V, h]");
+  check_tensor(op, names.weight, weight, hidden, names.hidden, dtype, {vocab, hidden.sym_size(-1)}, "[V, h]");
   if (bias.defined()) {
-    check_tensor(op, "bias", bias, hidden, "hidden", dtype, {vocab}, "[V]");
+    check_tensor(op, names.bias, bias, hidden, names.hidden, dtype, {vocab}, "[V]");
   }
 }
 

@@ -82,8 +82,12 @@ void check_filter_eps(const char* op, double filter_eps, double label_smoothing)
 
 // hidden [..., h] (float32, float64, bfloat16 or float16), weight [V, h] and bias [V] (undefined: none) alike,
 // on one device: the LM head's arguments, as linear_cross_entropy and token_logprobs take them. Works on
-// symbolic shapes; errors name `op` and the argument.
-void check_lm_head(const char* op, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias);
+// symbolic shapes; errors name `op` and the argument, as `names` calls them (token_divergence has two heads).
+struct LmHeadNames {
+  const char *hidden = "hidden", *weight = "weight", *bias = "bias";
+};
+void check_lm_head(const char* op, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
+                   const LmHeadNames& names = {});
 
 // The automatic tile ([tokens, vocabulary]) for `tokens` tokens, a vocabulary of
 // `vocab` and `dtype`: a pure function of these, so every rank agrees on it.

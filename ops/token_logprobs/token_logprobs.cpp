@@ -30,6 +30,7 @@
 
 #include "ops/common/checks.h"
 #include "ops/common/gemm.h"
+#include "ops/common/logit_scores.h"
 #include "ops/linear_cross_entropy/linear_cross_entropy.h"
 
 namespace torch_offload {
@@ -37,46 +38,21 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// How logits become the scores the softmax takes (the header's s), tile by tile in place.
-struct Scoring {
-  double temperature, softcap, logit_scale;
+// The scores' settings, and the tokens whose id is ignore_index.
+struct Scoring : LogitScores {
   int64_t ignore_index;
-
-  at::Tensor scores(at::Tensor logits) const {
-    if (logit_scale != 1.0) {
-      logits.mul_(logit_scale);
-    }
-    if (softcap > 0.0) {
-      logits.div_(softcap).tanh_().mul_(softcap);
-    }
-    return logits.mul_(1.0 / temperature);
-  }
-  // d/ds into d/dlogits, in place, for the scores s of those logits (read only with a softcap).
-  void to_logits_gradient(at::Tensor& d_s, const at::Tensor& s) const {
-    d_s.mul_(logit_scale / temperature);
-    if (softcap > 0.0) {
-      const at::Tensor capped = s * (temperature / softcap);  // tanh(logit_scale * logit / softcap)
-      d_s.mul_(capped.mul_(capped).neg_().add_(1.0));
-    }
-  }
 };
 
 // Every argument against hidden [..., h] and weight [V, h]; works on symbolic shapes.
 void check_arguments(const char* op, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids,
                      const at::Tensor& bias, const Scoring& scoring) {
-  const double temperature = scoring.temperature;
   check_lm_head(op, hidden, weight, bias);
   check_defined(ids, op, "ids");
   TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, op, ": ids has dtype ",
               ids.scalar_type(), "; expected int64 (or int32) token ids");
   check_tensor(op, "ids", ids, hidden, "hidden", ids.scalar_type(), hidden.sym_sizes().slice(0, hidden.dim() - 1),
                "hidden's shape without h");
-  TORCH_CHECK(temperature > 0.0 && temperature < kInf, op, ": temperature is ", temperature,
-              "; expected a finite value > 0");
-  TORCH_CHECK(scoring.softcap >= 0.0 && scoring.softcap < kInf, op, ": softcap is ", scoring.softcap,
-              "; expected a finite value >= 0 (0: no softcap)");
-  TORCH_CHECK(std::isfinite(scoring.logit_scale), op, ": logit_scale is ", scoring.logit_scale,
-              "; expected a finite value");
+  scoring.check(op);
 }
 
 // An id outside [0, V) that is not ignore_index would pick no logit: an error naming it, before any work.
@@ -88,10 +64,6 @@ void check_id_values(const char* op, const at::Tensor& ids, int64_t vocab, int64
     TORCH_CHECK(false, op, ": ids holds ", ids[index].item<int64_t>(), " at (flattened) index ", index,
                 "; expected token ids in [0, ", vocab, ") or ignore_index (", ignore_index, ")");
   }
-}
-
-at::Tensor narrow_or_undefined(const at::Tensor& t, int64_t start, int64_t length) {
-  return t.defined() ? t.narrow(0, start, length) : t;
 }
 
 // The problem flattened: hidden [T, h] contiguous, ids [T] int64 (checked, then ignored ones as 0: they pick
@@ -113,15 +85,6 @@ struct Tiles {
     ids = ids.masked_fill(counted.logical_not(), 0);
   }
 };
-
-// The scores s of rows [start, start + rows) and columns [col0, col0 + cols), in the reused buffer of the
-// accumulation type: bf16/fp16 products are not rounded to bf16/fp16 before the bias, scale, cap and temperature.
-at::Tensor tile_scores(const at::Tensor& buffer, const at::Tensor& hidden_tile, const at::Tensor& weight,
-                       const at::Tensor& bias, int64_t col0, int64_t cols, const Scoring& scoring) {
-  const at::Tensor logits = buffer.narrow(0, 0, hidden_tile.size(0) * cols).view({hidden_tile.size(0), cols});
-  linear_into_accumulator(logits, hidden_tile, weight.narrow(0, col0, cols), narrow_or_undefined(bias, col0, cols));
-  return scoring.scores(logits);
-}
 
 // Where each row's id falls in the columns [col0, col0 + cols): the mask and the column (clamped) to gather.
 std::pair<at::Tensor, at::Tensor> ids_in_tile(const at::Tensor& ids, int64_t col0, int64_t cols) {
