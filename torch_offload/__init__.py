@@ -28,6 +28,7 @@ __all__ = [
     "disk_spill",
     "disk_spill_stats",
     "disk_wait",
+    "distillation_loss",
     "library_path",
     "linear_cross_entropy",
     "linear_cross_entropy_tile",
@@ -41,6 +42,7 @@ __all__ = [
     "rms_norm",
     "rms_norm_tiled_mlp",
     "TiledMLP",
+    "token_divergence",
     "token_logprob_summaries",
     "token_logprobs",
     "TorchOffloadCallback",
@@ -161,6 +163,7 @@ from .linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_til
 from .rms_norm import rms_norm, rms_norm_tiled_mlp  # noqa: E402
 from .sequence_parallel import shard_batch, ulysses_attention  # noqa: E402
 from .tiled_mlp import TiledMLP, tiled_apply, tiled_mlp, tiled_mlp_num_shards  # noqa: E402  (uses _require_tensor above)
+from .token_divergence import distillation_loss, token_divergence  # noqa: E402
 from .token_logprobs import token_logprob_summaries, token_logprobs  # noqa: E402
 
 

@@ -355,6 +355,44 @@ inline TokenLogprobsGradients token_logprobs_backward(
                      logit_scale, ignore_index, output_mask);
 }
 
+// Knowledge distillation's per-token divergence between a student's and a teacher's next-token distributions,
+// p_s = softmax(scores of student_hidden @ student_weight^T + student_bias) and p_t likewise with the teacher's
+// head (scores as token_logprobs': cap(logit_scale * logits) / temperature, each head its own softcap and
+// logit_scale, one temperature), the generalized Jensen-Shannon divergence
+//   beta = 0: KL(p_t || p_s) (forward KL); beta = 1: KL(p_s || p_t) (reverse KL);
+//   else beta KL(p_t || m) + (1 - beta) KL(p_s || m), m = beta p_t + (1 - beta) p_s,
+// and the student's entropy (no gradient), both [...] float32 (float64 for float64), in tiles of tokens x
+// vocabulary: neither model's [tokens, V] logits exist. The hidden states may differ in width, the vocabulary
+// not. Tokens whose label is ignore_index get 0 and no gradient. Differentiable in the student's tensors only: the
+// teacher's are constants (never given a gradient). Backward recomputes both heads' tiles.
+using TokenDivergence = std::tuple<at::Tensor, at::Tensor>;
+inline TokenDivergence token_divergence(const at::Tensor& student_hidden, const at::Tensor& student_weight,
+                                        const at::Tensor& teacher_hidden, const at::Tensor& teacher_weight,
+                                        const std::optional<at::Tensor>& student_bias = std::nullopt,
+                                        const std::optional<at::Tensor>& teacher_bias = std::nullopt,
+                                        const std::optional<at::Tensor>& labels = std::nullopt, double beta = 0.5,
+                                        double temperature = 1.0, double student_softcap = 0.0,
+                                        double student_logit_scale = 1.0, double teacher_softcap = 0.0,
+                                        double teacher_logit_scale = 1.0, int64_t ignore_index = -100) {
+  TORCH_CHECK(student_hidden.defined(),
+              "token_divergence: student_hidden is an undefined tensor; expected a defined tensor");
+  static const auto handle = detail::op<TokenDivergence(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, double, double, double, double, double,
+      double, int64_t)>("offload::token_divergence");
+  return handle.call(student_hidden, student_weight, teacher_hidden, teacher_weight, student_bias, teacher_bias, labels,
+                     beta, temperature, student_softcap, student_logit_scale, teacher_softcap, teacher_logit_scale,
+                     ignore_index);
+}
+
+// The forward token_divergence's autograd formula runs: (divergence, entropy, and per token the student's and the
+// teacher's log-sum-exp of the scores and the term the backward reuses: the divergence unmasked for beta 0 and 1,
+// KL(p_s || m) otherwise), the last three [tokens].
+using TokenDivergenceForward = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+// The gradients of token_divergence's divergence with respect to (student_hidden, student_weight, student_bias),
+// each computed only where output_mask asks for it and the input exists (undefined otherwise).
+using TokenDivergenceGradients = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
 // transformers' RMSNorm over x's last dimension: weight * round(x / sqrt(mean(x^2) + eps)), in float32 for
 // bf16/fp16, the normalized rows rounded to x's dtype before the weight's product (weight [h], x's dtype).
 // Differentiable in x and weight; backward holds only the gradients it returns beside its inputs.
