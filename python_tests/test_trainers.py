@@ -523,6 +523,47 @@ def assert_scored_through_the_op(callback, calls):
         assert callback.fused_head.calls >= calls
 
 
+def distilling_trainer(tmp_path, beta):
+    """make_trainer(model, callbacks, precision): TRL's DistillationTrainer from a tiny Llama teacher unlike the
+    student (its weights moved), on-policy on texts() as prompts."""
+    tok = tokenizer()
+    dataset = datasets.Dataset.from_dict({"prompt": texts(8)})
+    teacher = tiny_model()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in teacher.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+
+    def make_trainer(model, callbacks, precision):
+        config = trl_arguments(
+            tmp_path, trl.DistillationConfig, precision, max_completion_length=8, beta=beta, temperature=0.7
+        )
+        return trl.DistillationTrainer(
+            model=model,
+            teacher_model=copy.deepcopy(teacher),
+            args=config,
+            train_dataset=dataset,
+            processing_class=tok,
+            callbacks=callbacks,
+        )
+
+    return make_trainer
+
+
+@pytest.mark.skipif(not hasattr(trl, "DistillationTrainer"), reason="TRL's DistillationTrainer from 1.16 on")
+@pytest.mark.parametrize(
+    "beta, precision", [(0.0, "float32"), (0.5, "float32"), (1.0, "float32"), (1.0, "bf16 by default")]
+)
+def test_distillation_trainer_callback_losses_and_gradients_equal(beta, precision, tmp_path):
+    import trl.trainer.distillation_trainer as distillation_trainer
+
+    original = distillation_trainer.ChunkedDivergenceFunction
+    callback = trl_losses_and_gradients(distilling_trainer(tmp_path, beta), precision)
+    # Each step's divergence between the heads went through token_divergence, and TRL's own is back after training.
+    assert callback.divergence.calls >= 3
+    assert distillation_trainer.ChunkedDivergenceFunction is original
+
+
 @pytest.mark.skipif(not FUSED_HEAD, reason="TRL's SFTTrainer has a fused LM head from 1.16 on")
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_sft_trainer_callback_serves_its_fused_head(precision, tmp_path):

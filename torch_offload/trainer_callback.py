@@ -8,7 +8,7 @@ from typing import Any
 import transformers
 from torch import nn
 
-from . import trl_fused_head
+from . import trl_distillation, trl_fused_head
 from .integrations import OffloadHandle, apply, check_apply_option_names
 
 _CALLER = "torch_offload.TorchOffloadCallback"
@@ -29,8 +29,10 @@ class TorchOffloadCallback(transformers.TrainerCallback):
     bf16/fp16 mixed precision (found through accelerate's wrappers), its calls go through the
     ``token_logprobs`` op while training (``callback.fused_head.calls`` counts them; torch_offload/trl_fused_head.py).
     Under an RL trainer of an older TRL (1.9), which scores tokens from the whole logits, a warning says so.
-    Under either, whose calls carry no labels, apply() takes the layers' path (``chunk_recurrent=False`` unless
-    given).
+    Under TRL 1.16's DistillationTrainer its divergence between the student's and the teacher's heads goes through
+    the ``token_divergence`` op (``callback.divergence.calls`` counts the calls; torch_offload/trl_distillation.py).
+    Under any of them, whose calls carry no labels, apply() takes the layers' path (``chunk_recurrent=False``
+    unless given).
 
     ``sequence_parallel`` is a ValueError here: a Trainer hands every rank whole batches, never
     ``torch_offload.shard_batch``'s share of their tokens.
@@ -54,7 +56,8 @@ class TorchOffloadCallback(transformers.TrainerCallback):
         self.handle: OffloadHandle | None = None
         self._model: weakref.ref[nn.Module] | None = None  # the model self.handle is on
         self.fused_head: trl_fused_head.TokenLogprobsHead | None = None
-        self._undo_fused_head = None
+        self.divergence: trl_distillation.TokenDivergenceHead | None = None
+        self._undo_fused_head = self._undo_divergence = None
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         # Before the trainer wraps the model's forward (TRL's fused LM head now, accelerate's autocast in train()):
@@ -67,10 +70,11 @@ class TorchOffloadCallback(transformers.TrainerCallback):
             raise ValueError(f"{_CALLER}: the trainer passed no model to on_train_begin")
         self._remove_stale(model)
         options = dict(self.apply_options)
-        if trl_fused_head.scores_tokens(model, args):
+        if trl_fused_head.scores_tokens(model, args) or trl_distillation.distills(args):
             # Its calls carry no labels, so the step would leave them unoffloaded: the layers' path takes them.
             options.setdefault("chunk_recurrent", False)
         self.fused_head, self._undo_fused_head = trl_fused_head.install(model, _CALLER, args)
+        self.divergence, self._undo_divergence = trl_distillation.install(_CALLER, args)
         try:
             self.handle = apply(model, **options)
         except BaseException:
@@ -98,9 +102,10 @@ class TorchOffloadCallback(transformers.TrainerCallback):
                 ) from error
 
     def _remove(self) -> None:
-        if self._undo_fused_head is not None:
-            self._undo_fused_head()
-            self._undo_fused_head = None  # fused_head stays, with its count of calls
+        for undo in ("_undo_fused_head", "_undo_divergence"):
+            if getattr(self, undo) is not None:
+                getattr(self, undo)()
+                setattr(self, undo, None)  # fused_head and divergence stay, with their counts of calls
         if self.handle is None:
             return
         self.handle.remove()
