@@ -204,9 +204,9 @@ at::Tensor segment_attention_autocast(const at::Tensor& q, const at::Tensor& k, 
   return segment_attention(cast(q), cast(k), cast(v), segment_ids, scale, softcap, sinks, window);
 }
 
-const SharedOpRules rules({"attention_block", "segment_attention"}, UnderAutocast::kOwnKernel);
-const SharedOpRules rules_without_autocast({"attention_block_backward", "segment_attention_backward"},
-                                           UnderAutocast::kOff);
+const SharedOpRules attention_block_rules({"attention_block", "segment_attention"}, UnderAutocast::kOwnKernel);
+const SharedOpRules attention_block_rules_without_autocast({"attention_block_backward", "segment_attention_backward"},
+                                                           UnderAutocast::kOff);
 
 }  // namespace
 }  // namespace torch_offload

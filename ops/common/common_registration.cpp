@@ -27,7 +27,7 @@ namespace torch_offload {
 namespace {
 
 // A copy, in value's dtype.
-const SharedOpRules rules({"_assert_all"}, UnderAutocast::kInputDtypes);
+const SharedOpRules common_rules({"_assert_all"}, UnderAutocast::kInputDtypes);
 
 }  // namespace
 }  // namespace torch_offload

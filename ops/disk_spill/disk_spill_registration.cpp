@@ -62,9 +62,9 @@ namespace torch_offload {
 namespace {
 
 // The tier stores and returns tensors in their own dtypes.
-const SharedOpRules rules({"disk_spill", "disk_restore", "disk_read", "disk_prefetch", "disk_wait",
-                           "_disk_ticket_location"},
-                          UnderAutocast::kInputDtypes);
+const SharedOpRules disk_spill_rules({"disk_spill", "disk_restore", "disk_read", "disk_prefetch", "disk_wait",
+                                      "_disk_ticket_location"},
+                                     UnderAutocast::kInputDtypes);
 
 }  // namespace
 }  // namespace torch_offload

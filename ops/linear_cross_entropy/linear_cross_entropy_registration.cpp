@@ -226,11 +226,12 @@ at::Tensor linear_cross_entropy_autocast(const at::Tensor& hidden, const at::Ten
   return loss.scalar_type() == at::kDouble ? loss : loss.to(at::kFloat);  // autocast leaves float64 alone
 }
 
-const SharedOpRules rules({"linear_cross_entropy"}, UnderAutocast::kOwnKernel);
+const SharedOpRules linear_cross_entropy_rules({"linear_cross_entropy"}, UnderAutocast::kOwnKernel);
 // The companions are called below linear_cross_entropy's own autocast kernel, already cast.
-const SharedOpRules rules_in_input_dtypes({"linear_cross_entropy_forward", "linear_cross_entropy_with_gradients"},
-                                          UnderAutocast::kInputDtypes);
-const SharedOpRules rules_without_autocast({"linear_cross_entropy_backward"}, UnderAutocast::kOff);
+const SharedOpRules linear_cross_entropy_rules_in_input_dtypes({"linear_cross_entropy_forward",
+                                                                "linear_cross_entropy_with_gradients"},
+                                                               UnderAutocast::kInputDtypes);
+const SharedOpRules linear_cross_entropy_rules_without_autocast({"linear_cross_entropy_backward"}, UnderAutocast::kOff);
 
 }  // namespace
 }  // namespace torch_offload

@@ -91,7 +91,7 @@ at::Tensor offload_unpack_autograd(const at::Tensor& packed, c10::Device device)
 }
 
 // They move tensors as they are, in their dtypes.
-const SharedOpRules rules({"offload_pack", "offload_unpack"}, UnderAutocast::kInputDtypes);
+const SharedOpRules offload_rules({"offload_pack", "offload_unpack"}, UnderAutocast::kInputDtypes);
 
 }  // namespace
 }  // namespace torch_offload

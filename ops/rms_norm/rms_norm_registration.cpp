@@ -89,8 +89,8 @@ at::Tensor rms_norm_autograd(const at::Tensor& x, const at::Tensor& weight, doub
 }
 
 // The norm computes in float32 for bf16/fp16 itself: no matrix product for autocast to cast.
-const SharedOpRules rules({"rms_norm"}, UnderAutocast::kInputDtypes);
-const SharedOpRules rules_without_autocast({"rms_norm_backward"}, UnderAutocast::kOff);
+const SharedOpRules rms_norm_rules({"rms_norm"}, UnderAutocast::kInputDtypes);
+const SharedOpRules rms_norm_rules_without_autocast({"rms_norm_backward"}, UnderAutocast::kOff);
 
 }  // namespace
 }  // namespace torch_offload

@@ -24,7 +24,7 @@ namespace torch_offload {
 namespace {
 
 // A composite: autocast passes it by and meets the segment_attention inside.
-const SharedOpRules rules({"ulysses_attention"}, UnderAutocast::kInputDtypes);
+const SharedOpRules sequence_parallel_rules({"ulysses_attention"}, UnderAutocast::kInputDtypes);
 
 }  // namespace
 }  // namespace torch_offload

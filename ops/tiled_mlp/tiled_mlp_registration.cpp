@@ -149,11 +149,12 @@ at::Tensor tiled_mlp_autocast(const at::Tensor& x, const at::Tensor& w_gate, con
                    std::move(num_shards));
 }
 
-const SharedOpRules rules({"tiled_mlp"}, UnderAutocast::kOwnKernel);
+const SharedOpRules tiled_mlp_rules({"tiled_mlp"}, UnderAutocast::kOwnKernel);
 // rms_norm_tiled_mlp runs in its inputs' dtypes under autocast, as rms_norm does (where rms_norm then
 // tiled_mlp would run the MLP in the autocast dtype): its norm is not a matrix product to cast.
-const SharedOpRules rules_without_autocast({"rms_norm_tiled_mlp", "tiled_mlp_backward", "rms_norm_tiled_mlp_backward"},
-                                           UnderAutocast::kOff);
+const SharedOpRules tiled_mlp_rules_without_autocast({"rms_norm_tiled_mlp", "tiled_mlp_backward",
+                                                      "rms_norm_tiled_mlp_backward"},
+                                                     UnderAutocast::kOff);
 
 }  // namespace
 }  // namespace torch_offload

@@ -147,10 +147,10 @@ TokenDivergence token_divergence_autocast(TORCH_OFFLOAD_TOKEN_DIVERGENCE_ARGS) {
                                          teacher_logit_scale, ignore_index);
 }
 
-const SharedOpRules rules({"token_divergence"}, UnderAutocast::kOwnKernel);
+const SharedOpRules token_divergence_rules({"token_divergence"}, UnderAutocast::kOwnKernel);
 // Called below token_divergence's own autocast kernel, already cast.
-const SharedOpRules rules_in_input_dtypes({"token_divergence_forward"}, UnderAutocast::kInputDtypes);
-const SharedOpRules rules_without_autocast({"token_divergence_backward"}, UnderAutocast::kOff);
+const SharedOpRules token_divergence_rules_in_input_dtypes({"token_divergence_forward"}, UnderAutocast::kInputDtypes);
+const SharedOpRules token_divergence_rules_without_autocast({"token_divergence_backward"}, UnderAutocast::kOff);
 
 }  // namespace
 }  // namespace torch_offload

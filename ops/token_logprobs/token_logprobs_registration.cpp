@@ -147,10 +147,10 @@ TokenLogprobSummaries token_logprob_summaries_autocast(const at::Tensor& hidden,
                                  ignore_index);
 }
 
-const SharedOpRules rules({"token_logprobs", "token_logprob_summaries"}, UnderAutocast::kOwnKernel);
+const SharedOpRules token_logprobs_rules({"token_logprobs", "token_logprob_summaries"}, UnderAutocast::kOwnKernel);
 // Called below token_logprobs' own autocast kernel, already cast.
-const SharedOpRules rules_in_input_dtypes({"token_logprobs_forward"}, UnderAutocast::kInputDtypes);
-const SharedOpRules rules_without_autocast({"token_logprobs_backward"}, UnderAutocast::kOff);
+const SharedOpRules token_logprobs_rules_in_input_dtypes({"token_logprobs_forward"}, UnderAutocast::kInputDtypes);
+const SharedOpRules token_logprobs_rules_without_autocast({"token_logprobs_backward"}, UnderAutocast::kOff);
 
 }  // namespace
 }  // namespace torch_offload
