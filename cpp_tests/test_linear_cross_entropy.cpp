@@ -77,19 +77,41 @@ TEST(LinearCrossEntropy, BothPathsOfTheGradientsMatchAtenFromCpp) {
     }
   }
   // The op itself: the loss and its gradients for a unit grad_loss, those asked for.
-  const auto [loss, grad_hidden, grad_weight, grad_bias] = torch_offload::linear_cross_entropy_with_gradients(
-      m.hidden.detach(), m.weight.detach(), m.bias.detach(), m.target, -100, 0.1, 0.0, 1e-2, "mean", 4,
-      {false, true, true});
+  const auto [loss, grad_hidden, grad_weight, grad_bias, statistics] =
+      torch_offload::linear_cross_entropy_with_gradients(m.hidden.detach(), m.weight.detach(), m.bias.detach(),
+                                                         m.target, -100, 0.1, 0.0, 1e-2, "mean", 4,
+                                                         {false, true, true});
   expect_close(loss, want);
   EXPECT_FALSE(grad_hidden.defined());
   expect_close(grad_weight, unit_grads[1]);
   expect_close(grad_bias, unit_grads[2]);
+  EXPECT_EQ(statistics.numel(), 0);  // not asked for
   expect_error(
       [&] {
         torch_offload::linear_cross_entropy(m.hidden, m.weight, m.bias, m.target, -100, 0.0, 0.0, 0.0, "none", 0, 0,
                                             0.0, true);
       },
       "gradients_in_forward is True with reduction \"none\"");
+}
+
+TEST(LinearCrossEntropy, StatisticsFromTheSamePassMatchAten) {
+  const Head m = make_head();
+  const double softcap = 3.0, z_loss = 1e-2;
+  const auto [loss, z_loss_term, accuracy, entropy] = torch_offload::linear_cross_entropy_with_statistics(
+      m.hidden, m.weight, m.bias, m.target, -100, 0.0, softcap, z_loss, "mean", 4, 5);
+  expect_close(loss, reference(m, 0.0, softcap, z_loss));
+  EXPECT_FALSE(entropy.requires_grad());
+  const at::Tensor logits = softcap * at::tanh(at::linear(m.hidden, m.weight, m.bias).view({-1, 23}) / softcap);
+  const at::Tensor valid = m.target.view({-1}).ne(-100);
+  const at::Tensor count = valid.sum();
+  const auto mean = [&](const at::Tensor& per_token) {
+    return at::where(valid, per_token, at::zeros({}, per_token.options())).sum() / count;
+  };
+  const at::Tensor log_p = logits.log_softmax(-1);
+  expect_close(entropy, mean(-(log_p.exp() * log_p).sum(-1)).detach());
+  expect_close(z_loss_term, mean(z_loss * logits.logsumexp({-1}).square()).detach());
+  const at::Tensor top1 = logits.argmax(-1).eq(m.target.view({-1}).clamp_min(0)).to(at::kDouble);
+  expect_close(accuracy, mean(top1));
 }
 
 TEST(LinearCrossEntropy, FrozenHeadGetsNoGradientAndTheBackwardOpSkipsIt) {
@@ -100,9 +122,10 @@ TEST(LinearCrossEntropy, FrozenHeadGetsNoGradientAndTheBackwardOpSkipsIt) {
   expect_close(torch::autograd::grad({loss}, {m.hidden})[0],
                torch::autograd::grad({reference(m, 0.0, 0.0, 0.0)}, {m.hidden})[0]);
 
-  const auto [loss2, lse] = torch_offload::linear_cross_entropy_forward(m.hidden.detach(), m.weight, m.bias, m.target,
-                                                                        -100, 0.0, 0.0, 0.0, "sum", 0, 0);
+  const auto [loss2, lse, statistics] = torch_offload::linear_cross_entropy_forward(
+      m.hidden.detach(), m.weight, m.bias, m.target, -100, 0.0, 0.0, 0.0, "sum", 0, 0);
   EXPECT_EQ(lse.sizes(), (std::vector<int64_t>{18}));
+  EXPECT_EQ(statistics.numel(), 0);
   const auto [d_hidden, d_weight, d_bias] = torch_offload::linear_cross_entropy_backward(
       at::ones({}, at::kDouble), m.hidden.detach(), m.weight, m.bias, m.target, lse, -100, 0.0, 0.0, 0.0, "sum", 0, 0,
       {true, false, false});

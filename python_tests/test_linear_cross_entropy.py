@@ -250,7 +250,7 @@ def test_gradients_not_needed_are_not_computed(trainable, expected_mask, path):
         assert_close_f32(g, w)
     # The op returns None where the mask says no, and runs fewer GEMMs.
     detached = [t.detach() for t in inputs]
-    _, lse = torch.ops.offload.linear_cross_entropy_forward(*detached, target, -100, 0.0, 0.0, 0.0, "mean", 8, 8)
+    _, lse, _ = torch.ops.offload.linear_cross_entropy_forward(*detached, target, -100, 0.0, 0.0, 0.0, "mean", 8, 8)
 
     def backward(mask):
         return torch.ops.offload.linear_cross_entropy_backward(
@@ -263,7 +263,7 @@ def test_gradients_not_needed_are_not_computed(trainable, expected_mask, path):
     def in_forward(mask):
         return torch.ops.offload.linear_cross_entropy_with_gradients(
             *detached, target, -100, 0.0, 0.0, 0.0, "mean", 8, mask
-        )[1:]
+        )[1:4]
 
     assert [r is not None for r in in_forward(expected_mask)] == expected_mask
     assert gemm_count(lambda: in_forward(expected_mask)) < gemm_count(lambda: in_forward([True] * 3))
@@ -372,7 +372,7 @@ def test_forward_op_returns_the_float32_log_sum_exp_of_unrounded_logits():
     # On the CPU the products of bf16 operands stay float32 through the bias (eager rounds each logit to bf16).
     hidden, weight, b, target = [t.detach() if t is not None else None for t in make_inputs((2, 7, 16), 33, True)]
     rounded = [t.bfloat16() for t in (hidden, weight, b)]
-    loss, lse = torch.ops.offload.linear_cross_entropy_forward(*rounded, target, -100, 0.0, 0.0, 0.0, "none", 4, 8)
+    loss, lse, _ = torch.ops.offload.linear_cross_entropy_forward(*rounded, target, -100, 0.0, 0.0, 0.0, "none", 4, 8)
     assert loss.dtype == torch.float32 and loss.shape == (2, 7)
     assert lse.dtype == torch.float32 and lse.shape == (14,)
     want = F.linear(*[t.double() for t in rounded]).logsumexp(-1).view(-1)
@@ -396,7 +396,7 @@ def test_reduced_precision_passes_cut_cross_entropys_elementwise_criterion(dtype
 
     truth = loss_and_lse(F.linear(rounded[0].double(), rounded[1].double(), b_rounded.double()))
     eager = loss_and_lse(F.linear(rounded[0], rounded[1], b_rounded).float())
-    loss, lse = torch.ops.offload.linear_cross_entropy_forward(
+    loss, lse, _ = torch.ops.offload.linear_cross_entropy_forward(
         rounded[0], rounded[1], b_rounded, target, -100, 0.0, softcap, 0.0, "none", 0, 0
     )
     for name, got, e, want in zip(["loss", "log-sum-exp"], (loss.reshape(-1), lse), eager, truth):
@@ -639,7 +639,7 @@ def test_opcheck_backward(reduction):
     hidden, weight, b, target = [
         t.detach() if t is not None else None for t in make_inputs((2, 7, 16), 19, bias=True, ignored_every=3)
     ]
-    _, lse = torch.ops.offload.linear_cross_entropy_forward(
+    _, lse, _ = torch.ops.offload.linear_cross_entropy_forward(
         hidden, weight, b, target, -100, 0.1, 2.0, 0.0, reduction, 4, 8
     )
     grad_loss = torch.ones(2, 7) if reduction == "none" else torch.tensor(2.0)
@@ -648,7 +648,7 @@ def test_opcheck_backward(reduction):
             torch.ops.offload.linear_cross_entropy_backward.default,
             (grad_loss, hidden, weight, b, target, lse, -100, 0.1, 2.0, 0.0, reduction, 4, 8, mask),
         )
-    _, lse = torch.ops.offload.linear_cross_entropy_forward(
+    _, lse, _ = torch.ops.offload.linear_cross_entropy_forward(
         hidden, weight, b, target, -100, 0.0, 2.0, 0.0, reduction, 4, 8
     )
     opcheck(
@@ -758,7 +758,7 @@ def test_meta_tensors_give_shapes_only():
     target = torch.empty(2, 5, dtype=torch.long, device="meta")
     assert call(hidden, weight, b, target).shape == ()
     assert call(hidden, weight, b, target, reduction="none").shape == (2, 5)
-    loss, lse = torch.ops.offload.linear_cross_entropy_forward(
+    loss, lse, _ = torch.ops.offload.linear_cross_entropy_forward(
         hidden.bfloat16(), weight.bfloat16(), None, target, -100, 0.0, 0.0, 0.0, "sum", 0, 0
     )
     assert loss.is_meta and loss.dtype == torch.float32 and lse.shape == (10,) and lse.dtype == torch.float32
@@ -779,7 +779,7 @@ def test_meta_tensors_give_shapes_only():
         [False, True, True],
     )
     assert [g.shape if g is not None else None for g in grads] == [None, (30, 16), (30,)]
-    loss, *grads = torch.ops.offload.linear_cross_entropy_with_gradients(
+    loss, *grads, _ = torch.ops.offload.linear_cross_entropy_with_gradients(
         hidden.bfloat16(), weight.bfloat16(), b.bfloat16(), target, -100, 0.0, 0.0, 0.0, "sum", 0, [True, False, True]
     )
     assert loss.shape == () and loss.is_meta and loss.dtype == torch.float32

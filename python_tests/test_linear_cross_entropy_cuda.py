@@ -17,6 +17,8 @@ from test_linear_cross_entropy import (  # noqa: F401
 )
 from torch.testing._internal.optests import opcheck
 
+import torch_offload
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -161,3 +163,29 @@ def test_cuda_vocabulary_tiles_much_wider_than_a_thread_block_match_eager(reduct
 @pytest.mark.usefixtures("path")
 def test_cuda_autocast_runs_the_gemms_in_the_autocast_dtype_and_returns_a_float32_loss(dtype):
     check_autocast(*to_cuda(make_inputs((2, 300, 64), 1000, bias=True)), dtype, tile_tokens=64, tile_vocab=512)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("gradients_in_forward", [True, False], ids=["in_forward", "recompute"])
+def test_cuda_statistics_match_the_cpu_op(dtype, gradients_in_forward):
+    # bf16 tiles stay bf16 on CUDA (float32 on the CPU), so there the two agree to bf16's rounding of a logit, and
+    # accuracy may differ where that rounding ties two logits. Tied logits (weight rows 0 and 1 equal) check
+    # argmax's first-of-ties rule on the device.
+    hidden, weight, b, target = make_inputs((2, 37, 16), 301, bias=True, dtype=torch.float64, ignored_every=5)
+    with torch.no_grad():
+        weight[1] = weight[0]
+    target.view(-1)[::3] = 1
+    kwargs = dict(z_loss=1e-3, tile_tokens=16, tile_vocab=64, gradients_in_forward=gradients_in_forward)
+    rounded = [t.detach().to(dtype) for t in (hidden, weight, b)]
+    got_loss, got = torch_offload.linear_cross_entropy(
+        *[t.cuda() for t in rounded[:2]], target.cuda(), bias=rounded[2].cuda(), return_statistics=True, **kwargs
+    )
+    want_loss, want = torch_offload.linear_cross_entropy(
+        *rounded[:2], target, bias=rounded[2], return_statistics=True, **kwargs
+    )
+    tolerance = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got_loss.cpu(), want_loss, **tolerance)
+    loose_accuracy = dict(rtol=0, atol=0.1) if dtype == torch.bfloat16 else tolerance
+    for name, g, w in zip(got._fields, got, want):
+        assert g.is_cuda, name
+        torch.testing.assert_close(g.cpu(), w, **(loose_accuracy if name == "accuracy" else tolerance), msg=name)

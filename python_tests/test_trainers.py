@@ -587,6 +587,9 @@ def test_sft_trainer_callback_serves_its_fused_head(precision, tmp_path):
 
     callback = trl_losses_and_gradients(make_trainer, precision)
     assert_scored_through_the_op(callback, calls=3)
+    if FUSED_HEAD:
+        # Loss, entropy and accuracy from one pass over the vocabulary, not token_logprobs and then the summaries.
+        assert set(callback.fused_head.ops) == {"linear_cross_entropy_with_statistics"}
 
 
 def test_fused_head_of_an_untested_trl_is_left_alone_with_a_warning(monkeypatch):

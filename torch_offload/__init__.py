@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "CrossEntropyStatistics",
     "OffloadHandle",
     "apply",
     "attention_block",
@@ -159,7 +160,7 @@ def pinned_arena_stats() -> dict[str, int]:
 from .attention_block import attention_block, attention_block_segment_ids, segment_attention  # noqa: E402
 from .integrations import OffloadHandle, apply  # noqa: E402
 from .integrations.chunk_recurrent import chunk_recurrent_loss  # noqa: E402
-from .linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_tile  # noqa: E402
+from .linear_cross_entropy import CrossEntropyStatistics, linear_cross_entropy, linear_cross_entropy_tile  # noqa: E402
 from .rms_norm import rms_norm, rms_norm_tiled_mlp  # noqa: E402
 from .sequence_parallel import shard_batch, ulysses_attention  # noqa: E402
 from .tiled_mlp import TiledMLP, tiled_apply, tiled_mlp, tiled_mlp_num_shards  # noqa: E402  (uses _require_tensor above)

@@ -1,13 +1,28 @@
 """The LM head's cross-entropy computed in tiles of tokens x vocabulary, so that its [tokens, V]
-logits never exist: ``linear_cross_entropy`` (the ``torch.ops.offload.linear_cross_entropy`` op)."""
+logits never exist: ``linear_cross_entropy`` (the ``torch.ops.offload.linear_cross_entropy`` op, and
+``linear_cross_entropy_with_statistics`` for the z-loss term, accuracy and entropy from the same pass)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from . import _require_tensor
 
-__all__ = ["linear_cross_entropy", "linear_cross_entropy_tile"]
+__all__ = ["CrossEntropyStatistics", "linear_cross_entropy", "linear_cross_entropy_tile"]
+
+
+class CrossEntropyStatistics(NamedTuple):
+    """What ``linear_cross_entropy(..., return_statistics=True)`` returns beside the loss, without gradient, each
+    reduced as the loss (the mean over the tokens not ignored, their sum, or one per token with 0 where ignored)."""
+
+    z_loss: torch.Tensor
+    """The z-loss term, ``z_loss * logsumexp(logits) ** 2``: the part of the loss that ``z_loss`` adds."""
+    accuracy: torch.Tensor
+    """Whether the target is ``logits.argmax(-1)`` (1 or 0; of tied logits, the first counts, as argmax)."""
+    entropy: torch.Tensor
+    """The entropy of ``softmax(logits)`` (after ``softcap``)."""
 
 
 def linear_cross_entropy(
@@ -25,7 +40,8 @@ def linear_cross_entropy(
     tile_vocab: int = 0,
     filter_eps: float | str | None = None,
     gradients_in_forward: bool | None = None,
-) -> torch.Tensor:
+    return_statistics: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, CrossEntropyStatistics]:
     """``F.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` without the logits (differentiable).
 
     ``hidden`` is ``[..., h]``, ``weight`` ``[V, h]`` (e.g. the tied embedding matrix),
@@ -65,10 +81,19 @@ def linear_cross_entropy(
     resolution. Not with ``label_smoothing``, whose gradient reaches every logit. It pays
     where whole tiles of the vocabulary are improbable for a whole tile of tokens (see
     BENCHMARKS.md); on CUDA each tile's check costs a device synchronization.
+
+    ``return_statistics=True`` returns ``(loss, CrossEntropyStatistics(z_loss, accuracy, entropy))``, the
+    statistics that trainers log, computed from the same logits tiles as the loss (no second pass over the
+    vocabulary, no second GEMM): each tile is read once more, through a scratch buffer of at most 8 MiB.
     """
     for value, arg in ((hidden, "hidden"), (weight, "weight"), (target, "target")):
         _require_tensor(value, "linear_cross_entropy", arg)
-    return torch.ops.offload.linear_cross_entropy(
+    op = (
+        torch.ops.offload.linear_cross_entropy_with_statistics
+        if return_statistics
+        else torch.ops.offload.linear_cross_entropy
+    )
+    result = op(
         hidden,
         weight,
         bias,
@@ -83,6 +108,10 @@ def linear_cross_entropy(
         _filter_threshold(filter_eps, hidden.dtype),
         gradients_in_forward,
     )
+    if return_statistics:
+        loss, z_loss_term, accuracy, entropy = result
+        return loss, CrossEntropyStatistics(z_loss_term, accuracy, entropy)
+    return result
 
 
 def _filter_threshold(filter_eps: float | str | None, dtype: torch.dtype) -> float:

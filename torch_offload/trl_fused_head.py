@@ -5,13 +5,16 @@ TRL 1.16's trainers (GRPO, DPO, RLOO, KTO, SFT) patch the model with ``add_fused
 tiles of 4096 tokens x 32768 vocabulary rows of logits (512 MiB in bf16) and float32 accumulators. Calls with
 the head in the hidden states' dtype go through ``token_logprobs`` instead (8 MiB tiles, float64 kept in
 float64; soft-capping and a logit scale, Gemma 2's and Cohere's, as TRL applies them), and the metrics they ask
-for (mean logits, top-1, log sum of squared probabilities) through ``token_logprob_summaries``; the others
+for (mean logits, top-1, log sum of squared probabilities) through ``token_logprob_summaries``; SFT's call
+(log-probabilities, entropy and top-1 at temperature 1, no logit scale) goes through one pass of
+``linear_cross_entropy_with_statistics`` instead of those two; the others
 (a head cast to float32 against bf16 hidden states, outputs the op does not compute) keep TRL's. The stand-in is put in
 ``trl.trainer.utils`` for the time of training and taken out after.
 """
 
 from __future__ import annotations
 
+import collections
 import inspect
 import warnings
 
@@ -47,15 +50,18 @@ _RL_CONFIGS = {
 }
 _SUMMARIES = ("log_sum_sq_probs", "mean_logits", "is_top1")
 _OURS = {"log_probs", "entropy", *_SUMMARIES}
+# What linear_cross_entropy's loss per token (-log p) and statistics give in one pass.
+_CROSS_ENTROPY_PASS = {"log_probs", "entropy", "is_top1"}
 
 
 class TokenLogprobsHead:
     """Stands in for ``ChunkedLogProbFunction`` (its ``apply`` alone, which is all TRL calls). ``calls`` counts
-    the calls the op served."""
+    the calls the ops served, ``ops`` the calls of each op."""
 
     def __init__(self, original) -> None:
         self.original = original
         self.calls = 0
+        self.ops = collections.Counter()
 
     def apply(
         self,
@@ -78,15 +84,23 @@ class TokenLogprobsHead:
             )
         self.calls += 1
         entropy = "entropy" in outputs
+        if "is_top1" in outputs and set(outputs) <= _CROSS_ENTROPY_PASS and temperature == 1 and logit_scale == 1:
+            self.ops["linear_cross_entropy_with_statistics"] += 1
+            loss, _, accuracy, entropies = torch.ops.offload.linear_cross_entropy_with_statistics(
+                hidden, weight, bias, targets, softcap=float(final_logit_softcapping or 0.0), reduction="none"
+            )
+            return -loss, entropies if entropy else None, None, None, accuracy.bool()
         scoring = dict(
             bias=bias,
             temperature=float(temperature),
             softcap=float(final_logit_softcapping or 0.0),
             logit_scale=float(logit_scale),
         )
+        self.ops["token_logprobs"] += 1
         logprobs, entropies = torch.ops.offload.token_logprobs(hidden, weight, targets, entropy=entropy, **scoring)
         summaries = {}
         if any(name in outputs for name in _SUMMARIES):
+            self.ops["token_logprob_summaries"] += 1
             mean_logits, is_top1, log_sum_sq_probs = torch.ops.offload.token_logprob_summaries(
                 hidden, weight, targets, **scoring
             )

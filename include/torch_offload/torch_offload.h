@@ -223,34 +223,61 @@ inline at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tenso
                      std::move(tile_tokens), std::move(tile_vocab), filter_eps, gradients_in_forward);
 }
 
+// linear_cross_entropy's loss with, from the same pass over the vocabulary, (z_loss, accuracy, entropy): the
+// z-loss term z_loss * logsumexp^2 (the part of the loss it adds), whether the target has the largest logit
+// (1 or 0; a tie with another counts), and the entropy of softmax(logits) (after softcap); each reduced as the
+// loss (the mean over the tokens not ignored, their sum, or one per token, 0 where ignored), in the loss's
+// dtype, without gradient. The arguments and the loss are linear_cross_entropy's.
+using LinearCrossEntropyStatistics = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+inline LinearCrossEntropyStatistics linear_cross_entropy_with_statistics(
+    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const at::Tensor& target,
+    int64_t ignore_index = -100, double label_smoothing = 0.0, double softcap = 0.0, double z_loss = 0.0,
+    std::string_view reduction = "mean", c10::SymInt tile_tokens = 0, c10::SymInt tile_vocab = 0,
+    double filter_eps = 0.0, std::optional<bool> gradients_in_forward = std::nullopt) {
+  TORCH_CHECK(hidden.defined(), "linear_cross_entropy: hidden is an undefined tensor; expected a defined tensor");
+  static const auto handle = detail::op<LinearCrossEntropyStatistics(
+      const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, int64_t, double,
+      double, double, std::string_view, c10::SymInt, c10::SymInt, double, std::optional<bool>)>(
+      "offload::linear_cross_entropy_with_statistics");
+  return handle.call(hidden, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction,
+                     std::move(tile_tokens), std::move(tile_vocab), filter_eps, gradients_in_forward);
+}
+
 // The loss and its gradients (hidden, weight, bias; those output_mask asks for) for a unit
 // grad_loss, computed in forward from whole-vocabulary slabs of tile_tokens tokens (<= 0:
 // 64 MiB or 512 tokens, whichever is more); reduction "mean" or "sum". The gradients are in the loss's dtype.
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_with_gradients(
+// With statistics, the fifth tensor is the forward's per-token statistics (below), else empty.
+using LinearCrossEntropyWithGradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+inline LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients(
     const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const at::Tensor& target,
     int64_t ignore_index, double label_smoothing, double softcap, double z_loss, std::string_view reduction,
-    c10::SymInt tile_tokens, std::array<bool, 3> output_mask) {
+    c10::SymInt tile_tokens, std::array<bool, 3> output_mask, bool statistics = false) {
   TORCH_CHECK(hidden.defined(), "linear_cross_entropy: hidden is an undefined tensor; expected a defined tensor");
-  static const auto handle = detail::op<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+  static const auto handle = detail::op<LinearCrossEntropyWithGradients(
       const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, int64_t, double,
-      double, double, std::string_view, c10::SymInt, std::array<bool, 3>)>(
+      double, double, std::string_view, c10::SymInt, std::array<bool, 3>, bool)>(
       "offload::linear_cross_entropy_with_gradients");
   return handle.call(hidden, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction,
-                     std::move(tile_tokens), output_mask);
+                     std::move(tile_tokens), output_mask, statistics);
 }
 
 // The forward that the autograd formula uses: (loss, log-sum-exp of each token
-// [tokens], float32, or float64 for float64 hidden), the latter for backward.
-inline std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward(
-    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const at::Tensor& target,
-    int64_t ignore_index, double label_smoothing, double softcap, double z_loss, std::string_view reduction,
-    c10::SymInt tile_tokens, c10::SymInt tile_vocab) {
+// [tokens], float32, or float64 for float64 hidden, the latter for backward, and with statistics
+// each token's [z-loss term, top-1 (1 or 0), entropy] as [3, tokens] in the log-sum-exp's dtype, 0
+// where ignored; else an empty [0] tensor).
+using LinearCrossEntropyForward = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+inline LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& hidden, const at::Tensor& weight,
+                                                              const std::optional<at::Tensor>& bias,
+                                                              const at::Tensor& target, int64_t ignore_index,
+                                                              double label_smoothing, double softcap, double z_loss,
+                                                              std::string_view reduction, c10::SymInt tile_tokens,
+                                                              c10::SymInt tile_vocab, bool statistics = false) {
   TORCH_CHECK(hidden.defined(), "linear_cross_entropy: hidden is an undefined tensor; expected a defined tensor");
-  static const auto handle = detail::op<std::tuple<at::Tensor, at::Tensor>(
+  static const auto handle = detail::op<LinearCrossEntropyForward(
       const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, int64_t, double,
-      double, double, std::string_view, c10::SymInt, c10::SymInt)>("offload::linear_cross_entropy_forward");
+      double, double, std::string_view, c10::SymInt, c10::SymInt, bool)>("offload::linear_cross_entropy_forward");
   return handle.call(hidden, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction,
-                     std::move(tile_tokens), std::move(tile_vocab));
+                     std::move(tile_tokens), std::move(tile_vocab), statistics);
 }
 
 // The gradients of linear_cross_entropy with respect to (hidden, weight, bias),

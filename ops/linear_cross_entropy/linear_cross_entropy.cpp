@@ -11,11 +11,15 @@
 #include <ATen/OpMathType.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/Version.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/log.h>
+#include <ATen/ops/maximum.h>
 #include <ATen/ops/nonzero.h>
 #include <ATen/ops/ones.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/sub.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
@@ -44,6 +48,9 @@ constexpr int64_t kMaxTileVocab = 4096;
 // [V, h], is read and written once per slab, and 128-row slabs at V = 128K took 1.15x CCE's time.
 constexpr int64_t kSlabBytes = int64_t{64} << 20;
 constexpr int64_t kMinSlabTokens = 512;
+// Statistics (entropy, accuracy) read each tile's logits a second time through a scratch buffer of at most this
+// many bytes, in blocks of whole rows (at least one).
+constexpr int64_t kStatisticsScratchBytes = int64_t{8} << 20;
 
 namespace {
 
@@ -189,25 +196,89 @@ void check_gradients_in_forward_apply(const char* op, Reduction parsed, double s
                     "; gradients computed in forward need softcap 0 (the recompute path takes softcap)");
 }
 
-// Per token: the running max and sum of exp(z - max), z of the target, sum of z, folded tile by tile.
+// Per token: the running max and sum of exp(z - max), z of the target, sum of z, folded tile by tile. With
+// statistics, also the first moment of exp(z - max) about the running max (entropy = log S - moment / S), and the
+// largest stored z over the whole row and over the columns before the target's (the target is top-1, as argmax
+// picks it, where its z reaches the first and exceeds the second), taken from each tile's z, which the tile
+// kernels leave in the buffer, before anything else overwrites them.
 struct TokenSums {
   at::Tensor max, sum_exp, target_z, sum_z;
+  at::Tensor moment, top, top_before_target, scratch;  // with statistics only; scratch: rows of a tile
 
-  TokenSums(int64_t tokens, const at::TensorOptions& acc_options)
+  TokenSums(int64_t tokens, const at::TensorOptions& acc_options, bool statistics = false, int64_t tile_rows = 0,
+            int64_t tile_cols = 0)
       : max(at::full({tokens}, -std::numeric_limits<double>::infinity(), acc_options)),
         sum_exp(at::zeros({tokens}, acc_options)),
         target_z(at::zeros({tokens}, acc_options)),
-        sum_z(at::zeros({tokens}, acc_options)) {}
+        sum_z(at::zeros({tokens}, acc_options)) {
+    if (statistics) {
+      moment = at::zeros({tokens}, acc_options);
+      top = at::full({tokens}, -std::numeric_limits<double>::infinity(), acc_options);
+      top_before_target = top.clone();
+      const int64_t budget = kStatisticsScratchBytes /
+                             static_cast<int64_t>(c10::elementSize(c10::typeMetaToScalarType(acc_options.dtype())));
+      scratch = at::empty({std::max(tile_cols, std::min(tile_rows * tile_cols, budget))}, acc_options);
+    }
+  }
   // Folds a tile of the rows [start, start + logits.size(0)) and columns [col0, col0 + logits.size(1)).
   void fold(const CrossEntropyTileKernels& kernels, const CrossEntropyOptions& options, const at::Tensor& logits,
             const at::Tensor& target_tile, int64_t col0, int64_t start) const {
     const int64_t rows = logits.size(0);
-    kernels.forward(options, logits, target_tile, col0, max.narrow(0, start, rows), sum_exp.narrow(0, start, rows),
-                    target_z.narrow(0, start, rows), sum_z.narrow(0, start, rows));
+    const at::Tensor max_rows = max.narrow(0, start, rows), sum_exp_rows = sum_exp.narrow(0, start, rows);
+    const at::Tensor max_before = moment.defined() ? max_rows.clone() : at::Tensor();
+    const at::Tensor sum_exp_before = moment.defined() ? sum_exp_rows.clone() : at::Tensor();
+    kernels.forward(options, logits, target_tile, col0, max_rows, sum_exp_rows, target_z.narrow(0, start, rows),
+                    sum_z.narrow(0, start, rows));
+    if (moment.defined()) {
+      fold_statistics(logits, target_tile, col0, start, max_before, sum_exp_before);
+    }
   }
   at::Tensor lse() const { return max + at::log(sum_exp); }
   at::Tensor lse(int64_t start, int64_t rows) const {
     return max.narrow(0, start, rows) + at::log(sum_exp.narrow(0, start, rows));
+  }
+  // Per token, zero where ignored: the z-loss term z_loss * lse^2, whether the target is top-1 (1 or 0), and the
+  // entropy of softmax(z). [3, tokens].
+  at::Tensor statistics(const at::Tensor& lse, const at::Tensor& valid, double z_loss) const {
+    const at::Tensor entropy = at::log(sum_exp) - moment / sum_exp;
+    const at::Tensor is_top1 = target_z.ge(top).logical_and(target_z.gt(top_before_target)).to(lse.scalar_type());
+    return at::where(valid, at::stack({z_loss * lse * lse, is_top1, entropy}), at::zeros({}, lse.options()));
+  }
+
+ private:
+  void fold_statistics(const at::Tensor& z, const at::Tensor& target_tile, int64_t col0, int64_t start,
+                       const at::Tensor& max_before, const at::Tensor& sum_exp_before) const {
+    const int64_t rows = z.size(0), cols = z.size(1);
+    const at::Tensor max_now = max.narrow(0, start, rows);
+    at::Tensor moment_rows = moment.narrow(0, start, rows);
+    // The earlier tiles' moment about the new max: e^(m0 - m) (moment + (m0 - m) S0); none before the first tile.
+    const at::Tensor shift = max_before - max_now;
+    moment_rows.copy_(at::where(sum_exp_before.gt(0), shift.exp() * (moment_rows + shift * sum_exp_before),
+                                at::zeros({}, moment.options())));
+    // This tile's sum of e^(z - m) (z - m), as xlogy(e, e): 0 where e underflows or z is -inf. A max still -inf
+    // (every z so far -inf) is taken as the lowest finite value, so that those z give e = 0, not nan. In blocks
+    // of rows that fit the scratch buffer.
+    const double lowest = max_now.scalar_type() == at::kDouble ? std::numeric_limits<double>::lowest()
+                                                               : std::numeric_limits<float>::lowest();
+    const at::Tensor shifted_max = max_now.clamp_min(lowest).unsqueeze(1);
+    const at::Tensor columns = at::arange(col0, col0 + cols, target_tile.options()).unsqueeze(0);
+    at::Tensor before_rows = top_before_target.narrow(0, start, rows);
+    const int64_t block = std::max<int64_t>(1, scratch.numel() / std::max<int64_t>(cols, 1));
+    for (int64_t row = 0; row < rows; row += block) {
+      const int64_t n = std::min(block, rows - row);
+      const at::Tensor z_block = z.narrow(0, row, n);
+      at::Tensor e = scratch.narrow(0, 0, n * cols).view({n, cols});
+      at::sub_out(e, z_block, shifted_max.narrow(0, row, n));
+      e.exp_().xlogy_(e);
+      moment_rows.narrow(0, row, n).add_(e.sum(1));
+      // z of the columns before the target's, -inf at and after it.
+      e.copy_(z_block).masked_fill_(columns.ge(target_tile.narrow(0, row, n).unsqueeze(1)),
+                                    -std::numeric_limits<double>::infinity());
+      at::Tensor before_block = before_rows.narrow(0, row, n);
+      before_block.copy_(at::maximum(before_block, e.amax(1)));
+    }
+    at::Tensor top_rows = top.narrow(0, start, rows);
+    top_rows.copy_(at::maximum(top_rows, z.amax(1).to(top.scalar_type())));
   }
 };
 
@@ -258,11 +329,33 @@ void check_filter_eps(const char* op, double filter_eps, double label_smoothing)
               "; gradient filtering needs label_smoothing = 0 (smoothing's gradient reaches every logit)");
 }
 
-std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_impl(
-    const CrossEntropyTileKernels& kernels, const at::Tensor& hidden, const at::Tensor& weight,
-    const std::optional<at::Tensor>& bias_opt, const at::Tensor& target, int64_t ignore_index, double label_smoothing,
-    double softcap, double z_loss, std::string_view reduction, const c10::SymInt& tile_tokens,
-    const c10::SymInt& tile_vocab) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> reduce_cross_entropy_statistics(const at::Tensor& statistics,
+                                                                               const at::Tensor& target,
+                                                                               int64_t ignore_index,
+                                                                               std::string_view reduction) {
+  const Reduction parsed = parse_reduction(reduction, "linear_cross_entropy");
+  const auto reduced = [&](int64_t row) {
+    const at::Tensor per_token = statistics.select(0, row);
+    switch (parsed) {
+      case Reduction::kNone:
+        return per_token.view_symint(target.sym_sizes());
+      case Reduction::kSum:
+        return per_token.sum();
+      case Reduction::kMean:
+        break;
+    }
+    return per_token.sum() / target.ne(ignore_index).sum();  // nan without a counted token, as the loss
+  };
+  return {reduced(0), reduced(1), reduced(2)};
+}
+
+LinearCrossEntropyForward linear_cross_entropy_forward_impl(const CrossEntropyTileKernels& kernels,
+                                                            const at::Tensor& hidden, const at::Tensor& weight,
+                                                            const std::optional<at::Tensor>& bias_opt,
+                                                            const at::Tensor& target, int64_t ignore_index,
+                                                            double label_smoothing, double softcap, double z_loss,
+                                                            std::string_view reduction, const c10::SymInt& tile_tokens,
+                                                            const c10::SymInt& tile_vocab, bool statistics) {
   const char* op = "linear_cross_entropy";
   const at::Tensor bias = value_or_undefined(bias_opt);
   const Reduction parsed =
@@ -272,10 +365,10 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_impl(
   const auto dtype = hidden.scalar_type();
   const auto acc_options = hidden.options().dtype(at::toOpMathType(dtype));
 
-  TokenSums sums(f.tokens, acc_options);
+  const auto [tile_rows, tile_cols] = tile_shape(f.tokens, f.vocab, dtype, tile_tokens, tile_vocab);
+  TokenSums sums(f.tokens, acc_options, statistics, tile_rows, tile_cols);
   const CrossEntropyOptions options{softcap, label_smoothing, z_loss, f.vocab, /*filter_eps=*/0.0};
   if (f.tokens > 0 && f.vocab > 0) {
-    const auto [tile_rows, tile_cols] = tile_shape(f.tokens, f.vocab, dtype, tile_tokens, tile_vocab);
     const at::Tensor buffer = at::empty({tile_rows * tile_cols}, hidden.options().dtype(logits_dtype(hidden)));
     for (int64_t start = 0; start < f.tokens; start += tile_rows) {
       const int64_t rows = std::min(tile_rows, f.tokens - start);
@@ -291,14 +384,16 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_impl(
     }
   }
   const at::Tensor lse = sums.lse();
-  return {reduced_loss(sums, lse, f.target.ne(ignore_index), parsed, options, target), lse};
+  const at::Tensor valid = f.target.ne(ignore_index);
+  return {reduced_loss(sums, lse, valid, parsed, options, target), lse,
+          statistics ? sums.statistics(lse, valid, z_loss) : at::empty({0}, acc_options)};
 }
 
 LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_impl(
     const CrossEntropyTileKernels& kernels, const at::Tensor& hidden, const at::Tensor& weight,
     const std::optional<at::Tensor>& bias_opt, const at::Tensor& target, int64_t ignore_index, double label_smoothing,
     double softcap, double z_loss, std::string_view reduction, const c10::SymInt& tile_tokens,
-    std::array<bool, 3> output_mask) {
+    std::array<bool, 3> output_mask, bool statistics) {
   const char* op = "linear_cross_entropy";  // the op users call, as linear_cross_entropy_forward's errors
   const at::Tensor bias = value_or_undefined(bias_opt);
   const Reduction parsed =
@@ -323,12 +418,12 @@ LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_impl(
   at::Tensor grad_weight = want_weight ? at::zeros({f.vocab, h}, acc_options) : at::Tensor();
   at::Tensor grad_bias = want_bias ? at::zeros({f.vocab}, acc_options) : at::Tensor();
 
-  TokenSums sums(f.tokens, acc_options);
+  const int64_t rows_per_slab = slab_tokens(f.tokens, f.vocab, logits_dtype(hidden), tile_tokens);
+  TokenSums sums(f.tokens, acc_options, statistics, rows_per_slab, f.vocab);
   const CrossEntropyOptions options{softcap, label_smoothing, z_loss, f.vocab, /*filter_eps=*/0.0};
   if (f.tokens > 0 && f.vocab > 0) {
     // Off CUDA, bf16/fp16 GEMM operands are converted to float32 (the weight once), and the slab is float32.
     const bool convert = acc_type != dtype && !hidden.is_cuda();
-    const int64_t rows_per_slab = slab_tokens(f.tokens, f.vocab, logits_dtype(hidden), tile_tokens);
     const at::Tensor slab = at::empty({rows_per_slab * f.vocab}, hidden.options().dtype(logits_dtype(hidden)));
     const at::Tensor weight_operand = convert && want_hidden ? weight.to(acc_type) : weight;
     for (int64_t start = 0; start < f.tokens; start += rows_per_slab) {
@@ -353,8 +448,10 @@ LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_impl(
       }
     }
   }
-  return {reduced_loss(sums, sums.lse(), valid, parsed, options, target),
-          want_hidden ? grad_hidden.view(hidden.sizes()) : grad_hidden, grad_weight, grad_bias};
+  const at::Tensor lse = sums.lse();
+  return {reduced_loss(sums, lse, valid, parsed, options, target),
+          want_hidden ? grad_hidden.view(hidden.sizes()) : grad_hidden, grad_weight, grad_bias,
+          statistics ? sums.statistics(lse, valid, z_loss) : at::empty({0}, acc_options)};
 }
 
 LinearCrossEntropyGradients linear_cross_entropy_backward_impl(
@@ -471,18 +568,19 @@ at::Tensor linear_cross_entropy_cpu(TORCH_OFFLOAD_LCE_ARGS, double filter_eps,
   gradients_in_forward_by_default("linear_cross_entropy", hidden, softcap, reduction, filter_eps, gradients_in_forward);
   return std::get<0>(linear_cross_entropy_forward_impl(cpu_cross_entropy_kernels(), hidden, weight, bias, target,
                                                        ignore_index, label_smoothing, softcap, z_loss, reduction,
-                                                       tile_tokens, tile_vocab));
+                                                       tile_tokens, tile_vocab, /*statistics=*/false));
 }
 
-std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_cpu(TORCH_OFFLOAD_LCE_ARGS) {
+LinearCrossEntropyForward linear_cross_entropy_forward_cpu(TORCH_OFFLOAD_LCE_ARGS, bool statistics) {
   return linear_cross_entropy_forward_impl(cpu_cross_entropy_kernels(), hidden, weight, bias, target, ignore_index,
-                                           label_smoothing, softcap, z_loss, reduction, tile_tokens, tile_vocab);
+                                           label_smoothing, softcap, z_loss, reduction, tile_tokens, tile_vocab,
+                                           statistics);
 }
 
 LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_cpu(TORCH_OFFLOAD_LCE_WITH_GRADIENTS_ARGS) {
   return linear_cross_entropy_with_gradients_impl(cpu_cross_entropy_kernels(), hidden, weight, bias, target,
                                                   ignore_index, label_smoothing, softcap, z_loss, reduction,
-                                                  tile_tokens, output_mask);
+                                                  tile_tokens, output_mask, statistics);
 }
 
 LinearCrossEntropyGradients linear_cross_entropy_backward_cpu(TORCH_OFFLOAD_LCE_BACKWARD_ARGS) {
@@ -492,7 +590,13 @@ LinearCrossEntropyGradients linear_cross_entropy_backward_cpu(TORCH_OFFLOAD_LCE_
 }
 
 // Meta: the same checks (on symbolic shapes), then results shaped like the real ones.
-std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_meta(TORCH_OFFLOAD_LCE_ARGS) {
+namespace {
+at::Tensor statistics_meta(bool statistics, const at::Tensor& target, const at::TensorOptions& acc_options) {
+  return statistics ? at::empty_symint({3, target.sym_numel()}, acc_options) : at::empty({0}, acc_options);
+}
+}  // namespace
+
+LinearCrossEntropyForward linear_cross_entropy_forward_meta(TORCH_OFFLOAD_LCE_ARGS, bool statistics) {
   const Reduction parsed = check_arguments("linear_cross_entropy", hidden, weight, value_or_undefined(bias), target,
                                            label_smoothing, softcap, z_loss, reduction);
   (void)ignore_index, (void)tile_tokens, (void)tile_vocab;
@@ -500,7 +604,7 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_meta(TORCH_OFFLO
   const at::Tensor loss =
       at::empty_symint(parsed == Reduction::kNone ? target.sym_sizes() : c10::SymIntArrayRef{}, acc_options);
   const at::Tensor lse = at::empty_symint({target.sym_numel()}, acc_options);
-  return {loss, lse};
+  return {loss, lse, statistics_meta(statistics, target, acc_options)};
 }
 
 at::Tensor linear_cross_entropy_meta(TORCH_OFFLOAD_LCE_ARGS, double filter_eps,
@@ -508,7 +612,8 @@ at::Tensor linear_cross_entropy_meta(TORCH_OFFLOAD_LCE_ARGS, double filter_eps,
   check_filter_eps("linear_cross_entropy", filter_eps, label_smoothing);
   gradients_in_forward_by_default("linear_cross_entropy", hidden, softcap, reduction, filter_eps, gradients_in_forward);
   return std::get<0>(linear_cross_entropy_forward_meta(hidden, weight, bias, target, ignore_index, label_smoothing,
-                                                       softcap, z_loss, reduction, tile_tokens, tile_vocab));
+                                                       softcap, z_loss, reduction, tile_tokens, tile_vocab,
+                                                       /*statistics=*/false));
 }
 
 LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_meta(TORCH_OFFLOAD_LCE_WITH_GRADIENTS_ARGS) {
@@ -522,7 +627,7 @@ LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_meta(TORCH_O
     return want && t.defined() ? at::empty_symint(t.sym_sizes(), acc_options) : at::Tensor();
   };
   return {at::empty({}, acc_options), like(output_mask[0], hidden), like(output_mask[1], weight),
-          like(output_mask[2], b)};
+          like(output_mask[2], b), statistics_meta(statistics, target, acc_options)};
 }
 
 LinearCrossEntropyGradients linear_cross_entropy_backward_meta(TORCH_OFFLOAD_LCE_BACKWARD_ARGS) {

@@ -44,13 +44,16 @@ struct CrossEntropyTileKernels {
                    const at::Tensor& lse, const at::Tensor& grad_scale);
 };
 
-// The device-generic forward: (loss, log-sum-exp per token [T] in float32, or
-// float64 for float64 inputs), and the backward that reuses the log-sum-exp.
-std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_impl(
-    const CrossEntropyTileKernels& kernels, const at::Tensor& hidden, const at::Tensor& weight,
-    const std::optional<at::Tensor>& bias, const at::Tensor& target, int64_t ignore_index, double label_smoothing,
-    double softcap, double z_loss, std::string_view reduction, const c10::SymInt& tile_tokens,
-    const c10::SymInt& tile_vocab);
+// The device-generic forward: (loss, log-sum-exp per token [T] in float32, or float64 for float64 inputs,
+// statistics: [3, T] with `statistics` (see linear_cross_entropy_forward), else [0]), and the backward that
+// reuses the log-sum-exp.
+LinearCrossEntropyForward linear_cross_entropy_forward_impl(const CrossEntropyTileKernels& kernels,
+                                                            const at::Tensor& hidden, const at::Tensor& weight,
+                                                            const std::optional<at::Tensor>& bias,
+                                                            const at::Tensor& target, int64_t ignore_index,
+                                                            double label_smoothing, double softcap, double z_loss,
+                                                            std::string_view reduction, const c10::SymInt& tile_tokens,
+                                                            const c10::SymInt& tile_vocab, bool statistics);
 LinearCrossEntropyGradients linear_cross_entropy_backward_impl(
     const CrossEntropyTileKernels& kernels, const at::Tensor& grad_loss, const at::Tensor& hidden,
     const at::Tensor& weight, const std::optional<at::Tensor>& bias, const at::Tensor& target, const at::Tensor& lse,
@@ -59,13 +62,21 @@ LinearCrossEntropyGradients linear_cross_entropy_backward_impl(
 
 // The 3-GEMM path for a scalar loss ("mean" or "sum"): (loss, and the gradients output_mask asks for with
 // respect to hidden, weight and bias, for a unit grad_loss, in the accumulation type; undefined where not
-// asked), computed in forward from one slab of whole-vocabulary logits per tile of tokens.
-using LinearCrossEntropyWithGradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+// asked; statistics as the forward's), computed in forward from one slab of whole-vocabulary logits per tile
+// of tokens.
 LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_impl(
     const CrossEntropyTileKernels& kernels, const at::Tensor& hidden, const at::Tensor& weight,
     const std::optional<at::Tensor>& bias, const at::Tensor& target, int64_t ignore_index, double label_smoothing,
     double softcap, double z_loss, std::string_view reduction, const c10::SymInt& tile_tokens,
-    std::array<bool, 3> output_mask);
+    std::array<bool, 3> output_mask, bool statistics);
+
+// The per-token statistics [3, T] (z-loss term, top-1, entropy) of the forward companions, reduced as the loss:
+// (z_loss, accuracy, entropy), each the mean over the counted tokens ("mean"), their sum ("sum"), or target's
+// shape ("none"). Works on symbolic shapes.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> reduce_cross_entropy_statistics(const at::Tensor& statistics,
+                                                                               const at::Tensor& target,
+                                                                               int64_t ignore_index,
+                                                                               std::string_view reduction);
 
 // gradients_in_forward, when given, asks for the 3-GEMM path or the recompute; true is
 // refused (ValueError) for reduction "none", filter_eps > 0 or softcap > 0. Returns
@@ -106,23 +117,23 @@ std::vector<int64_t> linear_cross_entropy_tile_kernel(int64_t tokens, int64_t vo
 #define TORCH_OFFLOAD_LCE_WITH_GRADIENTS_ARGS                                                                         \
   const at::Tensor &hidden, const at::Tensor &weight, const std::optional<at::Tensor>&bias, const at::Tensor &target, \
       int64_t ignore_index, double label_smoothing, double softcap, double z_loss, c10::string_view reduction,        \
-      c10::SymInt tile_tokens, std::array<bool, 3> output_mask
+      c10::SymInt tile_tokens, std::array<bool, 3> output_mask, bool statistics
 
 at::Tensor linear_cross_entropy_cpu(TORCH_OFFLOAD_LCE_ARGS, double filter_eps,
                                     std::optional<bool> gradients_in_forward);
 LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_cpu(TORCH_OFFLOAD_LCE_WITH_GRADIENTS_ARGS);
-std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_cpu(TORCH_OFFLOAD_LCE_ARGS);
+LinearCrossEntropyForward linear_cross_entropy_forward_cpu(TORCH_OFFLOAD_LCE_ARGS, bool statistics);
 LinearCrossEntropyGradients linear_cross_entropy_backward_cpu(TORCH_OFFLOAD_LCE_BACKWARD_ARGS);
 at::Tensor linear_cross_entropy_meta(TORCH_OFFLOAD_LCE_ARGS, double filter_eps,
                                      std::optional<bool> gradients_in_forward);
 LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_meta(TORCH_OFFLOAD_LCE_WITH_GRADIENTS_ARGS);
-std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_meta(TORCH_OFFLOAD_LCE_ARGS);
+LinearCrossEntropyForward linear_cross_entropy_forward_meta(TORCH_OFFLOAD_LCE_ARGS, bool statistics);
 LinearCrossEntropyGradients linear_cross_entropy_backward_meta(TORCH_OFFLOAD_LCE_BACKWARD_ARGS);
 #ifdef TORCH_OFFLOAD_WITH_CUDA
 at::Tensor linear_cross_entropy_cuda(TORCH_OFFLOAD_LCE_ARGS, double filter_eps,
                                      std::optional<bool> gradients_in_forward);
 LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_cuda(TORCH_OFFLOAD_LCE_WITH_GRADIENTS_ARGS);
-std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_cuda(TORCH_OFFLOAD_LCE_ARGS);
+LinearCrossEntropyForward linear_cross_entropy_forward_cuda(TORCH_OFFLOAD_LCE_ARGS, bool statistics);
 LinearCrossEntropyGradients linear_cross_entropy_backward_cuda(TORCH_OFFLOAD_LCE_BACKWARD_ARGS);
 #endif
 

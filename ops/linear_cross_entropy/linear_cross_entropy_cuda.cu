@@ -183,20 +183,20 @@ at::Tensor linear_cross_entropy_cuda(TORCH_OFFLOAD_LCE_ARGS, double filter_eps,
   const c10::cuda::CUDAGuard device_guard(hidden.device());
   return std::get<0>(linear_cross_entropy_forward_impl(kCudaKernels, hidden, weight, bias, target, ignore_index,
                                                        label_smoothing, softcap, z_loss, reduction, tile_tokens,
-                                                       tile_vocab));
+                                                       tile_vocab, /*statistics=*/false));
 }
 
-std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_cuda(TORCH_OFFLOAD_LCE_ARGS) {
+LinearCrossEntropyForward linear_cross_entropy_forward_cuda(TORCH_OFFLOAD_LCE_ARGS, bool statistics) {
   const c10::cuda::CUDAGuard device_guard(hidden.device());
   return linear_cross_entropy_forward_impl(kCudaKernels, hidden, weight, bias, target, ignore_index, label_smoothing,
-                                           softcap, z_loss, reduction, tile_tokens, tile_vocab);
+                                           softcap, z_loss, reduction, tile_tokens, tile_vocab, statistics);
 }
 
 LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_cuda(TORCH_OFFLOAD_LCE_WITH_GRADIENTS_ARGS) {
   const c10::cuda::CUDAGuard device_guard(hidden.device());
   return linear_cross_entropy_with_gradients_impl(kCudaKernels, hidden, weight, bias, target, ignore_index,
-                                                  label_smoothing, softcap, z_loss, reduction, tile_tokens,
-                                                  output_mask);
+                                                  label_smoothing, softcap, z_loss, reduction, tile_tokens, output_mask,
+                                                  statistics);
 }
 
 LinearCrossEntropyGradients linear_cross_entropy_backward_cuda(TORCH_OFFLOAD_LCE_BACKWARD_ARGS) {

@@ -19,10 +19,19 @@ TORCH_LIBRARY_FRAGMENT(offload, m) {
       "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, int ignore_index=-100, "
       "float label_smoothing=0.0, float softcap=0.0, float z_loss=0.0, str reduction=\"mean\", "
       "SymInt tile_tokens=0, SymInt tile_vocab=0, float filter_eps=0.0, bool? gradients_in_forward=None) -> Tensor");
+  // The same loss with, from the same pass, the z-loss term, token accuracy and entropy, reduced as the loss
+  // (no gradient).
+  m.def(
+      "linear_cross_entropy_with_statistics(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
+      "int ignore_index=-100, float label_smoothing=0.0, float softcap=0.0, float z_loss=0.0, str reduction=\"mean\", "
+      "SymInt tile_tokens=0, SymInt tile_vocab=0, float filter_eps=0.0, bool? gradients_in_forward=None) "
+      "-> (Tensor loss, Tensor z_loss, Tensor accuracy, Tensor entropy)");
+  // statistics=True: a third output [3, tokens] of each token's z-loss term, top-1 (1 or 0) and entropy (0 where
+  // ignored); else an empty [0] tensor.
   m.def(
       "linear_cross_entropy_forward(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, int ignore_index, "
-      "float label_smoothing, float softcap, float z_loss, str reduction, SymInt tile_tokens, SymInt tile_vocab) "
-      "-> (Tensor, Tensor)");
+      "float label_smoothing, float softcap, float z_loss, str reduction, SymInt tile_tokens, SymInt tile_vocab, "
+      "bool statistics=False) -> (Tensor, Tensor, Tensor)");
   m.def(
       "linear_cross_entropy_backward(Tensor grad_loss, Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
       "Tensor lse, int ignore_index, float label_smoothing, float softcap, float z_loss, str reduction, "
@@ -30,11 +39,11 @@ TORCH_LIBRARY_FRAGMENT(offload, m) {
   // For a scalar loss ("mean", "sum"): the loss and its gradients by (hidden, weight, bias) for a unit
   // grad_loss, those output_mask asks for (undefined otherwise), in the loss's dtype, computed in forward
   // (3 GEMMs; the autograd formula then only scales them). tile_tokens: the tokens of a whole-vocabulary
-  // slab of logits, <= 0 for a 64 MiB budget (at least 512 tokens).
+  // slab of logits, <= 0 for a 64 MiB budget (at least 512 tokens). statistics as linear_cross_entropy_forward's.
   m.def(
       "linear_cross_entropy_with_gradients(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
       "int ignore_index, float label_smoothing, float softcap, float z_loss, str reduction, SymInt tile_tokens, "
-      "bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");
+      "bool[3] output_mask, bool statistics=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // The automatic tile [tokens, vocabulary columns]; takes no tensor, so one kernel serves every backend.
   m.def("linear_cross_entropy_tile(int tokens, int vocab, ScalarType dtype) -> int[]",
         &torch_offload::linear_cross_entropy_tile_kernel);
@@ -101,21 +110,22 @@ void check_version(AutogradContext* ctx, const std::string& name) {
 // - recompute (4 GEMMs): forward saves its inputs and each token's log-sum-exp ([tokens], float32) from
 //   linear_cross_entropy_forward, and backward is the linear_cross_entropy_backward op.
 // Either way AOTAutograd traces the ops like any other. Gradients nobody needs are not computed. No
-// double backward.
+// double backward. Outputs: the loss and the per-token statistics (empty unless `statistics`), which have no
+// gradient.
 class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias, const at::Tensor& target, int64_t ignore_index,
-                            double label_smoothing, double softcap, double z_loss, c10::string_view reduction,
-                            c10::SymInt tile_tokens, c10::SymInt tile_vocab, double filter_eps,
-                            std::optional<std::array<bool, 3>> gradients_in_forward) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias, const at::Tensor& target, int64_t ignore_index,
+                               double label_smoothing, double softcap, double z_loss, c10::string_view reduction,
+                               c10::SymInt tile_tokens, c10::SymInt tile_vocab, double filter_eps,
+                               std::optional<std::array<bool, 3>> gradients_in_forward, bool statistics) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto& d = ctx->saved_data;
     d["gradients_in_forward"] = gradients_in_forward.has_value();
     if (gradients_in_forward.has_value()) {
-      auto [loss, grad_hidden, grad_weight, grad_bias] =
+      auto [loss, grad_hidden, grad_weight, grad_bias, per_token] =
           linear_cross_entropy_with_gradients(hidden, weight, bias, target, ignore_index, label_smoothing, softcap,
-                                              z_loss, reduction, tile_tokens, *gradients_in_forward);
+                                              z_loss, reduction, tile_tokens, *gradients_in_forward, statistics);
       d["grad_hidden"] = grad_hidden;
       d["grad_weight"] = grad_weight;
       d["grad_bias"] = grad_bias;
@@ -127,10 +137,12 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
         record_version(ctx, "bias", *bias);
       }
       record_version(ctx, "target", target);
-      return loss;
+      ctx->mark_non_differentiable({per_token});
+      return {loss, per_token};
     }
-    auto [loss, lse] = linear_cross_entropy_forward(hidden, weight, bias, target, ignore_index, label_smoothing,
-                                                    softcap, z_loss, reduction, tile_tokens, tile_vocab);
+    auto [loss, lse, per_token] =
+        linear_cross_entropy_forward(hidden, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss,
+                                     reduction, tile_tokens, tile_vocab, statistics);
     ctx->save_for_backward({hidden, weight, bias.value_or(at::Tensor()), target, lse});
     d["ignore_index"] = ignore_index;
     d["label_smoothing"] = label_smoothing;
@@ -140,7 +152,8 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     d["tile_tokens"] = tile_tokens;
     d["tile_vocab"] = tile_vocab;
     d["filter_eps"] = filter_eps;
-    return loss;
+    ctx->mark_non_differentiable({per_token});
+    return {loss, per_token};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto& d = ctx->saved_data;
@@ -172,8 +185,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       };
       const at::Tensor grad_hidden = scaled("grad_hidden"), grad_weight = scaled("grad_weight"),
                        grad_bias = scaled("grad_bias");
-      return {grad_hidden,  grad_weight,  grad_bias,    at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-              at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+      return with_no_other_gradients(grad_hidden, grad_weight, grad_bias);
     }
     const variable_list saved = ctx->get_saved_variables();
     const bool has_bias = saved[2].defined();
@@ -185,16 +197,28 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
         d.at("ignore_index").toInt(), d.at("label_smoothing").toDouble(), d.at("softcap").toDouble(),
         d.at("z_loss").toDouble(), d.at("reduction").toStringRef(), d.at("tile_tokens").toSymInt(),
         d.at("tile_vocab").toSymInt(), output_mask, d.at("filter_eps").toDouble());
-    return {grad_hidden,  grad_weight,  grad_bias,    at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return with_no_other_gradients(grad_hidden, grad_weight, grad_bias);
+  }
+
+ private:
+  // The gradients of forward's 14 inputs: hidden's, weight's and bias's, none for the others.
+  static variable_list with_no_other_gradients(const at::Tensor& grad_hidden, const at::Tensor& grad_weight,
+                                               const at::Tensor& grad_bias) {
+    variable_list gradients(14);
+    gradients[0] = grad_hidden;
+    gradients[1] = grad_weight;
+    gradients[2] = grad_bias;
+    return gradients;
   }
 };
 
-at::Tensor linear_cross_entropy_autograd(const at::Tensor& hidden, const at::Tensor& weight,
-                                         const std::optional<at::Tensor>& bias, const at::Tensor& target,
-                                         int64_t ignore_index, double label_smoothing, double softcap, double z_loss,
-                                         c10::string_view reduction, c10::SymInt tile_tokens, c10::SymInt tile_vocab,
-                                         double filter_eps, std::optional<bool> gradients_in_forward) {
+// Through LinearCrossEntropyFunction, on the path the arguments pick: (loss, per-token statistics).
+variable_list linear_cross_entropy_through_function(const at::Tensor& hidden, const at::Tensor& weight,
+                                                    const std::optional<at::Tensor>& bias, const at::Tensor& target,
+                                                    int64_t ignore_index, double label_smoothing, double softcap,
+                                                    double z_loss, c10::string_view reduction, c10::SymInt tile_tokens,
+                                                    c10::SymInt tile_vocab, double filter_eps,
+                                                    std::optional<bool> gradients_in_forward, bool statistics) {
   check_filter_eps("linear_cross_entropy", filter_eps, label_smoothing);  // before the work, not in backward
   const std::array<bool, 3> wanted{hidden.requires_grad(), weight.requires_grad(),
                                    bias.has_value() && bias->requires_grad()};
@@ -207,26 +231,66 @@ at::Tensor linear_cross_entropy_autograd(const at::Tensor& hidden, const at::Ten
   }
   return LinearCrossEntropyFunction::apply(hidden, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss,
                                            reduction, std::move(tile_tokens), std::move(tile_vocab), filter_eps,
-                                           in_forward);
+                                           in_forward, statistics);
+}
+
+at::Tensor linear_cross_entropy_autograd(TORCH_OFFLOAD_LCE_ARGS, double filter_eps,
+                                         std::optional<bool> gradients_in_forward) {
+  return linear_cross_entropy_through_function(hidden, weight, bias, target, ignore_index, label_smoothing, softcap,
+                                               z_loss, reduction, std::move(tile_tokens), std::move(tile_vocab),
+                                               filter_eps, gradients_in_forward, /*statistics=*/false)[0];
+}
+
+LinearCrossEntropyStatistics linear_cross_entropy_with_statistics_autograd(TORCH_OFFLOAD_LCE_ARGS, double filter_eps,
+                                                                           std::optional<bool> gradients_in_forward) {
+  const variable_list outputs = linear_cross_entropy_through_function(
+      hidden, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, std::move(tile_tokens),
+      std::move(tile_vocab), filter_eps, gradients_in_forward, /*statistics=*/true);
+  auto [z_loss_term, accuracy, entropy] = reduce_cross_entropy_statistics(outputs[1], target, ignore_index, reduction);
+  return {outputs[0], z_loss_term, accuracy, entropy};
+}
+
+// Below autograd, on every backend (CPU, CUDA, Meta): the forward companion with statistics, reduced.
+LinearCrossEntropyStatistics linear_cross_entropy_with_statistics_kernel(TORCH_OFFLOAD_LCE_ARGS, double filter_eps,
+                                                                         std::optional<bool> gradients_in_forward) {
+  check_filter_eps("linear_cross_entropy", filter_eps, label_smoothing);
+  gradients_in_forward_by_default("linear_cross_entropy", hidden, softcap, reduction, filter_eps, gradients_in_forward);
+  auto [loss, lse, per_token] =
+      linear_cross_entropy_forward(hidden, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss,
+                                   reduction, std::move(tile_tokens), std::move(tile_vocab), /*statistics=*/true);
+  auto [z_loss_term, accuracy, entropy] = reduce_cross_entropy_statistics(per_token, target, ignore_index, reduction);
+  return {loss, z_loss_term, accuracy, entropy};
 }
 
 // linear_cross_entropy runs its GEMMs in the autocast dtype, as the linear layer it replaces would; its loss is
 // float32, as F.cross_entropy's under autocast (the op itself already returns float32 for the bf16/fp16 it runs in
 // there).
-template <c10::DeviceType kDevice>
-at::Tensor linear_cross_entropy_autocast(const at::Tensor& hidden, const at::Tensor& weight,
-                                         const std::optional<at::Tensor>& bias, const at::Tensor& target,
-                                         int64_t ignore_index, double label_smoothing, double softcap, double z_loss,
-                                         c10::string_view reduction, c10::SymInt tile_tokens, c10::SymInt tile_vocab,
-                                         double filter_eps, std::optional<bool> gradients_in_forward) {
-  const BelowAutocast<kDevice> cast;
-  at::Tensor loss = linear_cross_entropy(cast(hidden), cast(weight), cast(bias), target, ignore_index, label_smoothing,
-                                         softcap, z_loss, reduction, std::move(tile_tokens), std::move(tile_vocab),
-                                         filter_eps, gradients_in_forward);
-  return loss.scalar_type() == at::kDouble ? loss : loss.to(at::kFloat);  // autocast leaves float64 alone
+at::Tensor float32_unless_float64(const at::Tensor& t) {
+  return t.scalar_type() == at::kDouble ? t : t.to(at::kFloat);  // autocast leaves float64 alone
 }
 
-const SharedOpRules linear_cross_entropy_rules({"linear_cross_entropy"}, UnderAutocast::kOwnKernel);
+template <c10::DeviceType kDevice>
+at::Tensor linear_cross_entropy_autocast(TORCH_OFFLOAD_LCE_ARGS, double filter_eps,
+                                         std::optional<bool> gradients_in_forward) {
+  const BelowAutocast<kDevice> cast;
+  return float32_unless_float64(linear_cross_entropy(
+      cast(hidden), cast(weight), cast(bias), target, ignore_index, label_smoothing, softcap, z_loss, reduction,
+      std::move(tile_tokens), std::move(tile_vocab), filter_eps, gradients_in_forward));
+}
+
+template <c10::DeviceType kDevice>
+LinearCrossEntropyStatistics linear_cross_entropy_with_statistics_autocast(TORCH_OFFLOAD_LCE_ARGS, double filter_eps,
+                                                                           std::optional<bool> gradients_in_forward) {
+  const BelowAutocast<kDevice> cast;
+  auto [loss, z_loss_term, accuracy, entropy] = linear_cross_entropy_with_statistics(
+      cast(hidden), cast(weight), cast(bias), target, ignore_index, label_smoothing, softcap, z_loss, reduction,
+      std::move(tile_tokens), std::move(tile_vocab), filter_eps, gradients_in_forward);
+  return {float32_unless_float64(loss), float32_unless_float64(z_loss_term), float32_unless_float64(accuracy),
+          float32_unless_float64(entropy)};
+}
+
+const SharedOpRules linear_cross_entropy_rules({"linear_cross_entropy", "linear_cross_entropy_with_statistics"},
+                                               UnderAutocast::kOwnKernel);
 // The companions are called below linear_cross_entropy's own autocast kernel, already cast.
 const SharedOpRules linear_cross_entropy_rules_in_input_dtypes({"linear_cross_entropy_forward",
                                                                 "linear_cross_entropy_with_gradients"},
@@ -238,16 +302,25 @@ const SharedOpRules linear_cross_entropy_rules_without_autocast({"linear_cross_e
 
 TORCH_LIBRARY_IMPL(offload, Autograd, m) {
   m.impl("linear_cross_entropy", &torch_offload::linear_cross_entropy_autograd);
+  m.impl("linear_cross_entropy_with_statistics", &torch_offload::linear_cross_entropy_with_statistics_autograd);
   // Called by the formula above below autograd; gradients of gradients are not supported.
   m.impl("linear_cross_entropy_forward", torch::autograd::autogradNotImplementedFallback());
   m.impl("linear_cross_entropy_backward", torch::autograd::autogradNotImplementedFallback());
   m.impl("linear_cross_entropy_with_gradients", torch::autograd::autogradNotImplementedFallback());
 }
 
+TORCH_LIBRARY_IMPL(offload, CompositeExplicitAutograd, m) {
+  m.impl("linear_cross_entropy_with_statistics", &torch_offload::linear_cross_entropy_with_statistics_kernel);
+}
+
 TORCH_LIBRARY_IMPL(offload, AutocastCPU, m) {
   m.impl("linear_cross_entropy", &torch_offload::linear_cross_entropy_autocast<c10::DeviceType::CPU>);
+  m.impl("linear_cross_entropy_with_statistics",
+         &torch_offload::linear_cross_entropy_with_statistics_autocast<c10::DeviceType::CPU>);
 }
 
 TORCH_LIBRARY_IMPL(offload, AutocastCUDA, m) {
   m.impl("linear_cross_entropy", &torch_offload::linear_cross_entropy_autocast<c10::DeviceType::CUDA>);
+  m.impl("linear_cross_entropy_with_statistics",
+         &torch_offload::linear_cross_entropy_with_statistics_autocast<c10::DeviceType::CUDA>);
 }
