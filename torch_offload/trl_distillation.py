@@ -10,13 +10,11 @@ heads differ in dtype outside autocast keep TRL's kernel, which casts each tile.
 
 from __future__ import annotations
 
-import inspect
-import warnings
-
 import torch
 
-_TESTED_VERSIONS = ("1.16.",)
-# The arguments ChunkedDivergenceFunction.forward takes, in order, as the versions above call it.
+from ._trl_stand_in import install_stand_in
+
+# The arguments ChunkedDivergenceFunction.forward takes, in order, as the tested TRL versions call it.
 _ARGUMENTS = (
     "ctx",
     "student_hidden",
@@ -97,29 +95,14 @@ def install(caller: str, args=None):
     path this matches. Under other trainers: (None, None)."""
     if args is None or not distills(args):
         return None, None
-    import trl
     import trl.trainer.distillation_trainer as distillation_trainer
 
-    original = getattr(distillation_trainer, "ChunkedDivergenceFunction", None)
-    forward = getattr(original, "forward", None)
-    matches = (
-        trl.__version__.startswith(_TESTED_VERSIONS)
-        and callable(forward)
-        and tuple(inspect.signature(forward).parameters) == _ARGUMENTS
+    return install_stand_in(
+        distillation_trainer,
+        "ChunkedDivergenceFunction",
+        _ARGUMENTS,
+        TokenDivergenceHead,
+        caller,
+        "distillation loss",
+        "token_divergence",
     )
-    if not matches:
-        warnings.warn(
-            f"{caller}: TRL {trl.__version__}'s distillation loss is left as it is (it goes through token_divergence "
-            f"in TRL {', '.join(v + 'x' for v in _TESTED_VERSIONS)} only)",
-            UserWarning,
-            stacklevel=3,
-        )
-        return None, None
-    head = TokenDivergenceHead(original)
-    distillation_trainer.ChunkedDivergenceFunction = head
-
-    def undo():
-        if distillation_trainer.ChunkedDivergenceFunction is head:
-            distillation_trainer.ChunkedDivergenceFunction = original
-
-    return head, undo

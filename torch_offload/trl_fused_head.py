@@ -15,13 +15,13 @@ for (mean logits, top-1, log sum of squared probabilities) through ``token_logpr
 from __future__ import annotations
 
 import collections
-import inspect
 import warnings
 
 import torch
 
-# TRL's function and the arguments its forward takes, in order, as the versions below call it.
-_TESTED_VERSIONS = ("1.16.",)
+from ._trl_stand_in import install_stand_in, tested_versions
+
+# The arguments TRL's function's forward takes, in order, as the tested TRL versions call it.
 _ARGUMENTS = (
     "ctx",
     "hidden",
@@ -159,34 +159,13 @@ def install(model, caller: str, args=None):
             warnings.warn(
                 f"{caller}: under TRL {trl.__version__}'s {config} the model has no fused LM head, so the trainer "
                 "scores tokens from the model's whole [tokens, vocabulary] logits, which is left as it is "
-                f"(token_logprobs serves TRL {', '.join(v + 'x' for v in _TESTED_VERSIONS)}'s fused head only)",
+                f"(token_logprobs serves TRL {tested_versions()}'s fused head only)",
                 UserWarning,
                 stacklevel=3,
             )
         return None, None
-    import trl
     import trl.trainer.utils as trl_utils
 
-    original = getattr(trl_utils, "_ChunkedLogProbFunction", None)
-    forward = getattr(original, "forward", None)
-    matches = (
-        trl.__version__.startswith(_TESTED_VERSIONS)
-        and callable(forward)
-        and tuple(inspect.signature(forward).parameters) == _ARGUMENTS
+    return install_stand_in(
+        trl_utils, "_ChunkedLogProbFunction", _ARGUMENTS, TokenLogprobsHead, caller, "fused LM head", "token_logprobs"
     )
-    if not matches:
-        warnings.warn(
-            f"{caller}: TRL {trl.__version__}'s fused LM head is left as it is (it goes through token_logprobs in "
-            f"TRL {', '.join(v + 'x' for v in _TESTED_VERSIONS)} only)",
-            UserWarning,
-            stacklevel=3,
-        )
-        return None, None
-    head = TokenLogprobsHead(original)
-    trl_utils._ChunkedLogProbFunction = head
-
-    def undo():
-        if trl_utils._ChunkedLogProbFunction is head:
-            trl_utils._ChunkedLogProbFunction = original
-
-    return head, undo

@@ -50,6 +50,14 @@ struct Settings {
   LogitScores student, teacher;
   int64_t ignore_index;
 
+  // From the op's arguments, in the schema's order.
+  static Settings of(double beta, double temperature, double student_softcap, double student_logit_scale,
+                     double teacher_softcap, double teacher_logit_scale, int64_t ignore_index) {
+    return {beta,
+            {temperature, student_softcap, student_logit_scale},
+            {temperature, teacher_softcap, teacher_logit_scale},
+            ignore_index};
+  }
   Divergence divergence() const {
     return beta == 0.0 ? Divergence::kForwardKl : beta == 1.0 ? Divergence::kReverseKl : Divergence::kJsd;
   }
@@ -156,10 +164,8 @@ at::Tensor kept(const at::Tensor& x, const Tiles& t, const at::IntArrayRef shape
 
 TokenDivergenceForward token_divergence_forward_kernel(TORCH_OFFLOAD_TOKEN_DIVERGENCE_ARGS) {
   const char* op = "token_divergence";
-  const Settings settings{beta,
-                          {temperature, student_softcap, student_logit_scale},
-                          {temperature, teacher_softcap, teacher_logit_scale},
-                          ignore_index};
+  const Settings settings = Settings::of(beta, temperature, student_softcap, student_logit_scale, teacher_softcap,
+                                         teacher_logit_scale, ignore_index);
   const at::Tensor sb = value_or_undefined(student_bias), tb = value_or_undefined(teacher_bias);
   const at::Tensor l = value_or_undefined(labels);
   check_arguments(op, student_hidden, student_weight, sb, teacher_hidden, teacher_weight, tb, l, settings);
@@ -242,10 +248,8 @@ TokenDivergence token_divergence_kernel(TORCH_OFFLOAD_TOKEN_DIVERGENCE_ARGS) {
 
 TokenDivergenceGradients token_divergence_backward_kernel(TORCH_OFFLOAD_TOKEN_DIVERGENCE_BACKWARD_ARGS) {
   const char* op = "token_divergence_backward";
-  const Settings settings{beta,
-                          {temperature, student_softcap, student_logit_scale},
-                          {temperature, teacher_softcap, teacher_logit_scale},
-                          ignore_index};
+  const Settings settings = Settings::of(beta, temperature, student_softcap, student_logit_scale, teacher_softcap,
+                                         teacher_logit_scale, ignore_index);
   const at::Tensor sb = value_or_undefined(student_bias), tb = value_or_undefined(teacher_bias);
   const at::Tensor l = value_or_undefined(labels);
   check_arguments(op, student_hidden, student_weight, sb, teacher_hidden, teacher_weight, tb, l, settings);
@@ -259,32 +263,22 @@ TokenDivergenceGradients token_divergence_backward_kernel(TORCH_OFFLOAD_TOKEN_DI
   check_tensor(op, "grad_divergence", grad_divergence, student_hidden, "student_hidden", grad_divergence.scalar_type(),
                student_hidden.sym_sizes().slice(0, student_hidden.dim() - 1), "student_hidden's shape without h");
   const Tiles t(student_hidden, teacher_hidden, student_weight, l, ignore_index);
-  const bool want_hidden = output_mask[0], want_weight = output_mask[1], want_bias = output_mask[2] && sb.defined();
-  const int64_t h = student_hidden.size(-1);
-  at::Tensor grad_hidden = want_hidden ? at::zeros({t.tokens, h}, student_hidden.options()) : at::Tensor();
-  at::Tensor grad_weight = want_weight ? at::zeros({t.vocab, h}, acc) : at::Tensor();
-  at::Tensor grad_bias = want_bias ? at::zeros({t.vocab}, acc) : at::Tensor();
+  HeadGradients gradients(t.student, student_hidden.sizes(), student_weight, sb.defined(), output_mask, t.rows);
 
-  if (t.tokens > 0 && t.vocab > 0 && (want_hidden || want_weight || want_bias)) {
+  if (t.tokens > 0 && t.vocab > 0 && gradients.any()) {
     const Divergence divergence = settings.divergence();
     // The ignored tokens' upstream gradients count as 0.
     const at::Tensor upstream = grad_divergence.reshape({-1}).to(acc_type).masked_fill(t.counted.logical_not(), 0);
     const at::Tensor student_buffer = at::empty({t.rows * t.cols}, acc),
                      teacher_buffer = at::empty_like(student_buffer);
     const at::Tensor zero = at::zeros({}, acc);
-    // bf16/fp16: gradients add up in float32; off CUDA the GEMM operands are float32 (CUDA multiplies the tile's
-    // gradient rounded to the input dtype, accumulating in float32).
-    const bool reduced = acc_type != dtype, convert = reduced && !student_hidden.is_cuda();
-    const at::Tensor hidden_grad_tile_buffer = want_hidden ? at::empty({t.rows, h}, acc) : at::Tensor();
     for (int64_t start = 0; start < t.tokens; start += t.rows) {
       const int64_t rows = std::min(t.rows, t.tokens - start);
       const at::Tensor student_tile = t.student.narrow(0, start, rows), teacher_tile = t.teacher.narrow(0, start, rows);
-      const at::Tensor hidden_operand = convert && want_weight ? student_tile.to(acc_type) : student_tile;
       const auto column = [&](const at::Tensor& x) { return x.narrow(0, start, rows).unsqueeze(1); };
       const at::Tensor lse_s = column(student_lse), lse_t = column(teacher_lse), aux_rows = column(aux);
       const at::Tensor upstream_rows = column(upstream);
-      const at::Tensor grad_hidden_tile =
-          want_hidden ? hidden_grad_tile_buffer.narrow(0, 0, rows).zero_() : at::Tensor();
+      gradients.begin_token_tile(start, rows);
       for (int64_t col0 = 0; col0 < t.vocab; col0 += t.cols) {
         const int64_t cols = std::min(t.cols, t.vocab - col0);
         const at::Tensor zs =
@@ -308,34 +302,18 @@ TokenDivergenceGradients token_divergence_backward_kernel(TORCH_OFFLOAD_TOKEN_DI
         }
         d_s.mul_(upstream_rows);
         settings.student.to_logits_gradient(d_s, zs);
-        const at::Tensor d_logits = reduced && !convert ? d_s.to(dtype) : d_s;
-        const at::Tensor weight_tile = student_weight.narrow(0, col0, cols);
-        if (want_hidden) {
-          accumulate_mm(grad_hidden_tile, d_logits, convert ? weight_tile.to(acc_type) : weight_tile);
-        }
-        if (want_weight) {
-          accumulate_mm(grad_weight.narrow(0, col0, cols), d_logits.t(), hidden_operand);
-        }
-        if (want_bias) {
-          grad_bias.narrow(0, col0, cols).add_(d_s.sum(0));
-        }
+        gradients.add(d_s, col0);
       }
-      if (want_hidden) {
-        grad_hidden.narrow(0, start, rows).copy_(grad_hidden_tile);
-      }
+      gradients.end_token_tile();
     }
   }
-  const auto to_dtype = [&](const at::Tensor& x) { return x.defined() ? x.to(dtype) : x; };
-  return {want_hidden ? grad_hidden.view(student_hidden.sizes()) : grad_hidden, to_dtype(grad_weight),
-          to_dtype(grad_bias)};
+  return gradients.gradients();
 }
 
 // Meta: the same checks (on symbolic shapes), then results shaped like the real ones.
 TokenDivergenceForward token_divergence_forward_meta(TORCH_OFFLOAD_TOKEN_DIVERGENCE_ARGS) {
-  const Settings settings{beta,
-                          {temperature, student_softcap, student_logit_scale},
-                          {temperature, teacher_softcap, teacher_logit_scale},
-                          ignore_index};
+  const Settings settings = Settings::of(beta, temperature, student_softcap, student_logit_scale, teacher_softcap,
+                                         teacher_logit_scale, ignore_index);
   check_arguments("token_divergence", student_hidden, student_weight, value_or_undefined(student_bias), teacher_hidden,
                   teacher_weight, value_or_undefined(teacher_bias), value_or_undefined(labels), settings);
   const auto acc = student_hidden.options().dtype(at::toOpMathType(student_hidden.scalar_type()));
@@ -353,10 +331,8 @@ TokenDivergence token_divergence_meta(TORCH_OFFLOAD_TOKEN_DIVERGENCE_ARGS) {
 }
 
 TokenDivergenceGradients token_divergence_backward_meta(TORCH_OFFLOAD_TOKEN_DIVERGENCE_BACKWARD_ARGS) {
-  const Settings settings{beta,
-                          {temperature, student_softcap, student_logit_scale},
-                          {temperature, teacher_softcap, teacher_logit_scale},
-                          ignore_index};
+  const Settings settings = Settings::of(beta, temperature, student_softcap, student_logit_scale, teacher_softcap,
+                                         teacher_logit_scale, ignore_index);
   const at::Tensor sb = value_or_undefined(student_bias);
   check_arguments("token_divergence_backward", student_hidden, student_weight, sb, teacher_hidden, teacher_weight,
                   value_or_undefined(teacher_bias), value_or_undefined(labels), settings);

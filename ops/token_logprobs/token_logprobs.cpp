@@ -218,13 +218,9 @@ TokenLogprobsGradients token_logprobs_backward_kernel(TORCH_OFFLOAD_TOKEN_LOGPRO
     check_tensor(op, "entropy", h_values, hidden, "hidden", acc_type, ids.sym_sizes(), "ids' shape");
   }
   const Tiles t(op, hidden, weight, ids, ignore_index);
-  const bool want_hidden = output_mask[0], want_weight = output_mask[1], want_bias = output_mask[2] && b.defined();
-  const int64_t h = hidden.size(-1);
-  at::Tensor grad_hidden = want_hidden ? at::zeros({t.tokens, h}, hidden.options()) : at::Tensor();
-  at::Tensor grad_weight = want_weight ? at::zeros({t.vocab, h}, acc) : at::Tensor();
-  at::Tensor grad_bias = want_bias ? at::zeros({t.vocab}, acc) : at::Tensor();
+  HeadGradients gradients(t.hidden, hidden.sizes(), weight, b.defined(), output_mask, t.rows);
 
-  if (t.tokens > 0 && t.vocab > 0 && (a.defined() || g.defined()) && (want_hidden || want_weight || want_bias)) {
+  if (t.tokens > 0 && t.vocab > 0 && (a.defined() || g.defined()) && gradients.any()) {
     // The ignored tokens' upstream gradients count as 0.
     const at::Tensor ignored = t.counted.logical_not();
     const at::Tensor a_flat = a.defined() ? a.reshape({-1}).to(acc_type).masked_fill(ignored, 0) : at::Tensor();
@@ -232,21 +228,15 @@ TokenLogprobsGradients token_logprobs_backward_kernel(TORCH_OFFLOAD_TOKEN_LOGPRO
     const at::Tensor h_flat = g.defined() ? h_values.reshape({-1}) : at::Tensor();
     const at::Tensor buffer = at::empty({t.rows * t.cols}, acc);
     const at::Tensor zero = at::zeros({}, acc);
-    // bf16/fp16: gradients add up in float32; off CUDA the GEMM operands are float32 (CUDA multiplies the
-    // tile's gradient rounded to the input dtype, accumulating in float32).
-    const bool reduced = acc_type != dtype, convert = reduced && !hidden.is_cuda();
     // log p = (s - lse_high) - lse_low: lse's float64 split in two of the accumulation type, so that s - lse_high
     // is exact where p is not negligible (two close floats) and log p is as good as eager's s - m - log S.
     const at::Tensor lse_high = lse.to(acc_type), lse_low = (lse - lse_high.to(at::kDouble)).to(acc_type);
-    const at::Tensor hidden_grad_tile_buffer = want_hidden ? at::empty({t.rows, h}, acc) : at::Tensor();
     for (int64_t start = 0; start < t.tokens; start += t.rows) {
       const int64_t rows = std::min(t.rows, t.tokens - start);
       const at::Tensor hidden_tile = t.hidden.narrow(0, start, rows), ids_tile = t.ids.narrow(0, start, rows);
-      const at::Tensor hidden_operand = convert && want_weight ? hidden_tile.to(acc_type) : hidden_tile;
       const at::Tensor lse_high_tile = lse_high.narrow(0, start, rows).unsqueeze(1);
       const at::Tensor lse_low_tile = lse_low.narrow(0, start, rows).unsqueeze(1);
-      const at::Tensor grad_hidden_tile =
-          want_hidden ? hidden_grad_tile_buffer.narrow(0, 0, rows).zero_() : at::Tensor();
+      gradients.begin_token_tile(start, rows);
       for (int64_t col0 = 0; col0 < t.vocab; col0 += t.cols) {
         const int64_t cols = std::min(t.cols, t.vocab - col0);
         at::Tensor s = tile_scores(buffer, hidden_tile, weight, b, col0, cols, scoring);
@@ -268,25 +258,12 @@ TokenLogprobsGradients token_logprobs_backward_kernel(TORCH_OFFLOAD_TOKEN_LOGPRO
           d_s = d_s.defined() ? d_s.sub_(term) : term.neg_();
         }
         scoring.to_logits_gradient(d_s, s);
-        const at::Tensor d_logits = reduced && !convert ? d_s.to(dtype) : d_s;
-        const at::Tensor weight_tile = weight.narrow(0, col0, cols);
-        if (want_hidden) {
-          accumulate_mm(grad_hidden_tile, d_logits, convert ? weight_tile.to(acc_type) : weight_tile);
-        }
-        if (want_weight) {
-          accumulate_mm(grad_weight.narrow(0, col0, cols), d_logits.t(), hidden_operand);
-        }
-        if (want_bias) {
-          grad_bias.narrow(0, col0, cols).add_(d_s.sum(0));
-        }
+        gradients.add(d_s, col0);
       }
-      if (want_hidden) {
-        grad_hidden.narrow(0, start, rows).copy_(grad_hidden_tile);
-      }
+      gradients.end_token_tile();
     }
   }
-  const auto to_dtype = [&](const at::Tensor& x) { return x.defined() ? x.to(dtype) : x; };
-  return {want_hidden ? grad_hidden.view(hidden.sizes()) : grad_hidden, to_dtype(grad_weight), to_dtype(grad_bias)};
+  return gradients.gradients();
 }
 
 // Meta: the same checks (on symbolic shapes), then results shaped like the real ones.
