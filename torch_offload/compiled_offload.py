@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx
-from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
 
 from .activations import _saved_as_is, _unpack, offload_activations
 
@@ -85,6 +84,9 @@ def graph_hooks(context: offload_activations, offloads: Callable[[torch.fx.Node]
     _stores[id(context)] = context
 
     def pack(tensor):
+        # Imported here, not with the package: it imports dynamo, 1.3 s of every `import torch_offload` on 2 cores.
+        from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
+
         traced = _get_saved_tensor_hook_context()  # set only while AOTAutograd inlines the hooks
         if traced is None:
             return _saved_as_is(tensor)
