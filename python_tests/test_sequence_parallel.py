@@ -55,61 +55,61 @@ def whole(heads, kv_heads, mods=False, value_head_dim=4):
     return out.detach(), torch.autograd.grad(out, leaves, grad_out)
 
 
-def sharded(rank, world_size, heads, kv_heads, path, compiled=False, mods=False, value_head_dim=4):
-    q, k, v, segment_ids, grad_out = inputs(heads, kv_heads, value_head_dim=value_head_dim)
-    options = score_mods(heads, mods)
-    local = q.shape[2] // world_size
-    chunk = [t.narrow(2, rank * local, local).clone().requires_grad_() for t in (q, k, v)]
-    attention = torch.compile(ulysses_attention, fullgraph=True) if compiled else ulysses_attention
-    out = attention(*chunk, segment_ids, dist.group.WORLD, scale=0.3, **options)
-    leaves = chunk + [options[name] for name in options if name == "sinks"]
-    grads = torch.autograd.grad(out, leaves, grad_out.narrow(2, rank * local, local))
-    torch.save((out.detach(), grads), f"{path}.{rank}")
+def sharded(rank, world_size, cases, path):
+    """Each of the cases (ULYSSES_CASES' names) on this rank's chunk of the rows, in one process (a process per
+    case took most of the test's time)."""
+    results = {}
+    for case in cases:
+        heads, kv_heads, compiled, mods, value_head_dim = ULYSSES_CASES[case][1:]
+        q, k, v, segment_ids, grad_out = inputs(heads, kv_heads, value_head_dim=value_head_dim)
+        options = score_mods(heads, mods)
+        local = q.shape[2] // world_size
+        chunk = [t.narrow(2, rank * local, local).clone().requires_grad_() for t in (q, k, v)]
+        attention = torch.compile(ulysses_attention, fullgraph=True) if compiled else ulysses_attention
+        out = attention(*chunk, segment_ids, dist.group.WORLD, scale=0.3, **options)
+        leaves = chunk + [options[name] for name in options if name == "sinks"]
+        grads = torch.autograd.grad(out, leaves, grad_out.narrow(2, rank * local, local))
+        results[case] = (out.detach(), grads)
+    torch.save(results, f"{path}.{rank}")
+
+
+# name: (world_size, heads, kv_heads, compiled, mods, value_head_dim)
+ULYSSES_CASES = {
+    "mha": (2, 4, 4, False, False, 4),
+    "gqa": (2, 4, 2, False, False, 4),
+    "one_kv_head": (2, 4, 1, False, False, 4),
+    "softcap_sinks_window": (2, 4, 2, False, True, 4),
+    "narrower_value_heads": (2, 4, 4, False, False, 3),
+    "3_ranks_kv_fewer_than_ranks": (3, 6, 2, False, False, 4),
+    "4_ranks": (4, 4, 2, False, False, 4),
+    "softcap_sinks_window_4_ranks": (4, 4, 1, False, True, 4),
+    "compiled": (2, 4, 2, True, False, 4),
+    "softcap_sinks_window_compiled": (2, 4, 2, True, True, 4),
+}
 
 
 @pytest.mark.parametrize(
-    "world_size, heads, kv_heads, compiled, mods, value_head_dim",
-    [
-        (2, 4, 4, False, False, 4),
-        (2, 4, 2, False, False, 4),
-        (2, 4, 1, False, False, 4),
-        (3, 6, 2, False, False, 4),
-        (4, 4, 2, False, False, 4),
-        (2, 4, 2, True, False, 4),
-        (2, 4, 2, False, True, 4),
-        (4, 4, 1, False, True, 4),
-        (2, 4, 2, True, True, 4),
-        (2, 4, 4, False, False, 3),
-    ],
-    ids=[
-        "mha",
-        "gqa",
-        "one_kv_head",
-        "3_ranks_kv_fewer_than_ranks",
-        "4_ranks",
-        "compiled",
-        "softcap_sinks_window",
-        "softcap_sinks_window_4_ranks",
-        "softcap_sinks_window_compiled",
-        "narrower_value_heads",
-    ],
+    "world_size, compiled", [(2, False), (3, False), (4, False), (2, True)], ids=["2", "3", "4", "2_compiled"]
 )
-def test_ulysses_attention_on_each_ranks_chunk_equals_the_whole_rows(
-    world_size, heads, kv_heads, compiled, mods, value_head_dim, tmp_path
-):
+def test_ulysses_attention_on_each_ranks_chunk_equals_the_whole_rows(world_size, compiled, tmp_path):
+    # The cases of one world size (and compilation) share their ranks' processes.
+    cases = [name for name, case in ULYSSES_CASES.items() if case[0] == world_size and case[3] == compiled]
     path = str(tmp_path / "result")
-    run_ranks(sharded, world_size, heads, kv_heads, path, compiled, mods, value_head_dim)
-    parts = [torch.load(f"{path}.{rank}") for rank in range(world_size)]
-    want_out, want_grads = whole(heads, kv_heads, mods, value_head_dim)
-    torch.testing.assert_close(torch.cat([out for out, _ in parts], dim=2), want_out)
-    for i, name in enumerate("qkv"):
-        torch.testing.assert_close(
-            torch.cat([grads[i] for _, grads in parts], dim=2), want_grads[i], msg=lambda m: f"d{name}: {m}"
-        )
-    if mods:  # the whole sinks gradient on the first rank, zero on the others
-        first, *others = [grads[3] for _, grads in parts]
-        torch.testing.assert_close(first, want_grads[3], msg=lambda m: f"dsinks: {m}")
-        assert all(torch.equal(grad, torch.zeros_like(grad)) for grad in others)
+    run_ranks(sharded, world_size, cases, path)
+    results = [torch.load(f"{path}.{rank}") for rank in range(world_size)]
+    for case in cases:
+        heads, kv_heads, _, mods, value_head_dim = ULYSSES_CASES[case][1:]
+        parts = [result[case] for result in results]
+        want_out, want_grads = whole(heads, kv_heads, mods, value_head_dim)
+        got_out = torch.cat([out for out, _ in parts], dim=2)
+        torch.testing.assert_close(got_out, want_out, msg=lambda m: f"{case}: {m}")
+        for i, name in enumerate("qkv"):
+            got = torch.cat([grads[i] for _, grads in parts], dim=2)
+            torch.testing.assert_close(got, want_grads[i], msg=lambda m: f"{case}: d{name}: {m}")
+        if mods:  # the whole sinks gradient on the first rank, zero on the others
+            first, *others = [grads[3] for _, grads in parts]
+            torch.testing.assert_close(first, want_grads[3], msg=lambda m: f"{case}: dsinks: {m}")
+            assert all(torch.equal(grad, torch.zeros_like(grad)) for grad in others), case
 
 
 def opcheck_on_ranks(rank, world_size, path):
