@@ -176,15 +176,23 @@ def test_cuda_statistics_match_the_cpu_op(dtype, gradients_in_forward):
         weight[1] = weight[0]
     target.view(-1)[::3] = 1
     kwargs = dict(z_loss=1e-3, tile_tokens=16, tile_vocab=64, gradients_in_forward=gradients_in_forward)
+    # Leaves that need gradients, so that gradients_in_forward=True takes its path (the slab).
     rounded = [t.detach().to(dtype) for t in (hidden, weight, b)]
+    gpu = [t.cuda().requires_grad_() for t in rounded]
+    cpu = [t.clone().requires_grad_() for t in rounded]
     got_loss, got = torch_offload.linear_cross_entropy(
-        *[t.cuda() for t in rounded[:2]], target.cuda(), bias=rounded[2].cuda(), return_statistics=True, **kwargs
+        *gpu[:2], target.cuda(), bias=gpu[2], return_statistics=True, **kwargs
     )
     want_loss, want = torch_offload.linear_cross_entropy(
-        *rounded[:2], target, bias=rounded[2], return_statistics=True, **kwargs
+        *cpu[:2], target, bias=cpu[2], return_statistics=True, **kwargs
     )
     tolerance = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(got_loss.cpu(), want_loss, **tolerance)
+    torch.testing.assert_close(got_loss.detach().cpu(), want_loss.detach(), **tolerance)
+    for g, w in zip(torch.autograd.grad(got_loss, gpu), torch.autograd.grad(want_loss, cpu)):
+        if dtype == torch.float64:
+            torch.testing.assert_close(g.cpu(), w, **tolerance)
+        else:
+            assert relative_error(g.cpu(), w) < 2e-2
     loose_accuracy = dict(rtol=0, atol=0.1) if dtype == torch.bfloat16 else tolerance
     for name, g, w in zip(got._fields, got, want):
         assert g.is_cuda, name

@@ -740,3 +740,33 @@ def test_fused_head_with_soft_capping_or_a_logit_scale_goes_through_the_op(confi
     assert head.calls == 1
     for name in outputs:
         torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.skipif(not FUSED_HEAD, reason="TRL has a fused LM head from 1.16 on")
+def test_sfts_one_pass_head_equals_trls_and_refuses_a_gradient_through_its_entropy():
+    # SFT's call (log-probabilities, entropy, top-1) goes through linear_cross_entropy's statistics, whose entropy
+    # has no gradient: a backward through it raises rather than giving none (TRL's entropy has one).
+    from torch_offload import trl_fused_head
+
+    original = trl.trainer.utils._ChunkedLogProbFunction
+    head = trl_fused_head.TokenLogprobsHead(original)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=generator, requires_grad=True)  # float32: TRL's kernel computes in it
+    weight = torch.randn(50, 16, generator=generator) / 4
+    targets = torch.randint(0, 50, (37,), generator=generator)
+    weight[7] = weight[3]  # tied logits: top-1 is argmax's first
+    targets[::4] = 7
+    outputs = ("log_probs", "entropy", "is_top1")
+    got = head.apply(hidden, weight, None, targets, 1.0, 4096, 30.0, 1.0, outputs)
+    want = original.apply(hidden, weight, None, targets, 1.0, 4096, 30.0, 1.0, outputs)
+    assert head.ops == {"linear_cross_entropy_with_statistics": 1}
+    for name, g, w in zip(["log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"], got, want):
+        assert (g is None) == (w is None), name
+        if g is not None:
+            assert g.dtype == w.dtype, name
+            torch.testing.assert_close(g, w, msg=name)
+    torch.testing.assert_close(
+        torch.autograd.grad(got[0].sum(), hidden, retain_graph=True)[0], torch.autograd.grad(want[0].sum(), hidden)[0]
+    )
+    with pytest.raises(RuntimeError, match="the entropy of TRL's fused LM head has no gradient"):
+        torch.autograd.grad(got[1].sum(), hidden)

@@ -84,7 +84,8 @@ def linear_cross_entropy(
 
     ``return_statistics=True`` returns ``(loss, CrossEntropyStatistics(z_loss, accuracy, entropy))``, the
     statistics that trainers log, computed from the same logits tiles as the loss (no second pass over the
-    vocabulary, no second GEMM): each tile is read once more, through a scratch buffer of at most 8 MiB.
+    vocabulary, no second GEMM): each tile is read once more, through a scratch buffer of at most 8 MiB (or one
+    row of the vocabulary). The statistics have no gradient.
     """
     for value, arg in ((hidden, "hidden"), (weight, "weight"), (target, "target")):
         _require_tensor(value, "linear_cross_entropy", arg)

@@ -54,6 +54,24 @@ _OURS = {"log_probs", "entropy", *_SUMMARIES}
 _CROSS_ENTROPY_PASS = {"log_probs", "entropy", "is_top1"}
 
 
+class _EntropyWithoutGradient(torch.autograd.Function):
+    """The entropy of one pass of linear_cross_entropy's statistics, which have no gradient, placed in the graph
+    so that a backward through it raises instead of giving none. TRL's entropy has one; SFTTrainer only logs it
+    (detached), so its backward never comes here."""
+
+    @staticmethod
+    def forward(ctx, entropy, hidden):
+        return entropy.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(
+            "TorchOffloadCallback: the entropy of TRL's fused LM head has no gradient where the head is asked for "
+            "log-probabilities, entropy and top-1 only (one pass of linear_cross_entropy's statistics, for SFT's "
+            "metrics); token_logprobs' entropy has one, and serves a head asked for another output too (mean_logits)"
+        )
+
+
 class TokenLogprobsHead:
     """Stands in for ``ChunkedLogProbFunction`` (its ``apply`` alone, which is all TRL calls). ``calls`` counts
     the calls the ops served, ``ops`` the calls of each op."""
@@ -89,6 +107,8 @@ class TokenLogprobsHead:
             loss, _, accuracy, entropies = torch.ops.offload.linear_cross_entropy_with_statistics(
                 hidden, weight, bias, targets, softcap=float(final_logit_softcapping or 0.0), reduction="none"
             )
+            if entropy and torch.is_grad_enabled() and hidden.requires_grad:
+                entropies = _EntropyWithoutGradient.apply(entropies, hidden)
             return -loss, entropies if entropy else None, None, None, accuracy.bool()
         scoring = dict(
             bias=bias,

@@ -224,10 +224,10 @@ inline at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tenso
 }
 
 // linear_cross_entropy's loss with, from the same pass over the vocabulary, (z_loss, accuracy, entropy): the
-// z-loss term z_loss * logsumexp^2 (the part of the loss it adds), whether the target has the largest logit
-// (1 or 0; a tie with another counts), and the entropy of softmax(logits) (after softcap); each reduced as the
-// loss (the mean over the tokens not ignored, their sum, or one per token, 0 where ignored), in the loss's
-// dtype, without gradient. The arguments and the loss are linear_cross_entropy's.
+// z-loss term z_loss * logsumexp^2 (the part of the loss it adds), whether the target is the logits' argmax
+// (1 or 0; of tied logits the first counts, as argmax), and the entropy of softmax(logits) (after softcap); each
+// reduced as the loss (the mean over the tokens not ignored, their sum, or one per token, 0 where ignored), in the
+// loss's dtype, without gradient. The arguments and the loss are linear_cross_entropy's.
 using LinearCrossEntropyStatistics = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 inline LinearCrossEntropyStatistics linear_cross_entropy_with_statistics(
     const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const at::Tensor& target,

@@ -49,7 +49,7 @@ constexpr int64_t kMaxTileVocab = 4096;
 constexpr int64_t kSlabBytes = int64_t{64} << 20;
 constexpr int64_t kMinSlabTokens = 512;
 // Statistics (entropy, accuracy) read each tile's logits a second time through a scratch buffer of at most this
-// many bytes, in blocks of whole rows (at least one).
+// many bytes (or one row of the tile, if larger), in blocks of whole rows.
 constexpr int64_t kStatisticsScratchBytes = int64_t{8} << 20;
 
 namespace {
@@ -337,8 +337,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reduce_cross_entropy_statistics(c
   const auto reduced = [&](int64_t row) {
     const at::Tensor per_token = statistics.select(0, row);
     switch (parsed) {
-      case Reduction::kNone:
-        return per_token.view_symint(target.sym_sizes());
+      case Reduction::kNone:  // a tensor of its own, not a view of the three's buffer
+        return per_token.clone().view_symint(target.sym_sizes());
       case Reduction::kSum:
         return per_token.sum();
       case Reduction::kMean:
