@@ -18,10 +18,11 @@ fi
 python=$2 nvcc=$3
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
-# A Python whose torch says it was built with CUDA 1.0; everything else is the real one.
+# A Python whose torch says it was built with CUDA 1.0 (the second line of CMakeLists.txt's question about torch);
+# everything else is the real one.
 cat > "$scratch/python" <<SHIM
 #!/usr/bin/env bash
-case "\$*" in *torch.version.cuda*) echo 1.0 ;; *) exec "$python" "\$@" ;; esac
+case "\$*" in *torch.version.cuda*) "$python" "\$@" | sed '2s/.*/1.0/' ;; *) exec "$python" "\$@" ;; esac
 SHIM
 chmod +x "$scratch/python"
 if cmake -S "$(dirname "$0")/.." -B "$scratch/build" -DPython3_EXECUTABLE="$scratch/python" \

@@ -6,11 +6,6 @@ Importing the package loads the shared library once and registers the fake
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
-import os
-from pathlib import Path
-
 import torch
 
 __all__ = [
@@ -54,52 +49,10 @@ __all__ = [
 ]
 
 
-_LIBRARY = "libtorch_offload.so"
+from ._library import cmake_prefix_path, library_path  # noqa: E402
+from ._library import load as _load_library  # noqa: E402
 
-
-def library_path() -> str:
-    """Path of the ``libtorch_offload.so`` shipped in this package, for C++ users (dlopen or link).
-
-    ``TORCH_OFFLOAD_LIBRARY`` overrides it, e.g. to test a library built by CMake
-    from a source checkout without installing it.
-    """
-    override = os.environ.get("TORCH_OFFLOAD_LIBRARY")
-    if override:
-        return override
-    beside = Path(__file__).with_name(_LIBRARY)
-    if beside.is_file():
-        return str(beside)
-    # Imported from a source checkout: use the .so that `pip install .` put in the environment.
-    try:
-        installed = Path(importlib.metadata.distribution("torch_offload").locate_file(f"torch_offload/{_LIBRARY}"))
-    except importlib.metadata.PackageNotFoundError:
-        installed = None
-    if installed is None or not installed.is_file():
-        raise ImportError(f"{_LIBRARY} not found: build and install it with `pip install --no-build-isolation .`")
-    return str(installed)
-
-
-def cmake_prefix_path() -> str:
-    """Prefix for CMake's ``find_package(torch_offload)`` against this installed package.
-
-    Use it with torch's: ``-DCMAKE_PREFIX_PATH="$(python -c 'import torch_offload;
-    print(torch_offload.cmake_prefix_path())');$(python -c 'import torch;
-    print(torch.utils.cmake_prefix_path)')"``.
-    """
-    return str(Path(library_path()).parent)
-
-
-def _tag_compile_caches(library: str) -> None:
-    """torch.compile's on-disk caches (AOTAutograd's, inductor's) key a graph by the ops it calls, not by what
-    this library's C++ autograd formulas trace those ops' backward to: after an upgrade whose formulas changed, an
-    old backward graph would be served. The loaded library's digest goes into every cache key."""
-    digest = hashlib.blake2b(Path(library).read_bytes(), digest_size=8).hexdigest()
-    tag = torch.compiler.config.cache_key_tag
-    torch.compiler.config.cache_key_tag = f"{tag} torch_offload-{digest}".strip()
-
-
-torch.ops.load_library(library_path())
-_tag_compile_caches(library_path())
+_load_library()
 
 from . import _fake  # noqa: E402,F401  (registers fake impls; needs the ops loaded)
 from .activations import checkpoint, offload_activations  # noqa: E402
