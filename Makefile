@@ -17,6 +17,10 @@ BUILD_DIR := build/python
 # pytest on every core (pytest-xdist); the tests that spawn ranks share one worker (python_tests/conftest.py), and
 # the slowest are named at the end of the log.
 PYTEST_PARALLEL := -n auto --dist loadgroup --durations=20
+# The venvs' packages installed without compiling their bytecode: Python compiles a module when first imported, and
+# the tests import a fraction of the 13,000 (.venv) and 42,000 (.venv-axolotl) files pip would compile, about 290 a
+# second on one core of this machine (2026-12-07).
+PIP_NO_BYTECODE := --no-compile
 # axolotl's own venv: it pins other Hugging Face releases than $(VENV) (see run-axolotl-tests).
 AXOLOTL_VENV := .venv-axolotl
 
@@ -26,7 +30,7 @@ CUDA_TORCH_VERSION ?= 2.14.1
 CUDA_HOME ?= /usr/local/cuda
 CUDA_BUILD_DIR := build/cuda
 
-.PHONY: demo test lint build gtest example-cpp test-axolotl cuda-check test-cuda-torch test-torch-range gpu-check gpu-wheels bench-deps clean
+.PHONY: demo test lint build wheel gtest example-cpp test-axolotl cuda-check test-cuda-torch test-torch-range gpu-check gpu-wheels bench-deps clean
 
 demo: build
 	$(PY) examples/demo.py
@@ -71,7 +75,7 @@ endef
 $(AXOLOTL_VENV)/.ready: Makefile
 	$(PYTHON) -m venv $(AXOLOTL_VENV)
 	$(AXOLOTL_VENV)/bin/pip install --upgrade pip
-	$(AXOLOTL_VENV)/bin/pip install torch==$(TORCH_VERSION) axolotl==0.19.0 pytest pytest-xdist==3.8.0
+	$(AXOLOTL_VENV)/bin/pip install $(PIP_NO_BYTECODE) torch==$(TORCH_VERSION) axolotl==0.19.0 pytest pytest-xdist==3.8.0
 	touch $@
 
 test-axolotl: build $(AXOLOTL_VENV)/.ready
@@ -91,7 +95,7 @@ lint: $(VENV)/.ready
 $(VENV)/.ready: Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install torch==$(TORCH_VERSION) $(DEV_PACKAGES)
+	$(PY) -m pip install $(PIP_NO_BYTECODE) torch==$(TORCH_VERSION) $(DEV_PACKAGES)
 	touch $@
 
 # GoogleTest comes from Debian; install it only when CMake could not find it.
@@ -113,10 +117,17 @@ build: $(VENV)/.ready gtest
 	$(PY) -m pip install --no-build-isolation --no-deps \
 	  -C build-dir=$(BUILD_DIR) -C cmake.define.TORCH_OFFLOAD_BUILD_TESTS=ON .
 
+# A binary wheel in dist/ for WHEEL_PYTHON's torch (default: .venv's), which installs without a compiler into an
+# environment with that torch: CPU kernels, and CUDA kernels where that torch is a CUDA build and
+# $(CUDA_HOME)/bin/nvcc exists (cmake/build_wheel.sh). It needs scikit-build-core, cmake and ninja beside that torch.
+WHEEL_PYTHON ?= $(PY)
+wheel: $(if $(filter $(PY),$(WHEEL_PYTHON)),$(VENV)/.ready)
+	CUDA_HOME=$(CUDA_HOME) cmake/build_wheel.sh $(WHEEL_PYTHON) dist -C build-dir=build/wheel
+
 $(CUDA_VENV)/.ready: Makefile
 	$(PYTHON) -m venv $(CUDA_VENV)
 	$(CUDA_VENV)/bin/pip install --upgrade pip
-	$(CUDA_VENV)/bin/pip install torch==$(CUDA_TORCH_VERSION) $(DEV_PACKAGES)
+	$(CUDA_VENV)/bin/pip install $(PIP_NO_BYTECODE) torch==$(CUDA_TORCH_VERSION) $(DEV_PACKAGES)
 	touch $@
 
 # Compiles every .cu file with nvcc (sm_80, sm_90) and links the CUDA-enabled
@@ -151,16 +162,17 @@ GPU_TORCH := 2.11.0
 GPU_TORCH_TESTS := $(call marked_test_files,gpu_torch)
 
 # The op tests on the second torch: the CUDA wheel that cuda-check built the package against. Without a GPU
-# their CUDA tests skip and the rest runs on the CPU. By hand: CI (.ci/run) runs cuda-check and leaves these files to
-# the range's ends, which run them on CUDA builds too (CI's minutes: .ci/run).
+# their CUDA tests skip and the rest runs on the CPU. By hand, as cuda-check: CI (.ci/run) leaves the CUDA build, its
+# C++ suite and these files to the range's ends, which run them on CUDA builds too (CI's minutes: .ci/run).
 test-cuda-torch: cuda-check
 	cd python_tests && $(abspath $(CUDA_VENV))/bin/python -m pytest $(PYTEST_PARALLEL) $(OP_TESTS)
 
-# The ends of the supported torch range (pyproject.toml): the CUDA build and OP_TESTS on torch 2.11 (the lent GPU
-# machines', which also runs GPU_TORCH_TESTS) and 2.15 (the newest release), each in its own venv that borrows
-# $(CUDA_VENV)'s other packages.
+# The ends of the supported torch range (pyproject.toml): the CUDA wheel (cmake/build_wheel.sh), installed where no
+# nvcc is, and OP_TESTS on torch 2.11 (the lent GPU machines', which also runs GPU_TORCH_TESTS, the C++ suite and
+# cuda-check's checks of what the CUDA build links and refuses) and 2.15 (the newest release), each in its own venv
+# that borrows $(CUDA_VENV)'s other packages; then 2.11's wheel refused under 2.15 (.ci/torch_range.sh).
 TORCH_RANGE ?= $(GPU_TORCH) 2.15.0
-test-torch-range: $(CUDA_VENV)/.ready
+test-torch-range: $(CUDA_VENV)/.ready gtest
 	OP_TESTS="$(OP_TESTS)" GPU_TORCH=$(GPU_TORCH) GPU_TORCH_TESTS="$(GPU_TORCH_TESTS)" .ci/torch_range.sh $(CUDA_VENV) $(CUDA_HOME) $(TORCH_RANGE)
 
 # On a machine with a GPU: build against that machine's own CUDA torch (GPU_PYTHON's), run every

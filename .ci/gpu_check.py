@@ -6,6 +6,8 @@ benches, and print one summary table.
     make gpu-check                         # GPU_PYTHON=python3: the interpreter that holds CUDA torch
     make gpu-check GPU_CHECK_FLAGS="--tests test_rms_norm_cuda.py"  # a rerun of one file, then the benches
     python3 .ci/gpu_check.py --allow-no-gpu  # the same steps where no GPU is (every GPU test skips)
+    make gpu-check GPU_CHECK_FLAGS="--wheel build/torch-2.11.0/dist/torch_offload-0.1.0-py3-none-linux_x86_64.whl"
+                                           # the torch range's wheel of the machines' torch, carried: no build
 
 It needs no package index: packages the machine lacks (expecttest, for opcheck) can be put as
 wheels in .whl/, which is installed into build/gpu-check/site first. Exits non-zero if a step fails.
@@ -67,6 +69,38 @@ def cmake_binary():
     return os.path.join(cmake.CMAKE_BIN_DIR, "cmake")
 
 
+def build_here(python, jobs, with_gtest, env, results):
+    """Configures and builds the library (and its C++ suite, which then runs) against python's torch in BUILD."""
+    cmake = cmake_binary()
+    configure = [
+        cmake,
+        "-S",
+        ".",
+        "-B",
+        BUILD,
+        "-G",
+        "Ninja",
+        f"-DPython3_EXECUTABLE={python}",
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DTORCH_OFFLOAD_CUDA=ON",
+        f"-DTORCH_OFFLOAD_BUILD_TESTS={'ON' if with_gtest else 'OFF'}",
+    ]
+    cuda_home = cuda_toolkit()
+    configure += [f"-DCMAKE_CUDA_COMPILER={cuda_home}/bin/nvcc", f"-DCUDA_TOOLKIT_ROOT_DIR={cuda_home}"]
+    nvrtc = nvrtc_library(python, cuda_home)
+    if nvrtc:
+        configure.append(f"-DCUDA_nvrtc_LIBRARY={nvrtc}")
+    built = (
+        run("configure", configure, env, results) == 0
+        and run("build", [cmake, "--build", BUILD, "--parallel", str(jobs)], env, results) == 0
+    )
+    if built and with_gtest:
+        ctest = os.path.join(os.path.dirname(cmake), "ctest") if os.path.isabs(cmake) else "ctest"
+        # The whole suite: the CPU tests tell the build's own faults (error paths) from the GPU's.
+        run("C++ tests", [ctest, "--test-dir", BUILD, "-j", str(jobs), "--output-on-failure"], env, results)
+    return built
+
+
 def pytest_counts(report):
     """{test file: [passed, failed, skipped]} from pytest's JUnit XML report."""
     counts = {}
@@ -90,6 +124,11 @@ def main():
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
     parser.add_argument(
         "--tests", default="test_*_cuda.py", help="the GPU test files to run, a glob in python_tests/ (a rerun's)"
+    )
+    parser.add_argument(
+        "--wheel",
+        help="a torch_offload wheel built for this machine's torch (the torch range's, build/torch-2.11.0/dist), "
+        "installed instead of a build here; the C++ suite then does not run",
     )
     parser.add_argument(
         "--bench-after", type=float, default=240, help="skip the benches if the steps before took longer (seconds)"
@@ -120,36 +159,17 @@ def main():
         )
     env["PYTHONPATH"] = os.pathsep.join([ROOT, site, env.get("PYTHONPATH", "")])
 
-    with_gtest = os.path.exists("/usr/include/gtest/gtest.h")
-    cmake = cmake_binary()
-    configure = [
-        cmake,
-        "-S",
-        ".",
-        "-B",
-        BUILD,
-        "-G",
-        "Ninja",
-        f"-DPython3_EXECUTABLE={python}",
-        "-DCMAKE_BUILD_TYPE=Release",
-        "-DTORCH_OFFLOAD_CUDA=ON",
-        f"-DTORCH_OFFLOAD_BUILD_TESTS={'ON' if with_gtest else 'OFF'}",
-    ]
-    cuda_home = cuda_toolkit()
-    configure += [f"-DCMAKE_CUDA_COMPILER={cuda_home}/bin/nvcc", f"-DCUDA_TOOLKIT_ROOT_DIR={cuda_home}"]
-    nvrtc = nvrtc_library(python, cuda_home)
-    if nvrtc:
-        configure.append(f"-DCUDA_nvrtc_LIBRARY={nvrtc}")
-    built = (
-        run("configure", configure, env, results) == 0
-        and run("build", [cmake, "--build", BUILD, "--parallel", str(args.jobs)], env, results) == 0
-    )
+    with_gtest = os.path.exists("/usr/include/gtest/gtest.h") and not args.wheel
+    if args.wheel:
+        # A wheel built elsewhere for this torch (the torch range's, in CI): nothing to compile on the lease.
+        install = [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--upgrade", "--target", site]
+        built = run("the torch_offload wheel", [*install, args.wheel], env, results) == 0
+        library = os.path.join(site, "torch_offload", "libtorch_offload.so")
+    else:
+        built = build_here(python, args.jobs, with_gtest, env, results)
+        library = os.path.join(BUILD, "libtorch_offload.so")
     if built:
-        env["TORCH_OFFLOAD_LIBRARY"] = os.path.join(BUILD, "libtorch_offload.so")
-        if with_gtest:
-            ctest = os.path.join(os.path.dirname(cmake), "ctest") if os.path.isabs(cmake) else "ctest"
-            # The whole suite: the CPU tests tell the build's own faults (error paths) from the GPU's.
-            run("C++ tests", [ctest, "--test-dir", BUILD, "-j", str(args.jobs), "--output-on-failure"], env, results)
+        env["TORCH_OFFLOAD_LIBRARY"] = library
         # Errors raised on the CPU, whose messages format numbers, and the library's own C++ runtime: the H200 of
         # 2026-11-27 built with a g++ that linked libstdc++ statically, and such errors segfaulted.
         cpu_errors = "test_bad_inputs_raise_errors_naming_the_argument or test_the_library_carries_no_cxx_runtime"
@@ -211,7 +231,9 @@ def main():
                 continue
             for name, (passed, failed, skipped) in sorted(pytest_counts(report).items()):
                 print(f"| {name} | {passed} | {failed} | {skipped} |")
-    if not with_gtest:
+    if args.wheel:
+        print(f"\nThe library came from {args.wheel}: the C++ suite was not built or run.")
+    elif not with_gtest:
         print("\nThe C++ suite was not built: GoogleTest (/usr/include/gtest) is not installed here.")
     if gpu is None:
         print("\nNo GPU: every GPU test skipped and the GPU bench did not run; this proves nothing about the GPU.")

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The ends of the supported torch range (`make test-torch-range`): for each version given, the CUDA build of the
-# library (nvcc, sm_80 and sm_90, as the lent GPU machines build it) and the test files the Makefile names in
-# OP_TESTS, on the CPU; the version named GPU_TORCH (the lent GPU machines') runs GPU_TORCH_TESTS too.
+# The ends of the supported torch range (`make test-torch-range`): for each version given, the CUDA wheel of the
+# library (cmake/build_wheel.sh: nvcc, sm_80 and sm_90, and sm_100 for GPU_TORCH), installed with no compiler on PATH, and the test files
+# the Makefile names in OP_TESTS, on the CPU; the version named GPU_TORCH (the lent GPU machines') runs
+# GPU_TORCH_TESTS too, the C++ suite and the CUDA runtime checks, and its wheel (build/torch-VERSION/dist) is the one
+# `make gpu-check` can carry.
 #   OP_TESTS="test_a.py test_b.py" [GPU_TORCH=2.11.0 GPU_TORCH_TESTS="test_c.py"] torch_range.sh CUDA_VENV CUDA_HOME VERSION...
 # Each version gets a venv under build/torch-VERSION holding only that torch (from PyPI, without its dependencies);
 # everything else, the CUDA libraries included, comes from CUDA_VENV's site-packages through a .pth file: CUDA 13
@@ -22,15 +24,47 @@ for version in "$@"; do
     "$cuda_venv/bin/python" -m venv "$venv"
     site=$("$venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')
     echo "$cuda_site" > "$site/cuda_venv.pth"
-    PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q --no-deps "torch==$version" ${EXTRA_WHEELS[$version]:-}
+    PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q --no-compile --no-deps "torch==$version" ${EXTRA_WHEELS[$version]:-}
     touch "$venv/.ready"
   fi
-  nvrtc=$(ls "$cuda_site"/nvidia/*/lib/libnvrtc.so.* | head -n1)
-  "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -C "build-dir=build/torch-$version/build" \
-    -C cmake.define.TORCH_OFFLOAD_CUDA=ON -C "cmake.define.CMAKE_CUDA_COMPILER=$cuda_home/bin/nvcc" \
-    -C "cmake.define.CUDA_TOOLKIT_ROOT_DIR=$cuda_home" -C "cmake.define.CUDA_nvrtc_LIBRARY=$nvrtc" .
+  # The wheel a user of that torch would install (`make wheel`), installed as on a machine without a compiler.
+  wheels=build/torch-$version/dist
+  rm -rf "$wheels"
+  build=build/torch-$version/build
+  if [ "$version" = "${GPU_TORCH:-}" ]; then
+    # The lent machines' torch also gets the C++ suite (its GPU tests skip here) and the checks of what the CUDA
+    # build links and refuses (cmake/check_cuda_runtime.sh). torch's CUDA libraries find theirs (cuDNN, NCCL...)
+    # beside them in a venv of their own; here those are CUDA_VENV's, named to the linker of the test program and to
+    # the loader of it (GoogleTest lists its tests at build time).
+    nvidia_libraries=$(ls -d "$cuda_site"/nvidia/*/lib | paste -sd:)
+    LD_LIBRARY_PATH=$nvidia_libraries CUDA_HOME=$cuda_home cmake/build_wheel.sh "$venv/bin/python" "$wheels" \
+      -C "build-dir=$build" -C cmake.define.TORCH_OFFLOAD_BUILD_TESTS=ON
+    LD_LIBRARY_PATH=$nvidia_libraries "$cuda_venv/bin/ctest" --test-dir "$build" --output-on-failure
+    cmake/check_cuda_runtime.sh "$build/libtorch_offload.so"
+    PATH=$cuda_venv/bin:$PATH cmake/check_cuda_runtime.sh --mismatch "$PWD/$venv/bin/python" "$cuda_home/bin/nvcc"
+  else
+    # sm_100 in the wheel the GPU machines take only: each architecture costs a build about 100 s of nvcc here.
+    CUDA_HOME=$cuda_home CUDA_ARCHITECTURES="80;90" cmake/build_wheel.sh "$venv/bin/python" "$wheels" -C "build-dir=$build"
+  fi
+  env -u CUDA_HOME PATH="$(realpath "$venv")/bin:/usr/bin:/bin" bash -c \
+    '! command -v nvcc && "$0" -m pip install -q --no-deps --force-reinstall "$1"/torch_offload-*.whl' \
+    "$venv/bin/python" "$wheels"
   tests=("${op_tests[@]}")
   if [ "$version" = "${GPU_TORCH:-}" ]; then read -ra gpu_torch_tests <<< "${GPU_TORCH_TESTS:-}"; tests+=("${gpu_torch_tests[@]}"); fi
   (cd python_tests && "../$venv/bin/python" -m pytest -q -p no:cacheprovider -n auto --dist loadgroup "${tests[@]}")
   echo "torch_range: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'): built and tested in ${SECONDS} s"
 done
+# The first end's wheel under the last end's torch: refused with both versions named, not the loader's undefined
+# symbol (the package's own test fakes the record; this is a real wheel of another torch).
+if [ "$#" -ge 2 ]; then
+  first=$1 last=${!#}
+  target=$(realpath -m "build/torch-$last/wheel-of-$first")
+  rm -rf "$target"
+  "build/torch-$last/venv/bin/python" -m pip install -q --no-deps --target "$target" "build/torch-$first/dist"/torch_offload-*.whl
+  python=$PWD/build/torch-$last/venv/bin/python  # not resolved: the link is what makes it the venv's
+  if refusal=$(cd / && PYTHONPATH=$target "$python" -c 'import torch_offload' 2>&1); then
+    echo "torch_range: torch $first's wheel imported under torch $last"; exit 1
+  fi
+  echo "$refusal" | tail -n1 | grep -E "built against torch $first.*runs torch $last" \
+    || { echo "torch_range: not the refusal expected:"; echo "$refusal"; exit 1; }
+fi
