@@ -2,8 +2,8 @@
 process groups at once would halve each one's cores, and their rendezvous ports come from the same free pool. Each
 worker, and the processes it starts, gets its share of the cores as OpenMP threads: with torch's default of every
 core in every worker, the threads wait on each other (on 2 cores, test_chunk_recurrent*.py took 154 s, 24 s with
-one thread a worker). The kernels' threaded loops are tested on two threads where a test asks for
-``more_than_one_thread``."""
+one thread a worker); inductor's compile workers likewise. The kernels' threaded loops are tested on two threads
+where a test asks for ``more_than_one_thread``."""
 
 import os
 import sys
@@ -13,6 +13,9 @@ import pytest
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # before the test modules import torch; a user's setting stays
     _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    # Inductor compiles its kernels in that many processes too: with more than one it starts a pool of them, each
+    # importing torch (a cold compile of test_compile.py's inductor step: 68 s of CPU with the pool, 59 without).
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(_share))
 
 RANK_MODULES = frozenset(
     {
