@@ -17,10 +17,6 @@ BUILD_DIR := build/python
 # pytest on every core (pytest-xdist); the tests that spawn ranks share one worker (python_tests/conftest.py), and
 # the slowest are named at the end of the log.
 PYTEST_PARALLEL := -n auto --dist loadgroup --durations=20
-# The venvs' packages installed without compiling their bytecode: Python compiles a module when first imported, and
-# the tests import a fraction of the 13,000 (.venv) and 42,000 (.venv-axolotl) files pip would compile, about 290 a
-# second on one core of this machine (2026-12-07).
-PIP_NO_BYTECODE := --no-compile
 # axolotl's own venv: it pins other Hugging Face releases than $(VENV) (see run-axolotl-tests).
 AXOLOTL_VENV := .venv-axolotl
 
@@ -75,7 +71,7 @@ endef
 $(AXOLOTL_VENV)/.ready: Makefile
 	$(PYTHON) -m venv $(AXOLOTL_VENV)
 	$(AXOLOTL_VENV)/bin/pip install --upgrade pip
-	$(AXOLOTL_VENV)/bin/pip install $(PIP_NO_BYTECODE) torch==$(TORCH_VERSION) axolotl==0.19.0 pytest pytest-xdist==3.8.0
+	$(AXOLOTL_VENV)/bin/pip install torch==$(TORCH_VERSION) axolotl==0.19.0 pytest pytest-xdist==3.8.0
 	touch $@
 
 test-axolotl: build $(AXOLOTL_VENV)/.ready
@@ -95,7 +91,7 @@ lint: $(VENV)/.ready
 $(VENV)/.ready: Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install $(PIP_NO_BYTECODE) torch==$(TORCH_VERSION) $(DEV_PACKAGES)
+	$(PY) -m pip install torch==$(TORCH_VERSION) $(DEV_PACKAGES)
 	touch $@
 
 # GoogleTest comes from Debian; install it only when CMake could not find it.
@@ -127,7 +123,7 @@ wheel: $(if $(filter $(PY),$(WHEEL_PYTHON)),$(VENV)/.ready)
 $(CUDA_VENV)/.ready: Makefile
 	$(PYTHON) -m venv $(CUDA_VENV)
 	$(CUDA_VENV)/bin/pip install --upgrade pip
-	$(CUDA_VENV)/bin/pip install $(PIP_NO_BYTECODE) torch==$(CUDA_TORCH_VERSION) $(DEV_PACKAGES)
+	$(CUDA_VENV)/bin/pip install torch==$(CUDA_TORCH_VERSION) $(DEV_PACKAGES)
 	touch $@
 
 # Compiles every .cu file with nvcc (sm_80, sm_90) and links the CUDA-enabled

@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 root=$PWD work=$PWD/build/readme-install
 rm -rf "$work" && mkdir -p "$work/bin"
 python3 -m venv "$work/venv"
+# Without compiling torch's bytecode (35 s here): two processes import it, and compile what they import themselves.
 "$work/venv/bin/pip" install -q --no-compile "torch==${TORCH_VERSION:-2.13.0}"
 # The machine's tools, less CMake's and ninja's: a link to every other program of the system's bin directories.
 for dir in /usr/local/bin /usr/bin /bin; do

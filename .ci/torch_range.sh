@@ -24,7 +24,7 @@ for version in "$@"; do
     "$cuda_venv/bin/python" -m venv "$venv"
     site=$("$venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')
     echo "$cuda_site" > "$site/cuda_venv.pth"
-    PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q --no-compile --no-deps "torch==$version" ${EXTRA_WHEELS[$version]:-}
+    PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q --no-deps "torch==$version" ${EXTRA_WHEELS[$version]:-}
     touch "$venv/.ready"
   fi
   # The wheel a user of that torch would install (`make wheel`), installed as on a machine without a compiler.
