@@ -58,6 +58,25 @@ TEST(TokenLogprobs, OutputsAndGradientsMatchAtenWithAutogradFromCpp) {
   }
 }
 
+TEST(TokenLogprobs, SeveralIdsATokenMatchAtenFromOnePass) {
+  // A teacher's K = 3 candidates a token: the log-probabilities [2, 9, 3] and the entropy [2, 9], with gradients.
+  const Head m = make_head();
+  const at::Tensor ids = at::randint(0, 23, {2, 9, 3}, at::kLong);
+  const auto [logprobs, entropy] = torch_offload::token_logprobs(m.hidden, m.weight, ids, m.bias, 0.7, true);
+  const at::Tensor log_p = at::log_softmax(at::linear(m.hidden, m.weight, m.bias) / 0.7, -1);
+  const at::Tensor want_logprobs = log_p.gather(-1, ids), want_entropy = -(log_p.exp() * log_p).sum(-1);
+  expect_close(logprobs, want_logprobs);
+  expect_close(entropy, want_entropy);
+  const at::Tensor upstream = at::randn({2, 9, 3}, at::kDouble);
+  const auto got_grads =
+      torch::autograd::grad({(logprobs * upstream).sum() + entropy.sum()}, {m.hidden, m.weight, m.bias});
+  const auto want_grads =
+      torch::autograd::grad({(want_logprobs * upstream).sum() + want_entropy.sum()}, {m.hidden, m.weight, m.bias});
+  for (size_t i = 0; i < got_grads.size(); ++i) {
+    expect_close(got_grads[i], want_grads[i]);
+  }
+}
+
 TEST(TokenLogprobs, BackwardOpGivesOnlyTheGradientsAskedFor) {
   const Head m = make_head();
   const at::Tensor hidden = m.hidden.detach(), weight = m.weight.detach();

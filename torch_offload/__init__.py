@@ -14,6 +14,7 @@ __all__ = [
     "apply",
     "attention_block",
     "attention_block_segment_ids",
+    "candidate_divergence",
     "checkpoint",
     "chunk_recurrent_loss",
     "cmake_prefix_path",
@@ -111,6 +112,7 @@ def pinned_arena_stats() -> dict[str, int]:
 
 
 from .attention_block import attention_block, attention_block_segment_ids, segment_attention  # noqa: E402
+from .candidate_divergence import candidate_divergence  # noqa: E402
 from .integrations import OffloadHandle, apply  # noqa: E402
 from .integrations.chunk_recurrent import chunk_recurrent_loss  # noqa: E402
 from .linear_cross_entropy import CrossEntropyStatistics, linear_cross_entropy, linear_cross_entropy_tile  # noqa: E402

@@ -27,9 +27,11 @@ def token_logprobs(
     with ``softcap > 0`` (Gemma 2's final soft-capping; 0: none), as TRL's fused LM head scores tokens.
 
     ``hidden`` is ``[..., h]``, ``weight`` ``[V, h]`` (e.g. the tied embedding matrix), ``bias``
-    ``[V]``, ``ids`` ``hidden.shape[:-1]`` of token ids in ``[0, V)`` or ``ignore_index`` (int64 or int32).
+    ``[V]``, ``ids`` ``hidden.shape[:-1]`` of token ids in ``[0, V)`` or ``ignore_index`` (int64 or int32), or
+    ``hidden.shape[:-1] + (K,)`` for K ids a token (a teacher's candidates) under the one softmax, in the same pass.
     Returns the log-probabilities, ``ids``' shape, and with ``entropy=True`` also each token's entropy of
-    ``softmax(scores)`` as a tuple, both 0 where the id is ``ignore_index`` (which gets no gradient). Both are
+    ``softmax(scores)`` (``hidden.shape[:-1]``) as a tuple, 0 where the id is ``ignore_index`` (which gets no
+    gradient; an entropy where every id of its token is). Both are
     float32 for bf16/fp16 inputs (the GEMMs take the input dtype and keep their products in float32), else
     ``hidden``'s dtype.
 

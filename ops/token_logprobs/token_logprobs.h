@@ -1,7 +1,7 @@
 #pragma once
-// token_logprobs: each token's log-probability of its id under softmax(scores), and its entropy, with
-// scores = cap(logit_scale * logits) / temperature (cap: softcap tanh(x / softcap) where softcap > 0) and
-// logits = hidden @ weight^T + bias computed in tiles of tokens x vocabulary, so that no
+// token_logprobs: each token's log-probability of its id (or of each of K ids) under softmax(scores), and its
+// entropy, with scores = cap(logit_scale * logits) / temperature (cap: softcap tanh(x / softcap) where
+// softcap > 0) and logits = hidden @ weight^T + bias computed in tiles of tokens x vocabulary, so that no
 // [tokens, V] tensor exists (what RL trainers take from the LM head). The tiles' arithmetic is ATen's,
 // the same on every device; the tile shape is linear_cross_entropy's. Registration: token_logprobs_registration.cpp.
 #include <array>

@@ -9,11 +9,12 @@
 #include "torch_offload/torch_offload.h"
 
 TORCH_LIBRARY_FRAGMENT(offload, m) {
-  // Each token's log-probability of its id under softmax(scores) and, with entropy=True, its entropy (else an
-  // empty [0] tensor), scores = cap(logit_scale * logits) / temperature (cap: softcap * tanh(x / softcap) where
-  // softcap > 0), logits = hidden @ weight^T + bias in tiles (no [tokens, V]), float32 for bf16/fp16 inputs;
-  // 0 for ids equal to ignore_index. The forward op also returns each token's log-sum-exp of the scores
-  // (float64) for the backward op, which takes either upstream gradient (or both) and returns the gradients
+  // Each token's log-probability of its id (ids [...]) or of each of its K ids (ids [..., K]) under
+  // softmax(scores) and, with entropy=True, its entropy ([...]; else an empty [0] tensor), scores =
+  // cap(logit_scale * logits) / temperature (cap: softcap * tanh(x / softcap) where softcap > 0), logits =
+  // hidden @ weight^T + bias in tiles (no [tokens, V]), float32 for bf16/fp16 inputs; 0 for ids equal to
+  // ignore_index (an entropy: where every id of the token is). The forward op also returns each token's log-sum-exp of
+  // the scores (float64) for the backward op, which takes either upstream gradient (or both) and returns the gradients
   // output_mask asks for (hidden, weight, bias); it needs the forward's entropies with grad_entropy.
   m.def(
       "token_logprobs(Tensor hidden, Tensor weight, Tensor ids, *, Tensor? bias=None, float temperature=1.0, "
