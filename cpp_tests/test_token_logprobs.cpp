@@ -67,11 +67,12 @@ TEST(TokenLogprobs, SeveralIdsATokenMatchAtenFromOnePass) {
   const at::Tensor want_logprobs = log_p.gather(-1, ids), want_entropy = -(log_p.exp() * log_p).sum(-1);
   expect_close(logprobs, want_logprobs);
   expect_close(entropy, want_entropy);
-  const at::Tensor upstream = at::randn({2, 9, 3}, at::kDouble);
-  const auto got_grads =
-      torch::autograd::grad({(logprobs * upstream).sum() + entropy.sum()}, {m.hidden, m.weight, m.bias});
-  const auto want_grads =
-      torch::autograd::grad({(want_logprobs * upstream).sum() + want_entropy.sum()}, {m.hidden, m.weight, m.bias});
+  // Upstream gradients differing per token and per id: one sent to the wrong token or id would show.
+  const at::Tensor upstream = at::randn({2, 9, 3}, at::kDouble), upstream_entropy = at::randn({2, 9}, at::kDouble);
+  const auto got_grads = torch::autograd::grad({(logprobs * upstream).sum() + (entropy * upstream_entropy).sum()},
+                                               {m.hidden, m.weight, m.bias});
+  const auto want_grads = torch::autograd::grad(
+      {(want_logprobs * upstream).sum() + (want_entropy * upstream_entropy).sum()}, {m.hidden, m.weight, m.bias});
   for (size_t i = 0; i < got_grads.size(); ++i) {
     expect_close(got_grads[i], want_grads[i]);
   }

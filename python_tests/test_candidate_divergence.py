@@ -292,15 +292,71 @@ def test_candidate_divergence_gradcheck_float64(beta, tail):
     assert torch.autograd.gradcheck(divergence, (hidden, weight, b))
 
 
-def test_candidate_divergence_gives_no_nan_where_a_bias_masks_a_candidate():
-    hidden, weight, b, ids = make_inputs((4,), 8, 17, 3, ignored=0.0)
+def assert_divergence_and_gradients_match_eager(hidden, weight, ids, teacher, rtol=None, **options):
+    got, _ = torch_offload.candidate_divergence(hidden, weight, ids, teacher, **options)
+    want, _ = reference_divergence(hidden, weight, ids, teacher, **options)
+    tolerance = dict(rtol=rtol, atol=1e-12) if rtol else {}
+    torch.testing.assert_close(got, want, **tolerance)
+    leaves = [hidden, weight]
+    for g, w in zip(torch.autograd.grad(got.sum(), leaves), torch.autograd.grad(want.sum(), leaves)):
+        assert g.isfinite().all()
+        torch.testing.assert_close(g, w, **tolerance)
+
+
+@pytest.mark.parametrize("beta", [0.5, 1.0])
+@pytest.mark.parametrize("masked", ["one_candidate", "every_candidate_of_a_token"])
+def test_candidates_a_bias_masks_match_eager_with_finite_gradients(beta, masked):
+    hidden, weight, _, ids = make_inputs((4,), 8, 17, 3, ignored=0.0)
     bias = torch.zeros(17, dtype=torch.float64)
-    bias[ids[1, 0]] = float("-inf")  # the student gives that candidate probability 0
+    bias[ids[1] if masked == "every_candidate_of_a_token" else ids[1, 0]] = float("-inf")  # the student's p is 0
     teacher = teacher_for(ids, vocab=17)
-    for beta in (0.5, 1.0):
-        divergence, _ = torch_offload.candidate_divergence(hidden, weight, ids, teacher, bias=bias, beta=beta)
-        grads = torch.autograd.grad(divergence.sum(), [hidden, weight])
-        assert divergence.isfinite().all() and all(g.isfinite().all() for g in grads)
+    assert_divergence_and_gradients_match_eager(hidden, weight, ids, teacher, bias=bias, beta=beta)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_a_confident_student_keeps_its_tail_in_float64(beta):
+    # The student's mass outside the candidates is about 3e-9: float32 keeps TRL's floor of 1e-7 there, float64 the
+    # exact tail and its gradient (the floor moved the divergence by 10%). The reference's 1 - sum loses the tail's
+    # last digits (its gradient 3e-7 off), hence the tolerance.
+    weight = torch.eye(4, dtype=torch.float64)[[0, 1, 2, 3, 1, 2]].requires_grad_()
+    hidden = torch.tensor([[21.0, 0.0, 0.0, 0.0], [0.0, 3.0, 1.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([[0, 1], [1, 2]])
+    teacher = torch.tensor([[0.9, 0.05], [0.6, 0.3]], dtype=torch.float64).log()
+    assert_divergence_and_gradients_match_eager(hidden, weight, ids, teacher, rtol=1e-5, beta=beta)
+
+
+def test_a_candidate_listed_twice_counts_twice_as_in_eager():
+    hidden, weight, _, ids = make_inputs((5,), 8, 17, 4, ignored=0.0)
+    ids[:, 3] = ids[:, 0]
+    teacher = teacher_for(ids, vocab=17) - 0.5  # the candidates' mass stays below 1 with the repeat counted
+    for beta in (0.0, 0.5, 1.0):
+        assert_divergence_and_gradients_match_eager(hidden, weight, ids, teacher, beta=beta)
+
+
+def check_reduced_precision_against_float64(dtype, device):
+    """candidate_divergence in dtype on device: as close to float64 as eager in that dtype is, values and
+    gradients."""
+    hidden, weight, b, ids = make_inputs((2, 600), 64, 5000, 8, bias=True)
+    teacher = teacher_for(ids, vocab=5000).to(device)
+    inputs = [t.detach().to(device, dtype).requires_grad_() for t in (hidden, weight, b)]
+    exact = [t.detach().double().requires_grad_() for t in inputs]
+    ids = ids.to(device)
+    upstream = [torch.randn(ids.shape[:-1], device=device)]
+    want = reference_divergence(*exact[:2], ids, teacher, bias=exact[2], temperature=0.7)
+    eager = reference_divergence(*inputs[:2], ids, teacher, bias=inputs[2], temperature=0.7)
+    got = torch_offload.candidate_divergence(*inputs[:2], ids, teacher, bias=inputs[2], temperature=0.7)
+    for g, e, w in zip(got, eager, want):
+        assert g.dtype == torch.float32
+        assert relative_error(g, w) <= max(2 * relative_error(e, w), 1e-3)
+    grads = [grads_of(d[:1], upstream, leaves) for d, leaves in ((got, inputs), (eager, inputs), (want, exact))]
+    for g, e, w in zip(*grads):
+        assert g.dtype == dtype
+        assert relative_error(g, w) <= max(1.5 * relative_error(e, w), 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_candidate_divergence_in_reduced_precision_is_as_close_to_float64_as_eager(dtype):
+    check_reduced_precision_against_float64(dtype, "cpu")
 
 
 def _trl_async_loss():
@@ -352,9 +408,11 @@ def test_candidate_divergence_equals_trls_async_distillation_loss(beta, tail):
         (dict(teacher_logprobs=lambda t: t[..., :2]), r"candidate_divergence: teacher_logprobs has shape \(2, 3, 2\)"),
         (dict(teacher_logprobs=lambda t: t.long()), r"candidate_divergence: teacher_logprobs has dtype torch.int64"),
         (dict(beta=1.5), r"candidate_divergence: beta is 1.5; expected a value in \[0, 1\]"),
+        (dict(candidate_ids=lambda ids: ids.float()), r"candidate_divergence: candidate_ids has dtype torch.float32"),
+        (dict(teacher_logprobs=lambda t: t.to("meta")), r"candidate_divergence: teacher_logprobs is on meta"),
         (dict(teacher_logprobs=lambda t: None), r"candidate_divergence: teacher_logprobs is NoneType"),
     ],
-    ids=["ids_without_k", "teacher_shape", "teacher_dtype", "beta", "no_teacher"],
+    ids=["ids_without_k", "teacher_shape", "teacher_dtype", "beta", "float_ids", "teacher_elsewhere", "no_teacher"],
 )
 def test_candidate_divergence_refuses_bad_arguments_by_name(change, message):
     hidden, weight, _, ids = make_inputs((2, 3), 8, 31, 3, ignored=0.0)

@@ -13,9 +13,12 @@ from .token_logprobs import token_logprobs
 
 __all__ = ["candidate_divergence"]
 
-# The candidates' summed log-probability is kept at most this far below 0, so that the tail bucket's probability
-# stays positive where the candidates carry (in float rounding) the whole mass: its log, and its gradient, finite.
-_TAIL_LOG_SUM_MAX = -1e-7
+
+def _tail_floor(dtype: torch.dtype) -> float:
+    """How far below 0 the candidates' summed log-probability is kept, so that the tail bucket's probability (about
+    this much at least) and its log and gradient stay finite where the candidates carry, in rounding, the whole mass.
+    float32's is TRL's 1e-7 (about float32's epsilon: below it, 1 - sum is rounding); float64's its own epsilon."""
+    return 1e-7 if dtype == torch.float32 else torch.finfo(dtype).eps
 
 
 def candidate_divergence(
@@ -42,7 +45,9 @@ def candidate_divergence(
     taken as given (no temperature is applied to them) and as constants (no gradient).
 
     With ``tail=True`` each side's distribution is its candidates' probabilities and one more outcome, the rest of
-    the vocabulary, ``1 - sum`` of them; with ``tail=False`` each side's candidates are renormalized to sum to 1. The
+    the vocabulary, ``1 - sum`` of them (at least about 1e-7 in float32, as TRL's, and float64's epsilon in float64);
+    with ``tail=False`` each side's candidates are renormalized to sum to 1 (a side whose counted candidates all have
+    probability 0 then has no distribution: NaN, as eager's 0 / 0). The
     divergence is then ``token_divergence``'s over those outcomes: ``beta=0`` ``KL(p_teacher || p_student)``,
     ``beta=1`` ``KL(p_student || p_teacher)``, between them ``beta KL(p_t || m) + (1 - beta) KL(p_s || m)`` with
     ``m = beta p_t + (1 - beta) p_s`` (the sparse-teacher losses of TRL's server and async distillation trainers).
@@ -50,8 +55,17 @@ def candidate_divergence(
     Returns ``(divergence, entropy)``, each ``hidden.shape[:-1]``, float32 for bf16/fp16 ``hidden``, else its dtype;
     both 0 at a token none of whose candidates counts. Gradients flow from the divergence to ``hidden``, ``weight``
     and ``bias`` through ``token_logprobs``' backward (one more pass over the vocabulary); the entropy has none.
+    A candidate listed twice counts twice (as a gather would): give each once. Where a divergence is infinite in
+    exact arithmetic (``beta=1`` with a teacher log-probability of -inf at a counted candidate, ``beta=0`` with
+    the student's), it is inf here, not TRL's ``nan_to_num`` of it: give such candidates ``ignore_index``.
+    ``candidate_ids``' values are checked by ``token_logprobs`` (its errors name them ``ids``).
     """
-    for value, arg in ((hidden, "hidden"), (candidate_ids, "candidate_ids"), (teacher_logprobs, "teacher_logprobs")):
+    for value, arg in (
+        (hidden, "hidden"),
+        (weight, "weight"),
+        (candidate_ids, "candidate_ids"),
+        (teacher_logprobs, "teacher_logprobs"),
+    ):
         _require_tensor(value, "candidate_divergence", arg)
     if candidate_ids.dim() != hidden.dim() or candidate_ids.shape[:-1] != hidden.shape[:-1]:
         raise ValueError(
@@ -63,8 +77,17 @@ def candidate_divergence(
             f"candidate_divergence: teacher_logprobs has shape {tuple(teacher_logprobs.shape)}; expected "
             f"candidate_ids' shape {tuple(candidate_ids.shape)}"
         )
+    if candidate_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            f"candidate_divergence: candidate_ids has dtype {candidate_ids.dtype}; expected int64 or int32"
+        )
     if not teacher_logprobs.is_floating_point():
         raise ValueError(f"candidate_divergence: teacher_logprobs has dtype {teacher_logprobs.dtype}; expected floats")
+    if teacher_logprobs.device != hidden.device:
+        raise ValueError(
+            f"candidate_divergence: teacher_logprobs is on {teacher_logprobs.device} but hidden is on {hidden.device}; "
+            "expected hidden's device (a server's answer arrives on the CPU: move it once, with the batch)"
+        )
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"candidate_divergence: beta is {beta}; expected a value in [0, 1]")
     student, entropy = token_logprobs(
@@ -79,7 +102,7 @@ def candidate_divergence(
         ignore_index=ignore_index,
     )
     counted = candidate_ids.ne(ignore_index)
-    teacher = teacher_logprobs.detach().to(device=student.device, dtype=student.dtype)
+    teacher = teacher_logprobs.detach().to(student.dtype)
     log_student, support = _outcomes(student, counted, tail)
     log_teacher, _ = _outcomes(teacher, counted, tail)
     divergence = _divergence(log_student, log_teacher, support, beta).sum(-1)
@@ -91,11 +114,13 @@ def _outcomes(logprobs: torch.Tensor, counted: torch.Tensor, tail: bool) -> tupl
     """The log-probabilities of one side's outcomes ([..., K + 1] with the tail, else the candidates renormalized,
     [..., K]) and which of them count. Slots that do not count hold 0 and are never read."""
     masked = logprobs.masked_fill(counted.logical_not(), float("-inf"))
-    # A token without a counted candidate gets finite stand-ins: its divergence is set to 0 after.
-    masked = torch.where(counted.any(-1, keepdim=True), masked, torch.zeros_like(masked))
-    log_sum = torch.logsumexp(masked, dim=-1, keepdim=True)
+    # A token whose candidates all have probability 0 (none counted, or a bias masking them) sums to 0: logsumexp's
+    # backward over only -inf is NaN, so it runs on finite stand-ins there and its result is replaced by -inf.
+    some = masked.isfinite().any(-1, keepdim=True)
+    log_sum = torch.logsumexp(torch.where(some, masked, torch.zeros_like(masked)), dim=-1, keepdim=True)
+    log_sum = torch.where(some, log_sum, torch.full_like(log_sum, float("-inf")))
     if tail:
-        log_sum = log_sum.clamp(max=_TAIL_LOG_SUM_MAX)
+        log_sum = log_sum.clamp(max=-_tail_floor(logprobs.dtype))
         outcomes = torch.cat([logprobs, torch.log(-torch.expm1(log_sum))], dim=-1)
         support = torch.cat([counted, torch.ones_like(counted[..., :1])], dim=-1)
     else:
