@@ -369,7 +369,7 @@ def test_gradients_are_exact_until_an_input_changes_in_place(path):
 
 
 def test_forward_op_returns_the_float32_log_sum_exp_of_unrounded_logits():
-    # On the CPU the products of bf16 operands stay float32 through the bias (eager rounds each logit to bf16).
+    # The products of bf16 operands stay float32 through the bias (eager rounds each logit to bf16).
     hidden, weight, b, target = [t.detach() if t is not None else None for t in make_inputs((2, 7, 16), 33, True)]
     rounded = [t.bfloat16() for t in (hidden, weight, b)]
     loss, lse, _ = torch.ops.offload.linear_cross_entropy_forward(*rounded, target, -100, 0.0, 0.0, 0.0, "none", 4, 8)
@@ -379,15 +379,14 @@ def test_forward_op_returns_the_float32_log_sum_exp_of_unrounded_logits():
     torch.testing.assert_close(lse, want.float())
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("softcap", [0.0, 20.0], ids=["no_softcap", "softcap"])
-def test_reduced_precision_passes_cut_cross_entropys_elementwise_criterion(dtype, softcap):
-    # Cut Cross-Entropy's test: each token's log-sum-exp and loss within eager's error (the logits' GEMM in the
-    # input dtype, everything after in float32) plus a tolerance, against the truth on the same rounded inputs.
-    # Rounding each logit before the bias or the soft-cap, and the capped logit again, failed it (issue 71).
+def check_cut_cross_entropys_elementwise_criterion(dtype, softcap, device):
+    """Cut Cross-Entropy's test: each token's log-sum-exp and loss within eager's error (the logits' GEMM in the
+    input dtype, everything after in float32) plus a tolerance, against the truth on the same rounded inputs.
+    Rounding each logit before the bias or the soft-cap, and the capped logit again, failed it (issue 71)."""
     hidden, weight, b, target = make_inputs((4, 256, 64), 1000, bias=True, dtype=torch.float64)
-    rounded = [t.detach().to(dtype) for t in (hidden, weight, b)]
+    rounded = [t.detach().to(device, dtype) for t in (hidden, weight, b)]
     b_rounded = rounded[2] + 8  # logits near 8: a unit in the last place of bf16 is 2^-4 there
+    target = target.to(device)
 
     def loss_and_lse(logits):
         capped = softcap * torch.tanh(logits / softcap) if softcap else logits
@@ -403,6 +402,12 @@ def test_reduced_precision_passes_cut_cross_entropys_elementwise_criterion(dtype
         error, eagers = (got.double() - want).abs(), (e.double() - want).abs()
         tolerance = 1e-6 * want.abs().clamp_min(1)  # a few float32 roundings
         assert (error <= eagers + tolerance).all(), (name, (error - eagers).max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("softcap", [0.0, 20.0], ids=["no_softcap", "softcap"])
+def test_reduced_precision_passes_cut_cross_entropys_elementwise_criterion(dtype, softcap):
+    check_cut_cross_entropys_elementwise_criterion(dtype, softcap, "cpu")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -8,6 +8,7 @@ from test_linear_cross_entropy import (  # noqa: F401
     assert_close_f32,
     call,
     check_autocast,
+    check_cut_cross_entropys_elementwise_criterion,
     improbable_tail_inputs,
     loss_and_grads,
     make_inputs,
@@ -79,6 +80,13 @@ def test_cuda_reduced_precision_is_as_close_to_float64_as_eager(dtype):
     for g, e, w in zip(got_grads, eager_grads, want_grads):
         assert g.dtype == dtype
         assert relative_error(g, w) <= max(1.5 * relative_error(e, w), 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("softcap", [0.0, 20.0], ids=["no_softcap", "softcap"])
+def test_cuda_reduced_precision_passes_cut_cross_entropys_elementwise_criterion(dtype, softcap):
+    # The tiles are float32 on CUDA too: one GEMM from bf16/fp16 operands into them, unrounded through bias and cap.
+    check_cut_cross_entropys_elementwise_criterion(dtype, softcap, "cuda")
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"softcap": 50.0, "z_loss": 1e-2}], ids=str)

@@ -162,11 +162,18 @@ Flat flatten(const at::Tensor& hidden, const at::Tensor& weight, const at::Tenso
   return f;
 }
 
-// The dtype of the logits' tiles: float32 for bf16/fp16 inputs off CUDA, where the GEMMs' products then stay
-// unrounded through bias, soft-cap and the loss (CPU GEMMs take float32 operands there anyway); CUDA's tile
-// kernels read them in the input dtype.
+// The dtype of the logits' tiles: float32 for bf16/fp16 inputs on every device, so that the GEMMs' products stay
+// unrounded through bias, soft-cap and the loss (Cut Cross-Entropy's criterion; rounding each logit, and a capped
+// one again, failed it). CUDA's GEMM writes them from bf16/fp16 operands in one call (linear_into_accumulator).
 c10::ScalarType logits_dtype(const at::Tensor& hidden) {
-  return hidden.is_cuda() ? hidden.scalar_type() : at::toOpMathType(hidden.scalar_type());
+  return at::toOpMathType(hidden.scalar_type());
+}
+
+// A tile's gradient by its logits (float32 for bf16/fp16 inputs) as the backward GEMMs' operand: on CUDA rounded
+// to the input dtype, whose GEMMs accumulate in float32 (eager's bf16 gradient of the logits is rounded likewise);
+// off CUDA (`convert`) the other operands are float32 and it stays float32.
+at::Tensor logits_gradient_operand(const at::Tensor& d_logits, c10::ScalarType dtype, bool convert) {
+  return d_logits.scalar_type() != dtype && !convert ? d_logits.to(dtype) : d_logits;
 }
 
 // A [rows, cols] contiguous view at the start of the flat tile buffer.
@@ -422,7 +429,7 @@ LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_impl(
   TokenSums sums(f.tokens, acc_options, statistics, rows_per_slab, f.vocab);
   const CrossEntropyOptions options{softcap, label_smoothing, z_loss, f.vocab, /*filter_eps=*/0.0};
   if (f.tokens > 0 && f.vocab > 0) {
-    // Off CUDA, bf16/fp16 GEMM operands are converted to float32 (the weight once), and the slab is float32.
+    // The slab is float32 for bf16/fp16; off CUDA the GEMM operands are converted to float32 (the weight once).
     const bool convert = acc_type != dtype && !hidden.is_cuda();
     const at::Tensor slab = at::empty({rows_per_slab * f.vocab}, hidden.options().dtype(logits_dtype(hidden)));
     const at::Tensor weight_operand = convert && want_hidden ? weight.to(acc_type) : weight;
@@ -436,7 +443,7 @@ LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_impl(
       // The slab holds whole rows: their log-sum-exp is final, and the slab becomes d loss / d logits.
       const at::Tensor lse = sums.lse(start, rows);
       kernels.backward(options, logits, target_tile, /*col0=*/0, lse, grad_scale.narrow(0, start, rows));
-      const at::Tensor& d_logits = logits;  // float32 where the operands are converted
+      const at::Tensor d_logits = logits_gradient_operand(logits, dtype, convert);
       if (want_hidden) {
         accumulate_mm(grad_hidden.narrow(0, start, rows), d_logits, weight_operand);
       }
@@ -444,7 +451,7 @@ LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_impl(
         accumulate_mm(grad_weight, d_logits.t(), convert ? hidden_tile.to(acc_type) : hidden_tile);
       }
       if (want_bias) {
-        grad_bias.add_(at::sum(d_logits, {0}, false, acc_type));
+        grad_bias.add_(at::sum(logits, {0}, false, acc_type));
       }
     }
   }
@@ -497,8 +504,8 @@ LinearCrossEntropyGradients linear_cross_entropy_backward_impl(
     const CrossEntropyOptions options{softcap, label_smoothing, z_loss, f.vocab, filter_eps};
     const auto [tile_rows, tile_cols] = tile_shape(f.tokens, f.vocab, dtype, tile_tokens, tile_vocab);
     const at::Tensor buffer = at::empty({tile_rows * tile_cols}, hidden.options().dtype(logits_dtype(hidden)));
-    // bf16/fp16 gradients add up over the tiles in float32 and are rounded once;
-    // off CUDA the GEMM operands are converted to float32 (hidden once per token tile; the logits are).
+    // bf16/fp16 gradients add up over the tiles in float32 and are rounded once; the tiles are float32, and off
+    // CUDA the GEMM operands are converted to float32 (hidden once per token tile).
     const bool reduced = acc_type != dtype;
     const bool convert = reduced && !hidden.is_cuda();
     const at::Tensor hidden_acc_buffer = want_hidden && reduced ? at::empty({tile_rows, h}, acc_options) : at::Tensor();
@@ -521,7 +528,7 @@ LinearCrossEntropyGradients linear_cross_entropy_backward_impl(
                               grad_scale.narrow(0, start, rows))) {
           continue;
         }
-        const at::Tensor& d_logits = logits;  // float32 where the operands are converted
+        const at::Tensor d_logits = logits_gradient_operand(logits, dtype, convert);
         if (want_hidden) {
           accumulate_mm(grad_hidden_tile, d_logits, convert ? weight_tile.to(acc_type) : weight_tile);
         }
@@ -529,7 +536,7 @@ LinearCrossEntropyGradients linear_cross_entropy_backward_impl(
           accumulate_mm(grad_weight.narrow(0, col0, cols), d_logits.t(), hidden_operand);
         }
         if (want_bias) {
-          grad_bias.narrow(0, col0, cols).add_(at::sum(d_logits, {0}, false, acc_type));
+          grad_bias.narrow(0, col0, cols).add_(at::sum(logits, {0}, false, acc_type));
         }
       }
       if (want_hidden && reduced) {
