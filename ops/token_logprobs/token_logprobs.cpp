@@ -137,9 +137,9 @@ struct Wanted {
   bool entropy = false, mean = false, top1 = false, squares = false;
 };
 
-// Per token, folded tile by tile: max m, S = sum exp(s - m), the ids' s ([T, K]), and where asked Q = sum exp(s - m)(s
-// - m) (entropy), sum s (mean logit), the max of s before the id's column (top-1: the first maximum, as argmax), and
-// sum exp(2 (s - m)) (log sum p^2).
+// Per token, folded tile by tile: max m, S = sum exp(s - m), the ids' s ([T, K]), and where asked
+// Q = sum exp(s - m)(s - m) (entropy), sum s (mean logit), the max of s before the id's column (top-1: the first
+// maximum, as argmax), and sum exp(2 (s - m)) (log sum p^2).
 struct VocabularyFold {
   at::Tensor max, sum_exp, picked, shifted_sum, sum_s, max_before, sum_exp2;
 };
