@@ -26,7 +26,7 @@ CUDA_TORCH_VERSION ?= 2.14.1
 CUDA_HOME ?= /usr/local/cuda
 CUDA_BUILD_DIR := build/cuda
 
-.PHONY: demo test lint build wheel gtest example-cpp test-axolotl cuda-check test-cuda-torch test-torch-range gpu-check gpu-wheels bench-deps clean
+.PHONY: demo test lint build wheel gtest example-cpp test-axolotl cuda-check test-cuda-torch test-torch-range torch-range-venvs gpu-check gpu-wheels bench-deps clean
 
 demo: build
 	$(PY) examples/demo.py
@@ -170,6 +170,10 @@ test-cuda-torch: cuda-check
 TORCH_RANGE ?= $(GPU_TORCH) 2.15.0
 test-torch-range: $(CUDA_VENV)/.ready gtest
 	OP_TESTS="$(OP_TESTS)" GPU_TORCH=$(GPU_TORCH) GPU_TORCH_TESTS="$(GPU_TORCH_TESTS)" .ci/torch_range.sh $(CUDA_VENV) $(CUDA_HOME) $(TORCH_RANGE)
+
+# The range's venvs alone (downloads: CI runs it while the README's install builds).
+torch-range-venvs: $(CUDA_VENV)/.ready
+	.ci/torch_range.sh --venvs $(CUDA_VENV) $(CUDA_HOME) $(TORCH_RANGE)
 
 # On a machine with a GPU: build against that machine's own CUDA torch (GPU_PYTHON's), run every
 # CUDA test and the GPU bench, print one table (.ci/gpu_check.py). No venv, no package index needed.
