@@ -46,6 +46,14 @@ inline void accumulate_mm(at::Tensor acc, const at::Tensor& a, const at::Tensor&
   }
 }
 
+// The gradient by a tile of logits (float32 for bf16/fp16 inputs) as the backward GEMMs' operand: rounded to the
+// input dtype where those GEMMs take the input dtype's operands and accumulate in float32 (CUDA; eager's bf16
+// gradient of the logits is rounded likewise); where the other operands are converted to float32 (`convert`, off
+// CUDA) it stays float32.
+inline at::Tensor logits_gradient_operand(const at::Tensor& d_logits, c10::ScalarType dtype, bool convert) {
+  return d_logits.scalar_type() != dtype && !convert ? d_logits.to(dtype) : d_logits;
+}
+
 inline at::Tensor value_or_undefined(const std::optional<at::Tensor>& t) {
   return t.has_value() ? *t : at::Tensor();
 }

@@ -103,7 +103,7 @@ class HeadGradients {
   // d_s.size(1)), in the accumulation type.
   void add(const at::Tensor& d_s, int64_t col0) {
     const int64_t cols = d_s.size(1);
-    const at::Tensor d_logits = acc_type_ != dtype_ && !convert_ ? d_s.to(dtype_) : d_s;
+    const at::Tensor d_logits = logits_gradient_operand(d_s, dtype_, convert_);
     const at::Tensor weight_tile = weight_.narrow(0, col0, cols);
     if (want_hidden_) {
       accumulate_mm(grad_hidden_tile_, d_logits, convert_ ? weight_tile.to(acc_type_) : weight_tile);

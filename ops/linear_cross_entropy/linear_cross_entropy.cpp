@@ -169,13 +169,6 @@ c10::ScalarType logits_dtype(const at::Tensor& hidden) {
   return at::toOpMathType(hidden.scalar_type());
 }
 
-// A tile's gradient by its logits (float32 for bf16/fp16 inputs) as the backward GEMMs' operand: on CUDA rounded
-// to the input dtype, whose GEMMs accumulate in float32 (eager's bf16 gradient of the logits is rounded likewise);
-// off CUDA (`convert`) the other operands are float32 and it stays float32.
-at::Tensor logits_gradient_operand(const at::Tensor& d_logits, c10::ScalarType dtype, bool convert) {
-  return d_logits.scalar_type() != dtype && !convert ? d_logits.to(dtype) : d_logits;
-}
-
 // A [rows, cols] contiguous view at the start of the flat tile buffer.
 at::Tensor tile_view(const at::Tensor& buffer, int64_t rows, int64_t cols) {
   return buffer.narrow(0, 0, rows * cols).view({rows, cols});
