@@ -8,6 +8,8 @@ benches, and print one summary table.
     python3 .ci/gpu_check.py --allow-no-gpu  # the same steps where no GPU is (every GPU test skips)
     make gpu-check GPU_CHECK_FLAGS="--wheel build/torch-2.11.0/dist/torch_offload-0.1.0-py3-none-linux_x86_64.whl"
                                            # the torch range's wheel of the machines' torch, carried: no build
+    make gpu-check GPU_CHECK_FLAGS="--tests test_rms_norm_cuda.py --benches plan-review --bench-after 600"
+                                           # issue 72's comparison of apply()'s GPU settings, profiled
 
 It needs no package index: packages the machine lacks (expecttest, for opcheck) can be put as
 wheels in .whl/, which is installed into build/gpu-check/site first. Exits non-zero if a step fails.
@@ -118,6 +120,24 @@ def pytest_counts(report):
     return counts
 
 
+# Each set's steps: the script (the name's first word) and its arguments.
+BENCHES = {
+    "standard": {
+        "bench/gpu_llama.py": ["--tokens", "8192,32768", "--longest-seconds", "45"],
+        "bench/compile.py (GPU)": ["--device", "cuda", "--tokens", "2048", "--rounds", "1", "--offload", "none,cpu"],
+    },
+    # apply()'s GPU default against two of its settings and plain training, each point's time split by the profiler
+    # (forward, recompute, attention backward, copies): the comparison issue 72 asks a lease for first.
+    "plan-review": {
+        f"bench/gpu_llama.py ({layers} layers, profiled)": [
+            *("--tokens", "8192,32768", "--layers", str(layers), "--profile"),
+            *("--configs", "plain,apply,apply_rms_norm_off,apply_no_checkpoint"),
+        ]
+        for layers in (2, 4)
+    },
+}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--allow-no-gpu", action="store_true", help="run the steps where no GPU is (they skip)")
@@ -133,6 +153,7 @@ def main():
     parser.add_argument(
         "--bench-after", type=float, default=240, help="skip the benches if the steps before took longer (seconds)"
     )
+    parser.add_argument("--benches", choices=BENCHES, default="standard", help="which set of GPU benches runs")
     args = parser.parse_args()
     test_files = sorted(glob.glob(os.path.join(ROOT, "python_tests", args.tests)))
     if not test_files:  # before the build: a lease's minutes are few
@@ -197,20 +218,7 @@ def main():
             reports.append(os.path.join(BUILD, os.path.basename(test) + ".xml"))
             pytest = [python, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider"]
             run(f"pytest {os.path.basename(test)}", [*pytest, f"--junitxml={reports[-1]}", test], env, results)
-        benches = {
-            "bench/gpu_llama.py": ["--tokens", "8192,32768", "--longest-seconds", "45"],
-            "bench/compile.py (GPU)": [
-                "--device",
-                "cuda",
-                "--tokens",
-                "2048",
-                "--rounds",
-                "1",
-                "--offload",
-                "none,cpu",
-            ],
-        }
-        for step, options in benches.items():
+        for step, options in BENCHES[args.benches].items():
             if gpu is None:
                 break
             if time.monotonic() - started > args.bench_after:  # the call's minutes go to the tests first

@@ -3,6 +3,11 @@ plain training, transformers' activation checkpointing with offload, and apply()
 and packed documents); ratios against plain training of the same run; the longest context each fits, by running it.
 
     python bench/gpu_llama.py [--tokens 8192,16384,32768] [--layers 2] [--longest-seconds 60] [--write]
+    python bench/gpu_llama.py --configs plain,apply,apply_rms_norm_off,apply_no_checkpoint --profile  # the review's
+
+`--configs` may also name apply() with one setting changed (APPLY_OPTIONS). `--profile` adds, per point, a third step
+run under torch.profiler and its time split (bench/time_split.py: forward, recompute, attention backward, copies), and
+the plan apply() chose (`print(handle)`: its route line in the table, the whole of it above).
 
 Each point is one step (SGD: no optimizer state) in a fresh process after a warm-up step; the peak is
 `torch.cuda.max_memory_allocated()` over what the model held before the step. `--shape tiny` runs the same on the CPU
@@ -17,8 +22,16 @@ import time
 
 from measure import measured_step, worker_env, write_section
 from real_batches import batch
+from time_split import PARTS, profiled_split
 
 CONFIGS = ("plain", "checkpoint_offload", "apply", "apply_packed")
+# apply()'s options per configuration; "apply_packed" is apply() with every default on packed documents.
+APPLY_OPTIONS = {
+    "apply": {},
+    "apply_packed": {},
+    "apply_rms_norm_off": {"rms_norm": False},
+    "apply_no_checkpoint": {"checkpoint": False, "keep_last": 0},
+}
 SHAPES = {
     # Llama 3 8B's layer, a few of them: hidden, heads, kv heads, MLP, vocabulary.
     "llama8b": dict(
@@ -30,7 +43,7 @@ SHAPES = {
 }
 
 
-def worker(config, tokens, shape, layers):
+def worker(config, tokens, shape, layers, profile=False):
     import torch
     import transformers
 
@@ -46,29 +59,38 @@ def worker(config, tokens, shape, layers):
         model = transformers.LlamaForCausalLM(settings).to(torch.bfloat16).train()
     if config == "checkpoint_offload":
         model.activation_checkpointing_enable(offload=gpu)  # its pinned host copies need a GPU
-    elif config.startswith("apply"):
-        torch_offload.apply(model)
+    plan = None
+    if config in APPLY_OPTIONS:
+        plan = str(torch_offload.apply(model, **APPLY_OPTIONS[config]))
     kind = "packed" if config.endswith("packed") else "one sequence"
     inputs = {name: t.to(device) for name, t in batch(kind, tokens).items()}
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
 
-    def step():
-        loss = model(**inputs, use_cache=False).loss
-        loss.backward()
+    def forward():
+        return model(**inputs, use_cache=False).loss
+
+    def rest():
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+    def step():
+        loss = forward()
+        loss.backward()
+        rest()
         return loss.item()
 
     try:
         loss, seconds, peak_bytes = measured_step(step, gpu)
+        split = profiled_split(forward, lambda loss: loss.backward(), rest, gpu) if profile else None
     except torch.OutOfMemoryError:
         return {"oom": True}
-    return {"oom": False, "loss": loss, "seconds": seconds, "peak_bytes": peak_bytes}
+    result = {"oom": False, "loss": loss, "seconds": seconds, "peak_bytes": peak_bytes, "plan": plan}
+    return result if split is None else dict(result, split=split)
 
 
-def measure(config, tokens, shape, layers):
+def measure(config, tokens, shape, layers, profile=False):
     command = [sys.executable, __file__, "--worker", config, "--tokens", str(tokens), "--shape", shape]
-    command += ["--layers", str(layers)]
+    command += ["--layers", str(layers)] + (["--profile"] if profile else [])
     done = subprocess.run(command, capture_output=True, text=True, env=worker_env())
     if done.returncode != 0:
         sys.stderr.write(done.stderr)
@@ -92,20 +114,27 @@ def main():
     parser.add_argument("--tokens", default="8192,16384,32768")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--shape", choices=SHAPES, default="llama8b")
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS + tuple(APPLY_OPTIONS))}")
+    parser.add_argument("--profile", action="store_true", help="each point's time split and apply()'s plan")
     parser.add_argument("--longest-seconds", type=float, default=0, help="per configuration; 0: not searched")
     parser.add_argument("--write", action="store_true", help="rewrite BENCHMARKS.md's section")
-    parser.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=CONFIGS + tuple(APPLY_OPTIONS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, int(args.tokens), args.shape, args.layers)))
+        print(json.dumps(worker(args.worker, int(args.tokens), args.shape, args.layers, args.profile)))
         return
     import torch
 
     device = torch.cuda.get_device_name() if args.shape != "tiny" else "the CPU"
     points = list(map(int, args.tokens.split(",")))
     configs = args.configs.split(",")
-    results = {c: {t: measure(c, t, args.shape, args.layers) for t in points} for c in configs}
+    unknown = set(configs) - set(CONFIGS) - set(APPLY_OPTIONS)
+    if unknown:
+        parser.error(
+            f"--configs: {', '.join(sorted(unknown))} unknown; expected names of {parser.get_default('configs')}"
+            f" or {', '.join(APPLY_OPTIONS)}"
+        )
+    results = {c: {t: measure(c, t, args.shape, args.layers, args.profile) for t in points} for c in configs}
     rows = []
     for config in configs:
         runs = results[config]
@@ -135,10 +164,32 @@ def main():
         "| configuration | KiB per token | " + " | ".join(f"{t} tokens" for t in points) + " | longest |\n"
         "| --- | ---: | " + " | ".join("---:" for _ in points) + " | ---: |\n" + "\n".join(rows) + "\n"
     )
+    if args.profile:
+        text += "\n" + split_table(results, points)
     if args.write:
         write_section("Llama-8B-shaped step on a GPU", text)
     else:
         print(text)
+
+
+def split_table(results, points):
+    """Each profiled point's time split (ms of device time on a GPU, of CPU time on the CPU) and apply()'s plan."""
+    lines = [
+        "Time split of a third step under torch.profiler (bench/time_split.py), ms; route: `print(handle)`'s.",
+        "",
+        "| configuration | tokens | " + " | ".join(PARTS) + " | route |",
+        "| --- | ---: | " + " | ".join("---:" for _ in PARTS) + " | --- |",
+    ]
+    for config, runs in results.items():
+        for t in points:
+            split = runs[t].get("split")
+            if split:
+                cells = " | ".join(f"{split[part]:.0f}" for part in PARTS)
+                route = next((line for line in (runs[t]["plan"] or "").splitlines() if line.startswith("route:")), "-")
+                lines.append(f"| {config} | {t} | {cells} | {route.removeprefix('route: ')} |")
+    plans = {c: next((r["plan"] for r in runs.values() if r.get("plan")), None) for c, runs in results.items()}
+    lines += ["", *(f"{config}:\n```\n{plan}\n```" for config, plan in plans.items() if plan)]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

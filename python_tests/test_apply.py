@@ -1043,10 +1043,13 @@ def test_backward_recomputes_what_checkpoint_names(checkpoint, tmp_path):
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     assert calls == {"attention": 3, "norm": 3}
     stats = handle.stats()
-    loss.backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        loss.backward()
     # Attention runs again in backward either way; the rest of a layer only when it is checkpointed whole,
     # and otherwise its saved tensors (norms, residuals) went to disk in forward.
     assert calls == {"attention": 6, "norm": 6 if checkpoint == "layer" else 3}
+    # Each recomputation is named in a profile, once per checkpointed call.
+    assert sum(event.name == "torch_offload.recompute" for event in profile.events()) == 3
     assert stats["pack_calls"] >= (6 if checkpoint == "layer" else 20)
     handle.remove()
 

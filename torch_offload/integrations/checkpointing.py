@@ -101,13 +101,16 @@ class _Recompute:
         now = self._current()
         if self.found is None:  # the forward
             self.found = now
-        if all(a is b for a, b in zip(now, self.found)):
             return self.forward(*args, **kwargs)
-        self._set(self.found)
-        try:
-            return self.forward(*args, **kwargs)
-        finally:
-            self._set(now)
+        # Backward's recomputation, named in a profile (bench/gpu_llama.py --profile splits a step's time by it).
+        with torch.profiler.record_function("torch_offload.recompute"):
+            if all(a is b for a, b in zip(now, self.found)):
+                return self.forward(*args, **kwargs)
+            self._set(self.found)
+            try:
+                return self.forward(*args, **kwargs)
+            finally:
+                self._set(now)
 
 
 def _checkpoint_forward(handle: OffloadHandle, module: nn.Module, offload: bool):
