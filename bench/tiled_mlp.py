@@ -11,7 +11,7 @@ mark reset to VmRSS just before it; x, the weights and grad_out already allocate
 second fwd+bwd gives the time. The methods take turns,
 round after round, so that drifting load on a shared machine hits them alike; each
 cell is the median over the rounds. The Python baseline uses the op's automatic shard
-count, so both tile alike.
+count, so both tile alike; `--shards N` gives both N shards (`--tokens 32768 --shards 16 --no-write`: issue 72's point).
 """
 
 import argparse
@@ -51,8 +51,8 @@ def worker(method, tokens, num_shards):
 
     step = {
         "eager": eager,
-        "tiled_mlp": lambda x: torch_offload.tiled_mlp(  # automatic shard count
-            x, mlp["gate_proj"].weight, mlp["up_proj"].weight, mlp["down_proj"].weight
+        "tiled_mlp": lambda x: torch_offload.tiled_mlp(
+            x, mlp["gate_proj"].weight, mlp["up_proj"].weight, mlp["down_proj"].weight, num_shards=num_shards
         ),
         "python": lambda x: python_tiled_mlp(eager, x, num_shards),
     }[method]
@@ -89,6 +89,7 @@ def main():
     parser.add_argument("--worker", nargs=3, metavar=("METHOD", "TOKENS", "SHARDS"))
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--shards", type=int, default=0, help="both tilings' shard count (default: the op's own)")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     args = parser.parse_args()
     if args.worker:
@@ -102,7 +103,7 @@ def main():
 
     rows = []
     for tokens in args.tokens:
-        shards = torch_offload.tiled_mlp_num_shards(tokens, INTERMEDIATE)
+        shards = args.shards or torch_offload.tiled_mlp_num_shards(tokens, INTERMEDIATE)
         runs = {m: [] for m in METHODS}
         for _ in range(args.rounds):
             for m in METHODS:
@@ -130,7 +131,8 @@ def main():
             f"{torch.get_num_threads()} threads, {cpu}, load average {os.getloadavg()[0]:.1f} at the end.",
             "",
             "(a) eager untiled MLP, (b) `torch_offload.tiled_mlp`, (c) the published TiledMLP algorithm in plain "
-            "Python (bench/tiled_mlp_baseline.py) at (b)'s automatic shard count. Peak: growth of the resident "
+            "Python (bench/tiled_mlp_baseline.py), both at the shard count of the table (the op's automatic one unless "
+            "`--shards` gives one). Peak: growth of the resident "
             "set (VmHWM over VmRSS) during one fwd+bwd in a fresh process, inputs and grad_out allocated before; "
             "time: the next fwd+bwd in that process. "
             f"Methods take turns for {args.rounds} rounds; each cell is the median.",
