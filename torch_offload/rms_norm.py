@@ -16,9 +16,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     rows rounded to ``x``'s dtype before the weight's product. ``weight`` is ``[h]`` in ``x``'s dtype.
 
     Differentiable in ``x`` and ``weight`` (no double backward). Forward saves only its inputs; backward
-    recomputes each row's scale and works in chunks of rows (4 MiB of float32), so that beside its inputs it
-    holds only the gradients it returns, where autograd through the eager module holds five ``x``-sized
-    float32 tensors at once.
+    recomputes each row's scale and works in at most 32 chunks of rows (a number of kernel launches that does not
+    grow with the tokens), so that beside its inputs it holds only the gradients it returns and a chunk's float32
+    temporaries, where autograd through the eager module holds five ``x``-sized float32 tensors at once.
     """
     _require_tensor(x, "rms_norm", "x")
     _require_tensor(weight, "rms_norm", "weight")

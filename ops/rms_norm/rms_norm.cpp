@@ -4,7 +4,11 @@
 // weight multiplies it). Backward recomputes rstd from x (one reduction per row) rather than saving it;
 // with d = grad * weight in the op-math type,
 //   grad_x = rstd * d - x * rstd^3 * mean(d * x),   grad_weight = sum over rows of grad * round(x * rstd).
-// Both run over chunks of rows: apart from the results, nothing larger than a chunk exists.
+// Both run over chunks of rows: apart from the results, nothing larger than a chunk exists. The op makes at most
+// kOpChunks chunks, whatever its tokens, so that its kernel launches (about 10 a chunk forward, 20 backward) do not
+// grow with the sequence: chunks of a fixed size took ~10,000 launches a layer at 32K tokens on a GPU, bound by
+// launch cost. Its float32 temporaries then take 1/kOpChunks of x's rows at a time: backward's few of them
+// under a third of a bf16 x's bytes at 32.
 #include "ops/rms_norm/rms_norm.h"
 
 #include <algorithm>
@@ -28,7 +32,8 @@ void check_rms_norm_eps(const char* op, const char* arg, double eps) {
 
 namespace {
 
-constexpr int64_t kChunkElements = int64_t{1} << 20;  // 4 MiB of float32 per chunk's temporaries
+constexpr int64_t kOpChunks = 32;
+constexpr int64_t kMinChunkElements = int64_t{1} << 16;  // below this a chunk's launches cost more than its bytes
 
 void check_arguments(const char* op, const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_defined(x, op, "x");
@@ -45,8 +50,10 @@ void check_backward_arguments(const at::Tensor& grad, const at::Tensor& x, const
   check_tensor(op, "grad", grad, x, "x", x.scalar_type(), x.sym_sizes(), "x's shape");
 }
 
-int64_t chunk_rows(int64_t h) {
-  return std::max<int64_t>(1, kChunkElements / std::max<int64_t>(h, 1));
+int64_t chunk_rows(int64_t tokens, int64_t h, int64_t chunks) {
+  TORCH_INTERNAL_ASSERT(chunks > 0);
+  const int64_t fewest_rows = std::max<int64_t>(1, kMinChunkElements / std::max<int64_t>(h, 1));
+  return std::max(fewest_rows, (tokens + chunks - 1) / chunks);
 }
 
 // x's rows [rows, h] in the op-math type, and each row's rstd [rows, 1].
@@ -57,8 +64,9 @@ std::tuple<at::Tensor, at::Tensor> rows_and_rstd(const at::Tensor& rows, double 
 
 }  // namespace
 
-void rms_norm_rows_into(const at::Tensor& out, const at::Tensor& rows, const at::Tensor& weight, double eps) {
-  const int64_t tokens = rows.size(0), step = chunk_rows(rows.size(1));
+void rms_norm_rows_into(const at::Tensor& out, const at::Tensor& rows, const at::Tensor& weight, double eps,
+                        int64_t chunks) {
+  const int64_t tokens = rows.size(0), step = chunk_rows(tokens, rows.size(1), chunks);
   for (int64_t start = 0; start < tokens; start += step) {
     const int64_t n = std::min(step, tokens - start);
     const auto [xf, rstd] = rows_and_rstd(rows.narrow(0, start, n), eps);
@@ -70,13 +78,13 @@ at::Tensor rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, double
   check_arguments("rms_norm", x, weight, eps);
   const at::Tensor rows = token_rows(x);
   at::Tensor out = at::empty_like(rows);
-  rms_norm_rows_into(out, rows, weight, eps);
+  rms_norm_rows_into(out, rows, weight, eps, kOpChunks);
   return out.view(x.sizes());
 }
 
 void rms_norm_backward_rows(const at::Tensor& grads, const at::Tensor& rows, const at::Tensor& weight, double eps,
-                            const at::Tensor& grad_x_rows, const at::Tensor& grad_weight_sum) {
-  const int64_t tokens = rows.size(0), step = chunk_rows(rows.size(1));
+                            const at::Tensor& grad_x_rows, const at::Tensor& grad_weight_sum, int64_t chunks) {
+  const int64_t tokens = rows.size(0), step = chunk_rows(tokens, rows.size(1), chunks);
   const auto dtype = rows.scalar_type(), acc_type = at::toOpMathType(dtype);
   const bool weight_grad = grad_weight_sum.defined();
   for (int64_t start = 0; start < tokens && (grad_x_rows.defined() || weight_grad); start += step) {
@@ -104,7 +112,7 @@ at::Tensor backward_rows(const at::Tensor& grads, const at::Tensor& rows, const 
   const at::Tensor grad_weight =
       weight_grad ? at::zeros(weight.sizes(), weight.options().dtype(at::toOpMathType(rows.scalar_type())))
                   : at::Tensor();
-  rms_norm_backward_rows(grads, rows, weight, eps, grad_x_rows, grad_weight);
+  rms_norm_backward_rows(grads, rows, weight, eps, grad_x_rows, grad_weight, kOpChunks);
   return weight_grad ? grad_weight.to(weight.scalar_type()) : grad_weight;
 }
 

@@ -33,6 +33,9 @@ namespace torch_offload {
 constexpr int64_t kShardBytes = int64_t{128} << 20;
 constexpr int64_t kMinShardTokens = 2048;
 constexpr int64_t kMaxShardTokens = 32768;
+// A shard's norm in this many chunks of rows: a launch count per shard that does not grow, with float32
+// temporaries (a few [rows / 4, h] at once) a fraction of the shard's [rows, I] buffers.
+constexpr int64_t kShardNormChunks = 4;
 
 int64_t tiled_mlp_num_shards_kernel(int64_t tokens, int64_t intermediate, bool gated, c10::ScalarType dtype) {
   TORCH_CHECK(tokens >= 0 && intermediate >= 0, "tiled_mlp_num_shards: tokens is ", tokens, " and intermediate is ",
@@ -147,7 +150,7 @@ at::Tensor mlp_input(const at::Tensor& x_rows, const ShardNorm& norm, const at::
     return x_rows;
   }
   const at::Tensor normed = normed_buffer.narrow(0, 0, x_rows.size(0));
-  rms_norm_rows_into(normed, x_rows, norm.weight, norm.eps);
+  rms_norm_rows_into(normed, x_rows, norm.weight, norm.eps, kShardNormChunks);
   return normed;
 }
 
@@ -308,7 +311,8 @@ MlpGradientArray tiled_mlp_backward_impl(const char* op, const HiddenKernels& ke
           grad_input.addmm_(up, w_up);
         }
         if (normed) {
-          rms_norm_backward_rows(grad_input, x_rows, norm.weight, norm.eps, grad_x_shard, grad_norm_weight);
+          rms_norm_backward_rows(grad_input, x_rows, norm.weight, norm.eps, grad_x_shard, grad_norm_weight,
+                                 kShardNormChunks);
         }
       }
     }
