@@ -311,6 +311,21 @@ def test_gradients_in_forward_hold_the_slab_budget_and_the_gradients_only():
     assert peak_allocated_bytes(step(tile_tokens=tokens)) <= slab + gradients + (1 << 20)
 
 
+def test_gradients_in_forward_keep_hiddens_gradient_in_its_dtype():
+    # Kept from forward to backward, hidden's gradient in float32 would be twice a bf16 hidden state. A slab's rows
+    # are final after their one GEMM over the vocabulary, so rounding them there is rounding the float32 result.
+    hidden, weight, _, target = make_inputs((300, 32), 500, dtype=torch.bfloat16)
+    args = (target, -100, 0.0, 0.0, 0.0, "mean", 64, [True, True, False])
+    _, grad_hidden, grad_weight, _, _ = torch.ops.offload.linear_cross_entropy_with_gradients(
+        hidden.detach(), weight.detach(), None, *args
+    )
+    _, grad_hidden32, _, _, _ = torch.ops.offload.linear_cross_entropy_with_gradients(
+        hidden.detach().float(), weight.detach().float(), None, *args
+    )
+    assert grad_hidden.dtype == torch.bfloat16 and grad_weight.dtype == torch.float32
+    assert torch.equal(grad_hidden, grad_hidden32.bfloat16())
+
+
 def test_a_large_vocabulary_gets_slabs_of_512_tokens():
     # V = 70000 in float32: 64 MiB would hold 239 tokens, too few to amortize reading and writing the [V, h]
     # weight gradient once per slab; the slab holds 512 (of 1024) instead, and no more.
@@ -789,7 +804,7 @@ def test_meta_tensors_give_shapes_only():
     )
     assert loss.shape == () and loss.is_meta and loss.dtype == torch.float32
     assert [(g.shape, g.dtype) if g is not None else None for g in grads] == [
-        ((2, 5, 16), torch.float32),
+        ((2, 5, 16), torch.bfloat16),
         None,
         ((30,), torch.float32),
     ]

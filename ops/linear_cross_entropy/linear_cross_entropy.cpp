@@ -414,11 +414,15 @@ LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_impl(
   }
   const at::Tensor grad_scale = at::where(valid, unit, at::zeros({}, acc_options)).expand({f.tokens}).contiguous();
   const int64_t h = hidden.size(-1);
-  at::Tensor grad_hidden = want_hidden ? at::zeros({f.tokens, h}, acc_options) : at::Tensor();
+  const int64_t rows_per_slab = slab_tokens(f.tokens, f.vocab, logits_dtype(hidden), tile_tokens);
+  // hidden's gradient in hidden's dtype: a slab's rows are final after their one GEMM over the whole vocabulary, so
+  // they are rounded there, as they would be at the end, and the step keeps [tokens, h] in bf16/fp16, not float32.
+  at::Tensor grad_hidden = want_hidden ? at::zeros({f.tokens, h}, hidden.options()) : at::Tensor();
+  const at::Tensor grad_rows_accumulator =
+      want_hidden && acc_type != dtype ? at::empty({rows_per_slab, h}, acc_options) : at::Tensor();
   at::Tensor grad_weight = want_weight ? at::zeros({f.vocab, h}, acc_options) : at::Tensor();
   at::Tensor grad_bias = want_bias ? at::zeros({f.vocab}, acc_options) : at::Tensor();
 
-  const int64_t rows_per_slab = slab_tokens(f.tokens, f.vocab, logits_dtype(hidden), tile_tokens);
   TokenSums sums(f.tokens, acc_options, statistics, rows_per_slab, f.vocab);
   const CrossEntropyOptions options{softcap, label_smoothing, z_loss, f.vocab, /*filter_eps=*/0.0};
   if (f.tokens > 0 && f.vocab > 0) {
@@ -438,7 +442,14 @@ LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_impl(
       kernels.backward(options, logits, target_tile, /*col0=*/0, lse, grad_scale.narrow(0, start, rows));
       const at::Tensor d_logits = logits_gradient_operand(logits, dtype, convert);
       if (want_hidden) {
-        accumulate_mm(grad_hidden.narrow(0, start, rows), d_logits, weight_operand);
+        const at::Tensor grad_rows = grad_hidden.narrow(0, start, rows);
+        if (grad_rows_accumulator.defined()) {
+          const at::Tensor accumulator = grad_rows_accumulator.narrow(0, 0, rows).zero_();
+          accumulate_mm(accumulator, d_logits, weight_operand);
+          grad_rows.copy_(accumulator);
+        } else {
+          accumulate_mm(grad_rows, d_logits, weight_operand);
+        }
       }
       if (want_weight) {
         accumulate_mm(grad_weight, d_logits.t(), convert ? hidden_tile.to(acc_type) : hidden_tile);
@@ -623,11 +634,12 @@ LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_meta(TORCH_O
   check_gradients_in_forward_apply(op, parsed, softcap);
   (void)ignore_index, (void)tile_tokens;
   const auto acc_options = hidden.options().dtype(at::toOpMathType(hidden.scalar_type()));
-  const auto like = [&](bool want, const at::Tensor& t) {
-    return want && t.defined() ? at::empty_symint(t.sym_sizes(), acc_options) : at::Tensor();
+  const auto like = [&](bool want, const at::Tensor& t, const at::TensorOptions& options) {
+    return want && t.defined() ? at::empty_symint(t.sym_sizes(), options) : at::Tensor();
   };
-  return {at::empty({}, acc_options), like(output_mask[0], hidden), like(output_mask[1], weight),
-          like(output_mask[2], b), statistics_meta(statistics, target, acc_options)};
+  return {at::empty({}, acc_options), like(output_mask[0], hidden, hidden.options()),
+          like(output_mask[1], weight, acc_options), like(output_mask[2], b, acc_options),
+          statistics_meta(statistics, target, acc_options)};
 }
 
 LinearCrossEntropyGradients linear_cross_entropy_backward_meta(TORCH_OFFLOAD_LCE_BACKWARD_ARGS) {

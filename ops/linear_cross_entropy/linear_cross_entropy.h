@@ -61,9 +61,9 @@ LinearCrossEntropyGradients linear_cross_entropy_backward_impl(
     const c10::SymInt& tile_tokens, const c10::SymInt& tile_vocab, std::array<bool, 3> output_mask, double filter_eps);
 
 // The 3-GEMM path for a scalar loss ("mean" or "sum"): (loss, and the gradients output_mask asks for with
-// respect to hidden, weight and bias, for a unit grad_loss, in the accumulation type; undefined where not
-// asked; statistics as the forward's), computed in forward from one slab of whole-vocabulary logits per tile
-// of tokens.
+// respect to hidden (in hidden's dtype), weight and bias (in the accumulation type), for a unit grad_loss;
+// undefined where not asked; statistics as the forward's), computed in forward from one slab of whole-vocabulary logits
+// per tile of tokens.
 LinearCrossEntropyWithGradients linear_cross_entropy_with_gradients_impl(
     const CrossEntropyTileKernels& kernels, const at::Tensor& hidden, const at::Tensor& weight,
     const std::optional<at::Tensor>& bias, const at::Tensor& target, int64_t ignore_index, double label_smoothing,
