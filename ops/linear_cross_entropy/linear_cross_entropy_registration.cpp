@@ -170,7 +170,8 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
         check_version(ctx, name);
       }
       // The last backward through the node scales the kept gradients in place; one that keeps the graph
-      // (retain_graph=True) scales copies.
+      // (retain_graph=True) scales copies. hidden's is kept in its dtype: a grad_loss other than 1 scales its
+      // rounded rows (for bf16/fp16 one rounding more than scaling float32 ones; 1 and powers of 2 are exact).
       const bool last = !torch::autograd::get_current_graph_task_keep_graph();
       const auto dtype = d.at("dtype").toScalarType();
       const auto scaled = [&](const char* key) {
