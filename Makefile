@@ -41,10 +41,11 @@ define run-example-cpp
 endef
 
 # Its prerequisites two at a time: axolotl's venv installs (the network and the disk) while .venv installs and the
-# library builds (the cores); each one's output printed whole when it is done.
+# library builds (the cores); each one's output printed whole when it is done. The C++ tests on every core: each is a
+# process that loads libtorch (about 0.3 s), 24 s one at a time.
 test:
 	$(MAKE) --no-print-directory -j2 --output-sync=target lint build $(AXOLOTL_VENV)/.ready
-	$(VENV)/bin/ctest --test-dir $(BUILD_DIR) --output-on-failure
+	$(VENV)/bin/ctest --test-dir $(BUILD_DIR) --output-on-failure -j $$(nproc)
 	$(run-example-cpp)
 	$(PY) -m pytest $(PYTEST_PARALLEL) python_tests
 	$(run-axolotl-tests)
@@ -141,7 +142,7 @@ cuda-check: $(VENV)/.ready $(CUDA_VENV)/.ready gtest
 	  -C cmake.define.TORCH_OFFLOAD_CUDA=ON -C cmake.define.TORCH_OFFLOAD_BUILD_TESTS=ON \
 	  -C cmake.define.CMAKE_CUDA_COMPILER=$(CUDA_HOME)/bin/nvcc \
 	  -C cmake.define.CUDA_TOOLKIT_ROOT_DIR=$(CUDA_HOME) -C cmake.define.CUDA_nvrtc_LIBRARY=$$nvrtc .
-	$(CUDA_VENV)/bin/ctest --test-dir $(CUDA_BUILD_DIR) --output-on-failure
+	$(CUDA_VENV)/bin/ctest --test-dir $(CUDA_BUILD_DIR) --output-on-failure -j $$(nproc)
 	cmake/check_cuda_runtime.sh $(CUDA_BUILD_DIR)/libtorch_offload.so
 	PATH=$$PWD/$(VENV)/bin:$$PATH cmake/check_cuda_runtime.sh --mismatch $$PWD/$(CUDA_VENV)/bin/python $(CUDA_HOME)/bin/nvcc
 

@@ -50,7 +50,7 @@ for version in "$@"; do
     nvidia_libraries=$(ls -d "$cuda_site"/nvidia/*/lib | paste -sd:)
     LD_LIBRARY_PATH=$nvidia_libraries CUDA_HOME=$cuda_home cmake/build_wheel.sh "$venv/bin/python" "$wheels" \
       -C "build-dir=$build" -C cmake.define.TORCH_OFFLOAD_BUILD_TESTS=ON
-    LD_LIBRARY_PATH=$nvidia_libraries "$cuda_venv/bin/ctest" --test-dir "$build" --output-on-failure
+    LD_LIBRARY_PATH=$nvidia_libraries "$cuda_venv/bin/ctest" --test-dir "$build" --output-on-failure -j "$(nproc)"
     cmake/check_cuda_runtime.sh "$build/libtorch_offload.so"
     PATH=$cuda_venv/bin:$PATH cmake/check_cuda_runtime.sh --mismatch "$PWD/$venv/bin/python" "$cuda_home/bin/nvcc"
   else
