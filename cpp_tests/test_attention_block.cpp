@@ -111,6 +111,19 @@ TEST(AttentionBlock, SegmentsMatchAtenWithTheirMaskWrittenOut) {
   expect_values_and_gradients_close(out, want, a.leaves());
 }
 
+TEST(AttentionBlock, AttendingOnceMatchesAtenWithAutogradFromCpp) {
+  const Attention a = make_attention();
+  const auto [attention, logsumexp] =
+      torch_offload::attention_block_attend(a.x, a.w_q, a.w_k, a.w_v, a.cos, a.sin, a.b_q, a.b_k, a.b_v);
+  EXPECT_FALSE(attention.requires_grad() || logsumexp.requires_grad());
+  ASSERT_EQ(attention.sizes(), (std::vector<int64_t>{2, 9, 16}));
+  ASSERT_EQ(logsumexp.sizes(), (std::vector<int64_t>{4, 2, 9}));
+  const at::Tensor out = torch_offload::attention_block(a.x, a.w_q, a.w_k, a.w_v, a.w_o, a.cos, a.sin, a.b_q, a.b_k,
+                                                        a.b_v, a.b_o, std::nullopt, std::nullopt, std::nullopt,
+                                                        std::nullopt, std::nullopt, 1e-6, attention, logsumexp);
+  expect_values_and_gradients_close(out, reference(a), a.leaves());
+}
+
 // q_norm [q_width] and k_norm [k_width] through the op and the reference, values and gradients.
 void expect_norms_match_aten(int64_t q_width, int64_t k_width) {
   const Attention a = make_attention();

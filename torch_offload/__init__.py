@@ -13,6 +13,7 @@ __all__ = [
     "OffloadHandle",
     "apply",
     "attention_block",
+    "attention_block_attend",
     "attention_block_segment_ids",
     "candidate_divergence",
     "checkpoint",
@@ -111,7 +112,12 @@ def pinned_arena_stats() -> dict[str, int]:
     return dict(zip(keys, torch.ops.offload.pinned_arena_stats()))
 
 
-from .attention_block import attention_block, attention_block_segment_ids, segment_attention  # noqa: E402
+from .attention_block import (  # noqa: E402
+    attention_block,
+    attention_block_attend,
+    attention_block_segment_ids,
+    segment_attention,
+)
 from .candidate_divergence import candidate_divergence  # noqa: E402
 from .integrations import OffloadHandle, apply  # noqa: E402
 from .integrations.chunk_recurrent import chunk_recurrent_loss  # noqa: E402

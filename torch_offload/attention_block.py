@@ -7,7 +7,7 @@ import torch
 
 from . import _require_tensor
 
-__all__ = ["attention_block", "attention_block_segment_ids", "segment_attention"]
+__all__ = ["attention_block", "attention_block_attend", "attention_block_segment_ids", "segment_attention"]
 
 
 def attention_block(
@@ -29,6 +29,8 @@ def attention_block(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
+    attention: torch.Tensor | None = None,
+    logsumexp: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal self-attention with rotary embeddings and its projections, as Llama's (differentiable).
 
@@ -68,14 +70,54 @@ def attention_block(
     each head group's q, k and v go to the whole rows for a share of its heads by an all-to-all,
     and its attention output comes back by another (as ``ulysses_attention``), in forward and in
     backward's recompute. ``heads`` must be a multiple of the ranks. Every rank calls it alike.
+
+    ``attention`` and ``logsumexp``: ``attention_block_attend``'s outputs for the same arguments. The op then
+    computes the output projection alone (one GEMM over every head), saves them with its inputs, and its backward
+    hands them to the attention kernels' backward: no attention forward runs again. They get no gradient.
     """
     for value, arg in ((x, "x"), (w_q, "w_q"), (w_k, "w_k"), (w_v, "w_v"), (w_o, "w_o"), (cos, "cos"), (sin, "sin")):
         _require_tensor(value, "attention_block", arg)
     # The norms' arguments only where there are norms: under torch.compile(dynamic=True) before torch 2.15, a float
     # reaching a checkpoint's subgraph as a graph input trips pytorch/pytorch#193194 (test_compile's GPT-2).
-    norms = (q_norm, k_norm, norm_eps) if q_norm is not None or k_norm is not None else ()
+    saved = (attention, logsumexp) if attention is not None or logsumexp is not None else ()
+    norms = (q_norm, k_norm, norm_eps) if q_norm is not None or k_norm is not None or saved else ()
     return torch.ops.offload.attention_block(
-        x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids, group_name, *norms
+        x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids, group_name, *norms, *saved
+    )
+
+
+def attention_block_attend(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_k: torch.Tensor,
+    w_v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    b_q: torch.Tensor | None = None,
+    b_k: torch.Tensor | None = None,
+    b_v: torch.Tensor | None = None,
+    scale: float | None = None,
+    segment_ids: torch.Tensor | None = None,
+    group_name: str | None = None,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention_block``'s forward up to its output projection, for a step that runs each attention forward
+    once (the ``torch.ops.offload.attention_block_attend`` op; not differentiable).
+
+    Takes ``attention_block``'s arguments but ``w_o`` and ``b_o``; returns ``(attention, logsumexp)``:
+    ``attention`` ``[batch, tokens, heads * head_dim]`` in ``x``'s dtype, every head's output as ``w_o`` takes
+    it, and ``logsumexp`` ``[heads / ranks, batch, tokens * ranks]`` (float32, float64 for float64 ``x``), each
+    query's log-sum-exp over its keys (with ``group_name``, the rank's share of the heads over the whole rows;
+    0 for padding that sees no key). Passed to ``attention_block`` with the same arguments, they make its
+    forward the output projection alone and its backward recompute no attention forward.
+    """
+    for value, arg in ((x, "x"), (w_q, "w_q"), (w_k, "w_k"), (w_v, "w_v"), (cos, "cos"), (sin, "sin")):
+        _require_tensor(value, "attention_block_attend", arg)
+    return torch.ops.offload.attention_block_attend(
+        x, w_q, w_k, w_v, cos, sin, b_q, b_k, b_v, scale, segment_ids, group_name, q_norm, k_norm, norm_eps
     )
 
 

@@ -465,16 +465,41 @@ inline at::Tensor attention_block(
     const std::optional<at::Tensor>& b_o = std::nullopt, std::optional<double> scale = std::nullopt,
     const std::optional<at::Tensor>& segment_ids = std::nullopt,
     std::optional<std::string_view> group_name = std::nullopt, const std::optional<at::Tensor>& q_norm = std::nullopt,
-    const std::optional<at::Tensor>& k_norm = std::nullopt, double norm_eps = 1e-6) {
+    const std::optional<at::Tensor>& k_norm = std::nullopt, double norm_eps = 1e-6,
+    const std::optional<at::Tensor>& attention = std::nullopt,
+    const std::optional<at::Tensor>& logsumexp = std::nullopt) {
   TORCH_CHECK(x.defined(), "attention_block: x is an undefined tensor; expected a defined tensor");
   static const auto handle = detail::op<at::Tensor(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
       const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::optional<double>,
       const std::optional<at::Tensor>&, std::optional<std::string_view>, const std::optional<at::Tensor>&,
-      const std::optional<at::Tensor>&, double)>("offload::attention_block");
+      const std::optional<at::Tensor>&, double, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>(
+      "offload::attention_block");
   return handle.call(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids, group_name, q_norm,
-                     k_norm, norm_eps);
+                     k_norm, norm_eps, attention, logsumexp);
+}
+
+// attention_block's forward up to its output projection, for a plan that runs each attention forward once:
+// (attention [batch, tokens, heads * head_dim] in x's dtype, the heads' outputs as w_o takes them; logsumexp
+// [heads / ranks, batch, tokens * ranks] in float32 (float64 for float64 x), each query's log-sum-exp over its keys,
+// over the whole rows with group_name). Given both, attention_block computes the output projection alone and its
+// backward uses them instead of recomputing the attention. Neither gets a gradient.
+inline std::tuple<at::Tensor, at::Tensor> attention_block_attend(
+    const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& cos,
+    const at::Tensor& sin, const std::optional<at::Tensor>& b_q = std::nullopt,
+    const std::optional<at::Tensor>& b_k = std::nullopt, const std::optional<at::Tensor>& b_v = std::nullopt,
+    std::optional<double> scale = std::nullopt, const std::optional<at::Tensor>& segment_ids = std::nullopt,
+    std::optional<std::string_view> group_name = std::nullopt, const std::optional<at::Tensor>& q_norm = std::nullopt,
+    const std::optional<at::Tensor>& k_norm = std::nullopt, double norm_eps = 1e-6) {
+  TORCH_CHECK(x.defined(), "attention_block_attend: x is an undefined tensor; expected a defined tensor");
+  static const auto handle = detail::op<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+      std::optional<double>, const std::optional<at::Tensor>&, std::optional<std::string_view>,
+      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, double)>("offload::attention_block_attend");
+  return handle.call(x, w_q, w_k, w_v, cos, sin, b_q, b_k, b_v, scale, segment_ids, group_name, q_norm, k_norm,
+                     norm_eps);
 }
 
 // The gradients of attention_block with respect to (x, w_q, w_k, w_v, w_o, b_q, b_k,
@@ -490,7 +515,8 @@ inline AttentionBlockGradients attention_block_backward(
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
     std::array<bool, 11> output_mask, std::optional<std::string_view> group_name = std::nullopt,
     const std::optional<at::Tensor>& q_norm = std::nullopt, const std::optional<at::Tensor>& k_norm = std::nullopt,
-    double norm_eps = 1e-6) {
+    double norm_eps = 1e-6, const std::optional<at::Tensor>& attention = std::nullopt,
+    const std::optional<at::Tensor>& logsumexp = std::nullopt) {
   TORCH_CHECK(grad_out.defined(),
               "attention_block_backward: grad_out is an undefined tensor; expected a defined tensor");
   TORCH_CHECK(x.defined(), "attention_block_backward: x is an undefined tensor; expected a defined tensor");
@@ -499,9 +525,10 @@ inline AttentionBlockGradients attention_block_backward(
       const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::optional<double>,
       const std::optional<at::Tensor>&, std::array<bool, 11>, std::optional<std::string_view>,
-      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, double)>("offload::attention_block_backward");
+      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, double, const std::optional<at::Tensor>&,
+      const std::optional<at::Tensor>&)>("offload::attention_block_backward");
   return handle.call(grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids, output_mask,
-                     group_name, q_norm, k_norm, norm_eps);
+                     group_name, q_norm, k_norm, norm_eps, attention, logsumexp);
 }
 
 // attention_block's attention alone, for attention modules whose projections it does not

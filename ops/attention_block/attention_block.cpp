@@ -80,11 +80,12 @@ bool over_whole_rows(const at::Tensor& weight, int64_t head_dim) {
   return weight.defined() && weight.size(0) != head_dim;
 }
 
-// Every argument against x [B, T, h] and cos [1 or B, T, D]; works on symbolic shapes.
+// Every argument against x [B, T, h] and cos [1 or B, T, D], w_o and b_o where output_projection says the op has
+// them (attention_block_attend has not); works on symbolic shapes.
 void check_arguments(const char* op, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
                      const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& b_q, const at::Tensor& b_k, const at::Tensor& b_v, const at::Tensor& b_o,
-                     std::optional<double> scale, const HeadNorms& norms) {
+                     std::optional<double> scale, const HeadNorms& norms, bool output_projection = true) {
   check_defined(x, op, "x");
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf, op,
@@ -118,9 +119,11 @@ void check_arguments(const char* op, const at::Tensor& x, const at::Tensor& w_q,
                   " rows; expected a multiple > 0 of the head dimension ", head_dim, " (cos's last dimension)");
   TORCH_SYM_CHECK(((q_rows / head_dim) % (kv_rows / head_dim)).sym_eq(0), op, ": w_q has ", q_rows / head_dim,
                   " heads and w_k ", kv_rows / head_dim, "; the query heads must be a multiple of the key/value heads");
-  check_defined(w_o, op, "w_o");
-  TORCH_CHECK(w_o.dim() == 2, op, ": w_o has shape ", w_o.sym_sizes(), "; expected [out_features, heads * head_dim]");
-  check_tensor(op, "w_o", w_o, x, "x", dtype, {w_o.sym_size(0), q_rows}, "[out_features, heads * head_dim]");
+  if (output_projection) {
+    check_defined(w_o, op, "w_o");
+    TORCH_CHECK(w_o.dim() == 2, op, ": w_o has shape ", w_o.sym_sizes(), "; expected [out_features, heads * head_dim]");
+    check_tensor(op, "w_o", w_o, x, "x", dtype, {w_o.sym_size(0), q_rows}, "[out_features, heads * head_dim]");
+  }
   if (b_q.defined()) {
     check_tensor(op, "b_q", b_q, x, "x", dtype, {q_rows}, "[heads * head_dim]");
   }
@@ -130,7 +133,7 @@ void check_arguments(const char* op, const at::Tensor& x, const at::Tensor& w_q,
   if (b_v.defined()) {
     check_tensor(op, "b_v", b_v, x, "x", dtype, {kv_rows}, "[kv_heads * head_dim]");
   }
-  if (b_o.defined()) {
+  if (output_projection && b_o.defined()) {
     check_tensor(op, "b_o", b_o, x, "x", dtype, {w_o.sym_size(0)}, "[out_features]");
   }
   TORCH_CHECK(!scale.has_value() || (std::isfinite(*scale) && *scale > 0), op, ": scale is ", *scale,
@@ -181,6 +184,24 @@ void check_segment_ids(const char* op, const at::Tensor& segment_ids, const at::
   check_segment_ids(op, segment_ids, x, "x", x.sym_size(0), x.sym_size(1) * ranks);
 }
 
+// attention_block's saved attention (attention_block_attend's outputs for the same arguments), both or neither:
+// attention [batch, tokens, heads * head_dim] in x's dtype and logsumexp [heads / ranks, batch, tokens * ranks] in its
+// op-math type.
+void check_saved_attention(const char* op, const at::Tensor& attention, const at::Tensor& logsumexp,
+                           const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& cos, int64_t ranks) {
+  TORCH_CHECK(attention.defined() == logsumexp.defined(), op, ": attention is ", attention.defined() ? "given" : "None",
+              " but logsumexp is ", logsumexp.defined() ? "given" : "None",
+              "; expected both (attention_block_attend's outputs) or neither");
+  if (!attention.defined()) {
+    return;
+  }
+  const c10::SymInt heads = w_q.sym_size(0) / cos.sym_size(2);
+  check_tensor(op, "attention", attention, x, "x", x.scalar_type(), {x.sym_size(0), x.sym_size(1), w_q.sym_size(0)},
+               "[batch, tokens, heads * head_dim]");
+  check_tensor(op, "logsumexp", logsumexp, x, "x", at::toOpMathType(x.scalar_type()),
+               {heads / ranks, x.sym_size(0), x.sym_size(1) * ranks}, "[heads / ranks, batch, tokens * ranks]");
+}
+
 // segment_attention's checks of query, segment_ids and scale but their shapes.
 void check_segment_attention_values(const char* op, const at::Tensor& q, const at::Tensor& segment_ids,
                                     std::optional<double> scale) {
@@ -221,7 +242,7 @@ struct Layout {
         heads(w_q.size(0) / head_dim),
         kv_heads(w_k.size(0) / head_dim),
         repeats(heads / kv_heads),
-        out_features(w_o.size(0)),
+        out_features(w_o.defined() ? w_o.size(0) : 0),
         scale(scale_opt.value_or(1.0 / std::sqrt(static_cast<double>(head_dim)))) {
     // Per key/value head: q, out, dq, dout and the repeated k, v, dk, dv (repeats each),
     // plus k and v themselves.
@@ -432,14 +453,23 @@ at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tenso
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                 const std::optional<at::Tensor>& segment_ids,
                                 std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
-                                const std::optional<at::Tensor>& k_norm, double norm_eps) {
+                                const std::optional<at::Tensor>& k_norm, double norm_eps,
+                                const std::optional<at::Tensor>& attention_opt,
+                                const std::optional<at::Tensor>& logsumexp_opt) {
   const at::Tensor bq = value_or_undefined(b_q), bk = value_or_undefined(b_k), bv = value_or_undefined(b_v),
                    bo = value_or_undefined(b_o), segments = value_or_undefined(segment_ids);
   HeadNorms norms(q_norm, k_norm, norm_eps);
   check_arguments("attention_block", x, w_q, w_k, w_v, w_o, cos, sin, bq, bk, bv, bo, scale, norms);
   const Shards shards(group_name);
   check_segment_ids("attention_block", segments, x, shards.ranks);
+  const at::Tensor saved = value_or_undefined(attention_opt);
+  check_saved_attention("attention_block", saved, value_or_undefined(logsumexp_opt), x, w_q, cos, shards.ranks);
   const Layout l(x, w_q, w_k, w_o, cos, scale);
+  if (saved.defined()) {  // the attention is attention_block_attend's: the output projection alone, one GEMM
+    at::Tensor out = at::empty({l.batch * l.tokens, l.out_features}, x.options());
+    linear_into(out, saved.reshape({l.batch * l.tokens, -1}), w_o, bo);
+    return out.view({l.batch, l.tokens, l.out_features});
+  }
   const int64_t per_group = kv_heads_per_group("attention_block", l, shards);
   const SegmentRuns runs = segment_runs("attention_block", segments);
   const int64_t rows = l.batch * l.tokens;
@@ -462,13 +492,53 @@ at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tenso
   return out.to(x.scalar_type()).view({l.batch, l.tokens, l.out_features});
 }
 
+std::tuple<at::Tensor, at::Tensor> attention_block_attend_impl(
+    const AttentionKernels& kernels, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
+    const at::Tensor& w_v, const at::Tensor& cos, const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
+    const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v, std::optional<double> scale,
+    const std::optional<at::Tensor>& segment_ids, std::optional<c10::string_view> group_name,
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps) {
+  const char* op = "attention_block_attend";
+  const at::Tensor bq = value_or_undefined(b_q), bk = value_or_undefined(b_k), bv = value_or_undefined(b_v),
+                   segments = value_or_undefined(segment_ids);
+  HeadNorms norms(q_norm, k_norm, norm_eps);
+  check_arguments(op, x, w_q, w_k, w_v, at::Tensor(), cos, sin, bq, bk, bv, at::Tensor(), scale, norms,
+                  /*output_projection=*/false);
+  const Shards shards(group_name);
+  check_segment_ids(op, segments, x, shards.ranks);
+  const Layout l(x, w_q, w_k, at::Tensor(), cos, scale);
+  const int64_t per_group = kv_heads_per_group(op, l, shards);
+  const SegmentRuns runs = segment_runs(op, segments);
+  const int64_t rows = l.batch * l.tokens;
+  at::Tensor attention = at::empty({l.batch, l.tokens, l.heads * l.head_dim}, x.options());
+  // Zeros where no kernel writes: padding that sees no key.
+  at::Tensor logsumexp = at::zeros({l.heads / shards.ranks, l.batch, l.tokens * shards.ranks},
+                                   x.options().dtype(at::toOpMathType(x.scalar_type())));
+  if (rows > 0) {
+    const at::Tensor x_rows = x.reshape({rows, l.h}).contiguous();
+    const at::Tensor attention_rows = attention.view({rows, -1});
+    compute_row_scales(norms, l, x_rows, w_q, w_k, bq, bk);
+    for (int64_t first = 0; first < l.kv_heads; first += per_group) {
+      Group g(l, first, std::min(per_group, l.kv_heads - first));
+      project(g, l, x_rows, w_q, w_k, w_v, bq, bk, bv, cos, sin, norms, /*keep_rows=*/false, shards);
+      const AttentionResult result = attend(kernels, g.q, g.k, g.v, l.scale, runs);
+      attention_rows.narrow(1, g.q_start, g.q_rows).copy_(as_rows(shards.to_heads(result.out), l));
+      // The rank's share of the group's heads: a whole number of them (kv_heads_per_group).
+      store_logsumexp(logsumexp.narrow(0, g.q_start / l.head_dim / shards.ranks, g.q.size(1)), result, kernels, g.q,
+                      runs);
+    }
+  }
+  return {attention, logsumexp};
+}
+
 AttentionBlockGradients attention_block_backward_impl(
     const AttentionKernels& kernels, const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q,
     const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
     std::array<bool, 11> output_mask, std::optional<c10::string_view> group_name,
-    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps) {
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps,
+    const std::optional<at::Tensor>& attention_opt, const std::optional<at::Tensor>& logsumexp_opt) {
   const char* op = "attention_block_backward";
   const at::Tensor bq = value_or_undefined(b_q), bk = value_or_undefined(b_k), bv = value_or_undefined(b_v),
                    bo = value_or_undefined(b_o), segments = value_or_undefined(segment_ids);
@@ -476,6 +546,9 @@ AttentionBlockGradients attention_block_backward_impl(
   check_arguments(op, x, w_q, w_k, w_v, w_o, cos, sin, bq, bk, bv, bo, scale, norms);
   const Shards shards(group_name);
   check_segment_ids(op, segments, x, shards.ranks);
+  // The forward's attention and log-sum-exps (attention_block_attend's), when given: no attention forward runs here.
+  const at::Tensor saved = value_or_undefined(attention_opt), saved_logsumexp = value_or_undefined(logsumexp_opt);
+  check_saved_attention(op, saved, saved_logsumexp, x, w_q, cos, shards.ranks);
   const Layout l(x, w_q, w_k, w_o, cos, scale);
   const int64_t per_group = kv_heads_per_group(op, l, shards);
   check_tensor(op, "grad_out", grad_out, x, "x", x.scalar_type(), {l.batch, l.tokens, l.out_features},
@@ -507,7 +580,10 @@ AttentionBlockGradients attention_block_backward_impl(
   // b_o's gradient needs no recompute: it is grad_out summed over the tokens.
   at::Tensor grad_b_o = want_b_o ? at::sum(grad_rows, {0}, false, acc_type) : at::Tensor();
 
-  if (rows > 0 && (want_inner || want_w_o)) {
+  if (rows > 0 && want_w_o && saved.defined()) {  // every head's output at hand: one GEMM
+    accumulate_mm(grad_w_o, grad_rows.t(), saved.reshape({rows, -1}));
+  }
+  if (rows > 0 && (want_inner || (want_w_o && !saved.defined()))) {
     const SegmentRuns runs = segment_runs(op, segments);
     const at::Tensor x_rows = x.reshape({rows, l.h}).contiguous();
     // x is every weight gradient's second operand: where accumulate_mm would convert it to
@@ -554,7 +630,9 @@ AttentionBlockGradients attention_block_backward_impl(
     // One causal sequence a row on the CPU: the queries' side a chunk of rows at a time (query_chunks.h), so that
     // a group holds its keys and values and their gradients whole but not its queries, output and their gradients.
     const int64_t query_chunk =
-        x.is_cpu() && !shards.active() && runs.empty() && l.batch == 1 && want_inner ? query_chunk_rows(l.tokens) : 0;
+        x.is_cpu() && !shards.active() && runs.empty() && l.batch == 1 && want_inner && !saved.defined()
+            ? query_chunk_rows(l.tokens)
+            : 0;
     const auto chunk_layout = [&](int64_t length) {
       Layout chunk = l;
       chunk.tokens = length;
@@ -610,8 +688,15 @@ AttentionBlockGradients attention_block_backward_impl(
         continue;
       }
       project(g, l, x_rows, w_q, w_k, w_v, bq, bk, bv, cos, sin, norms, /*keep_rows=*/true, shards);
-      AttentionResult attention = attend(kernels, g.q, g.k, g.v, l.scale, runs);
-      if (want_w_o) {
+      AttentionResult attention =
+          saved.defined()
+              ? restored_result(
+                    saved_logsumexp.narrow(0, g.q_start / l.head_dim / shards.ranks, g.q.size(1)),
+                    shards.to_tokens(
+                        saved.narrow(2, g.q_start, g.q_rows).view({l.batch, l.tokens, -1, l.head_dim}).transpose(1, 2)),
+                    kernels, g.q, runs)
+              : attend(kernels, g.q, g.k, g.v, l.scale, runs);
+      if (want_w_o && !saved.defined()) {
         accumulate_mm(grad_w_o.narrow(1, g.q_start, g.q_rows), grad_rows.t(),
                       as_rows(shards.to_heads(attention.out), l));
       }
@@ -914,9 +999,20 @@ at::Tensor attention_block_cpu(const at::Tensor& x, const at::Tensor& w_q, const
                                const std::optional<at::Tensor>& b_v, const std::optional<at::Tensor>& b_o,
                                std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
                                std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
-                               const std::optional<at::Tensor>& k_norm, double norm_eps) {
+                               const std::optional<at::Tensor>& k_norm, double norm_eps,
+                               const std::optional<at::Tensor>& attention, const std::optional<at::Tensor>& logsumexp) {
   return attention_block_impl(cpu_attention_kernels, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale,
-                              segment_ids, group_name, q_norm, k_norm, norm_eps);
+                              segment_ids, group_name, q_norm, k_norm, norm_eps, attention, logsumexp);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_block_attend_cpu(
+    const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& cos,
+    const at::Tensor& sin, const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k,
+    const std::optional<at::Tensor>& b_v, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
+    std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
+    const std::optional<at::Tensor>& k_norm, double norm_eps) {
+  return attention_block_attend_impl(cpu_attention_kernels, x, w_q, w_k, w_v, cos, sin, b_q, b_k, b_v, scale,
+                                     segment_ids, group_name, q_norm, k_norm, norm_eps);
 }
 
 AttentionBlockGradients attention_block_backward_cpu(
@@ -925,9 +1021,11 @@ AttentionBlockGradients attention_block_backward_cpu(
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
     std::array<bool, 11> output_mask, std::optional<c10::string_view> group_name,
-    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps) {
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps,
+    const std::optional<at::Tensor>& attention, const std::optional<at::Tensor>& logsumexp) {
   return attention_block_backward_impl(cpu_attention_kernels, grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v,
-                                       b_o, scale, segment_ids, output_mask, group_name, q_norm, k_norm, norm_eps);
+                                       b_o, scale, segment_ids, output_mask, group_name, q_norm, k_norm, norm_eps,
+                                       attention, logsumexp);
 }
 
 // Meta: the same checks (on symbolic shapes), then results shaped like the real ones.
@@ -938,12 +1036,34 @@ at::Tensor attention_block_meta(const at::Tensor& x, const at::Tensor& w_q, cons
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                 const std::optional<at::Tensor>& segment_ids,
                                 std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
-                                const std::optional<at::Tensor>& k_norm, double norm_eps) {
+                                const std::optional<at::Tensor>& k_norm, double norm_eps,
+                                const std::optional<at::Tensor>& attention,
+                                const std::optional<at::Tensor>& logsumexp) {
   check_arguments("attention_block", x, w_q, w_k, w_v, w_o, cos, sin, value_or_undefined(b_q), value_or_undefined(b_k),
                   value_or_undefined(b_v), value_or_undefined(b_o), scale, HeadNorms(q_norm, k_norm, norm_eps));
   const Shards shards(group_name);
   check_segment_ids("attention_block", value_or_undefined(segment_ids), x, shards.ranks);
+  check_saved_attention("attention_block", value_or_undefined(attention), value_or_undefined(logsumexp), x, w_q, cos,
+                        shards.ranks);
   return at::empty_symint({x.sym_size(0), x.sym_size(1), w_o.sym_size(0)}, x.options());
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_block_attend_meta(
+    const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& cos,
+    const at::Tensor& sin, const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k,
+    const std::optional<at::Tensor>& b_v, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
+    std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
+    const std::optional<at::Tensor>& k_norm, double norm_eps) {
+  const char* op = "attention_block_attend";
+  check_arguments(op, x, w_q, w_k, w_v, at::Tensor(), cos, sin, value_or_undefined(b_q), value_or_undefined(b_k),
+                  value_or_undefined(b_v), at::Tensor(), scale, HeadNorms(q_norm, k_norm, norm_eps),
+                  /*output_projection=*/false);
+  const Shards shards(group_name);
+  check_segment_ids(op, value_or_undefined(segment_ids), x, shards.ranks);
+  const c10::SymInt heads = w_q.sym_size(0) / cos.sym_size(2);
+  return {at::empty_symint({x.sym_size(0), x.sym_size(1), w_q.sym_size(0)}, x.options()),
+          at::empty_symint({heads / shards.ranks, x.sym_size(0), x.sym_size(1) * shards.ranks},
+                           x.options().dtype(at::toOpMathType(x.scalar_type())))};
 }
 
 AttentionBlockGradients attention_block_backward_meta(
@@ -952,10 +1072,12 @@ AttentionBlockGradients attention_block_backward_meta(
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
     std::array<bool, 11> output_mask, std::optional<c10::string_view> group_name,
-    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps) {
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps,
+    const std::optional<at::Tensor>& attention, const std::optional<at::Tensor>& logsumexp) {
   const char* op = "attention_block_backward";
   const Shards shards(group_name);
   check_segment_ids(op, value_or_undefined(segment_ids), x, shards.ranks);
+  check_saved_attention(op, value_or_undefined(attention), value_or_undefined(logsumexp), x, w_q, cos, shards.ranks);
   const HeadNorms norms(q_norm, k_norm, norm_eps);
   const std::array<at::Tensor, 11> inputs{x,
                                           w_q,

@@ -79,13 +79,28 @@ at::Tensor attention_block_impl(const AttentionKernels& kernels, const at::Tenso
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                 const std::optional<at::Tensor>& segment_ids,
                                 std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
-                                const std::optional<at::Tensor>& k_norm, double norm_eps);
+                                const std::optional<at::Tensor>& k_norm, double norm_eps,
+                                const std::optional<at::Tensor>& attention, const std::optional<at::Tensor>& logsumexp);
 AttentionBlockGradients attention_block_backward_impl(
     const AttentionKernels& kernels, const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q,
     const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
     std::array<bool, 11> output_mask, std::optional<c10::string_view> group_name,
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps,
+    const std::optional<at::Tensor>& attention, const std::optional<at::Tensor>& logsumexp);
+
+// attention_block_attend: attention_block's forward up to its output projection, for the plan that runs each
+// layer's attention forward once: (attention [batch, tokens, heads * head_dim] in x's dtype, the heads' outputs
+// as the output projection takes them; logsumexp [heads / ranks, batch, tokens * ranks] in the op-math type, each
+// query's log-sum-exp over its keys, as the rank's kernels computed it over the whole rows). attention_block given
+// both computes the output projection alone, and its backward hands them to the kernels' backward instead of
+// recomputing the attention.
+std::tuple<at::Tensor, at::Tensor> attention_block_attend_impl(
+    const AttentionKernels& kernels, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
+    const at::Tensor& w_v, const at::Tensor& cos, const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
+    const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v, std::optional<double> scale,
+    const std::optional<at::Tensor>& segment_ids, std::optional<c10::string_view> group_name,
     const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps);
 
 // segment_attention / segment_attention_backward: the attention of attention_block alone, for
@@ -124,7 +139,8 @@ at::Tensor attention_block_cpu(const at::Tensor& x, const at::Tensor& w_q, const
                                const std::optional<at::Tensor>& b_v, const std::optional<at::Tensor>& b_o,
                                std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
                                std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
-                               const std::optional<at::Tensor>& k_norm, double norm_eps);
+                               const std::optional<at::Tensor>& k_norm, double norm_eps,
+                               const std::optional<at::Tensor>& attention, const std::optional<at::Tensor>& logsumexp);
 at::Tensor attention_block_meta(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
                                 const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos,
                                 const at::Tensor& sin, const std::optional<at::Tensor>& b_q,
@@ -132,21 +148,24 @@ at::Tensor attention_block_meta(const at::Tensor& x, const at::Tensor& w_q, cons
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                 const std::optional<at::Tensor>& segment_ids,
                                 std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
-                                const std::optional<at::Tensor>& k_norm, double norm_eps);
+                                const std::optional<at::Tensor>& k_norm, double norm_eps,
+                                const std::optional<at::Tensor>& attention, const std::optional<at::Tensor>& logsumexp);
 AttentionBlockGradients attention_block_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
     std::array<bool, 11> output_mask, std::optional<c10::string_view> group_name,
-    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps);
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps,
+    const std::optional<at::Tensor>& attention, const std::optional<at::Tensor>& logsumexp);
 AttentionBlockGradients attention_block_backward_meta(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
     std::array<bool, 11> output_mask, std::optional<c10::string_view> group_name,
-    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps);
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps,
+    const std::optional<at::Tensor>& attention, const std::optional<at::Tensor>& logsumexp);
 
 at::Tensor segment_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& segment_ids, std::optional<double> scale,
@@ -167,6 +186,19 @@ SegmentAttentionGradients segment_attention_backward_meta(
     const at::Tensor& segment_ids, std::optional<double> scale, std::array<bool, 4> output_mask,
     std::optional<double> softcap, const std::optional<at::Tensor>& sinks, std::optional<int64_t> window);
 
+std::tuple<at::Tensor, at::Tensor> attention_block_attend_cpu(
+    const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& cos,
+    const at::Tensor& sin, const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k,
+    const std::optional<at::Tensor>& b_v, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
+    std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
+    const std::optional<at::Tensor>& k_norm, double norm_eps);
+std::tuple<at::Tensor, at::Tensor> attention_block_attend_meta(
+    const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& cos,
+    const at::Tensor& sin, const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k,
+    const std::optional<at::Tensor>& b_v, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
+    std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
+    const std::optional<at::Tensor>& k_norm, double norm_eps);
+
 #ifdef TORCH_OFFLOAD_WITH_CUDA
 // What CUDA's attention kernels take: x (called `name`) not float64, head_dim (read from `where`) aligned.
 void check_cuda_support(const char* op, const at::Tensor& x, const char* name, int64_t head_dim, const char* where);
@@ -180,14 +212,22 @@ at::Tensor attention_block_cuda(const at::Tensor& x, const at::Tensor& w_q, cons
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                 const std::optional<at::Tensor>& segment_ids,
                                 std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
-                                const std::optional<at::Tensor>& k_norm, double norm_eps);
+                                const std::optional<at::Tensor>& k_norm, double norm_eps,
+                                const std::optional<at::Tensor>& attention, const std::optional<at::Tensor>& logsumexp);
 AttentionBlockGradients attention_block_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k,
     const at::Tensor& w_v, const at::Tensor& w_o, const at::Tensor& cos, const at::Tensor& sin,
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
     std::array<bool, 11> output_mask, std::optional<c10::string_view> group_name,
-    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps);
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps,
+    const std::optional<at::Tensor>& attention, const std::optional<at::Tensor>& logsumexp);
+std::tuple<at::Tensor, at::Tensor> attention_block_attend_cuda(
+    const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& cos,
+    const at::Tensor& sin, const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k,
+    const std::optional<at::Tensor>& b_v, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
+    std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
+    const std::optional<at::Tensor>& k_norm, double norm_eps);
 at::Tensor segment_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& segment_ids, std::optional<double> scale,
                                   std::optional<double> softcap, const std::optional<at::Tensor>& sinks,

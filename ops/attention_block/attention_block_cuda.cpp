@@ -125,10 +125,23 @@ at::Tensor attention_block_cuda(const at::Tensor& x, const at::Tensor& w_q, cons
                                 const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                 const std::optional<at::Tensor>& segment_ids,
                                 std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
-                                const std::optional<at::Tensor>& k_norm, double norm_eps) {
+                                const std::optional<at::Tensor>& k_norm, double norm_eps,
+                                const std::optional<at::Tensor>& attention,
+                                const std::optional<at::Tensor>& logsumexp) {
   check_block_cuda_support("attention_block", x, cos);
   return attention_block_impl(cuda_attention_kernels, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale,
-                              segment_ids, group_name, q_norm, k_norm, norm_eps);
+                              segment_ids, group_name, q_norm, k_norm, norm_eps, attention, logsumexp);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_block_attend_cuda(
+    const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& cos,
+    const at::Tensor& sin, const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k,
+    const std::optional<at::Tensor>& b_v, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
+    std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
+    const std::optional<at::Tensor>& k_norm, double norm_eps) {
+  check_block_cuda_support("attention_block_attend", x, cos);
+  return attention_block_attend_impl(cuda_attention_kernels, x, w_q, w_k, w_v, cos, sin, b_q, b_k, b_v, scale,
+                                     segment_ids, group_name, q_norm, k_norm, norm_eps);
 }
 
 AttentionBlockGradients attention_block_backward_cuda(
@@ -137,10 +150,12 @@ AttentionBlockGradients attention_block_backward_cuda(
     const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k, const std::optional<at::Tensor>& b_v,
     const std::optional<at::Tensor>& b_o, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
     std::array<bool, 11> output_mask, std::optional<c10::string_view> group_name,
-    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps) {
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double norm_eps,
+    const std::optional<at::Tensor>& attention, const std::optional<at::Tensor>& logsumexp) {
   check_block_cuda_support("attention_block_backward", x, cos);
   return attention_block_backward_impl(cuda_attention_kernels, grad_out, x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v,
-                                       b_o, scale, segment_ids, output_mask, group_name, q_norm, k_norm, norm_eps);
+                                       b_o, scale, segment_ids, output_mask, group_name, q_norm, k_norm, norm_eps,
+                                       attention, logsumexp);
 }
 
 at::Tensor segment_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -21,17 +21,27 @@ TORCH_LIBRARY_FRAGMENT(offload, m) {
   // With group_name (sequence parallelism), x and cos/sin are this rank's contiguous chunk of the
   // rows, segment_ids the whole rows', and each head group's attention runs over the whole rows
   // for a share of its heads, between two all-to-alls (ops/sequence_parallel).
+  // attention and logsumexp (attention_block_attend's outputs for the same arguments): the forward computes the
+  // output projection alone, and backward hands them to the attention kernels' backward instead of recomputing the
+  // attention: the plan that runs each layer's attention forward once. They get no gradient.
   m.def(
       "attention_block(Tensor x, Tensor w_q, Tensor w_k, Tensor w_v, Tensor w_o, Tensor cos, Tensor sin, "
       "Tensor? b_q=None, Tensor? b_k=None, Tensor? b_v=None, Tensor? b_o=None, float? scale=None, "
       "Tensor? segment_ids=None, str? group_name=None, Tensor? q_norm=None, Tensor? k_norm=None, "
-      "float norm_eps=1e-06) -> Tensor");
+      "float norm_eps=1e-06, Tensor? attention=None, Tensor? logsumexp=None) -> Tensor");
   m.def(
       "attention_block_backward(Tensor grad_out, Tensor x, Tensor w_q, Tensor w_k, Tensor w_v, Tensor w_o, "
       "Tensor cos, Tensor sin, Tensor? b_q, Tensor? b_k, Tensor? b_v, Tensor? b_o, float? scale, "
       "Tensor? segment_ids, bool[11] output_mask, str? group_name=None, Tensor? q_norm=None, Tensor? k_norm=None, "
-      "float norm_eps=1e-06) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
-      "Tensor)");
+      "float norm_eps=1e-06, Tensor? attention=None, Tensor? logsumexp=None) -> (Tensor, Tensor, Tensor, Tensor, "
+      "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // attention_block's forward up to its output projection: (attention [batch, tokens, heads * head_dim] in x's
+  // dtype, logsumexp [heads / ranks, batch, tokens * ranks] in its op-math type). Not differentiable.
+  m.def(
+      "attention_block_attend(Tensor x, Tensor w_q, Tensor w_k, Tensor w_v, Tensor cos, Tensor sin, "
+      "Tensor? b_q=None, Tensor? b_k=None, Tensor? b_v=None, float? scale=None, Tensor? segment_ids=None, "
+      "str? group_name=None, Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=1e-06) "
+      "-> (Tensor attention, Tensor logsumexp)");
 
   // attention_block's attention alone, for attention modules it does not replace: query and key
   // [batch, heads, tokens, head_dim], value [batch, heads, tokens, value_head_dim] (the output's),
@@ -51,6 +61,7 @@ TORCH_LIBRARY_FRAGMENT(offload, m) {
 TORCH_LIBRARY_IMPL(offload, CPU, m) {
   m.impl("attention_block", &torch_offload::attention_block_cpu);
   m.impl("attention_block_backward", &torch_offload::attention_block_backward_cpu);
+  m.impl("attention_block_attend", &torch_offload::attention_block_attend_cpu);
   m.impl("segment_attention", &torch_offload::segment_attention_cpu);
   m.impl("segment_attention_backward", &torch_offload::segment_attention_backward_cpu);
 }
@@ -59,6 +70,7 @@ TORCH_LIBRARY_IMPL(offload, CPU, m) {
 TORCH_LIBRARY_IMPL(offload, CUDA, m) {
   m.impl("attention_block", &torch_offload::attention_block_cuda);
   m.impl("attention_block_backward", &torch_offload::attention_block_backward_cuda);
+  m.impl("attention_block_attend", &torch_offload::attention_block_attend_cuda);
   m.impl("segment_attention", &torch_offload::segment_attention_cuda);
   m.impl("segment_attention_backward", &torch_offload::segment_attention_backward_cuda);
 }
@@ -67,6 +79,7 @@ TORCH_LIBRARY_IMPL(offload, CUDA, m) {
 TORCH_LIBRARY_IMPL(offload, Meta, m) {
   m.impl("attention_block", &torch_offload::attention_block_meta);
   m.impl("attention_block_backward", &torch_offload::attention_block_backward_meta);
+  m.impl("attention_block_attend", &torch_offload::attention_block_attend_meta);
   m.impl("segment_attention", &torch_offload::segment_attention_meta);
   m.impl("segment_attention_backward", &torch_offload::segment_attention_backward_meta);
 }
@@ -88,16 +101,21 @@ class AttentionBlockFunction : public torch::autograd::Function<AttentionBlockFu
                             const std::optional<at::Tensor>& b_v, const std::optional<at::Tensor>& b_o,
                             std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
                             std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
-                            const std::optional<at::Tensor>& k_norm, double norm_eps) {
+                            const std::optional<at::Tensor>& k_norm, double norm_eps,
+                            const std::optional<at::Tensor>& attention, const std::optional<at::Tensor>& logsumexp) {
     check_rotary_needs_no_grad(cos, sin);
+    TORCH_CHECK(!or_undefined(attention).requires_grad() && !or_undefined(logsumexp).requires_grad(),
+                "attention_block: attention or logsumexp requires grad; they are attention_block_attend's outputs, "
+                "which get no gradient (detach them)");
     ctx->save_for_backward({x, w_q, w_k, w_v, w_o, cos, sin, or_undefined(b_q), or_undefined(b_k), or_undefined(b_v),
-                            or_undefined(b_o), or_undefined(segment_ids), or_undefined(q_norm), or_undefined(k_norm)});
+                            or_undefined(b_o), or_undefined(segment_ids), or_undefined(q_norm), or_undefined(k_norm),
+                            or_undefined(attention), or_undefined(logsumexp)});
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["norm_eps"] = norm_eps;
     ctx->saved_data["group_name"] = group_name.has_value() ? c10::IValue(std::string(*group_name)) : c10::IValue();
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return attention_block(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids, group_name, q_norm,
-                           k_norm, norm_eps);
+                           k_norm, norm_eps, attention, logsumexp);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
@@ -123,10 +141,13 @@ class AttentionBlockFunction : public torch::autograd::Function<AttentionBlockFu
     const auto [x, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, q_norm, k_norm] = attention_block_backward(
         grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], saved[6], or_nullopt(saved[7]),
         or_nullopt(saved[8]), or_nullopt(saved[9]), or_nullopt(saved[10]), scale, or_nullopt(saved[11]), output_mask,
-        group_name, or_nullopt(saved[12]), or_nullopt(saved[13]), ctx->saved_data["norm_eps"].toDouble());
-    // One per forward argument: none for cos, sin, scale, segment_ids, group_name and norm_eps.
-    return {x,   w_q, w_k,          w_v,          w_o,          at::Tensor(), at::Tensor(), b_q,         b_k,
-            b_v, b_o, at::Tensor(), at::Tensor(), at::Tensor(), q_norm,       k_norm,       at::Tensor()};
+        group_name, or_nullopt(saved[12]), or_nullopt(saved[13]), ctx->saved_data["norm_eps"].toDouble(),
+        or_nullopt(saved[14]), or_nullopt(saved[15]));
+    // One per forward argument: none for cos, sin, scale, segment_ids, group_name, norm_eps, attention and
+    // logsumexp.
+    return {x,      w_q,    w_k,          w_v,          w_o,          at::Tensor(), at::Tensor(),
+            b_q,    b_k,    b_v,          b_o,          at::Tensor(), at::Tensor(), at::Tensor(),
+            q_norm, k_norm, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -137,9 +158,24 @@ at::Tensor attention_block_autograd(const at::Tensor& x, const at::Tensor& w_q, 
                                     const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                     const std::optional<at::Tensor>& segment_ids,
                                     std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
-                                    const std::optional<at::Tensor>& k_norm, double norm_eps) {
+                                    const std::optional<at::Tensor>& k_norm, double norm_eps,
+                                    const std::optional<at::Tensor>& attention,
+                                    const std::optional<at::Tensor>& logsumexp) {
   return AttentionBlockFunction::apply(x, w_q, w_k, w_v, w_o, cos, sin, b_q, b_k, b_v, b_o, scale, segment_ids,
-                                       group_name, q_norm, k_norm, norm_eps);
+                                       group_name, q_norm, k_norm, norm_eps, attention, logsumexp);
+}
+
+// attention_block_attend is not differentiable: its outputs are constants for autograd (attention_block given them
+// computes every gradient itself).
+std::tuple<at::Tensor, at::Tensor> attention_block_attend_autograd(
+    const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& cos,
+    const at::Tensor& sin, const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k,
+    const std::optional<at::Tensor>& b_v, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
+    std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
+    const std::optional<at::Tensor>& k_norm, double norm_eps) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return attention_block_attend(x, w_q, w_k, w_v, cos, sin, b_q, b_k, b_v, scale, segment_ids, group_name, q_norm,
+                                k_norm, norm_eps);
 }
 
 // segment_attention saves its inputs only; segment_attention_backward recomputes. No double backward.
@@ -186,11 +222,26 @@ at::Tensor attention_block_autocast(const at::Tensor& x, const at::Tensor& w_q, 
                                     const std::optional<at::Tensor>& b_o, std::optional<double> scale,
                                     const std::optional<at::Tensor>& segment_ids,
                                     std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
-                                    const std::optional<at::Tensor>& k_norm, double norm_eps) {
+                                    const std::optional<at::Tensor>& k_norm, double norm_eps,
+                                    const std::optional<at::Tensor>& attention,
+                                    const std::optional<at::Tensor>& logsumexp) {
   const BelowAutocast<kDevice> cast;
+  // The log-sum-exps keep their op-math dtype.
   return attention_block(cast(x), cast(w_q), cast(w_k), cast(w_v), cast(w_o), cast(cos), cast(sin), cast(b_q),
                          cast(b_k), cast(b_v), cast(b_o), scale, segment_ids, group_name, cast(q_norm), cast(k_norm),
-                         norm_eps);
+                         norm_eps, cast(attention), logsumexp);
+}
+
+template <c10::DeviceType kDevice>
+std::tuple<at::Tensor, at::Tensor> attention_block_attend_autocast(
+    const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& cos,
+    const at::Tensor& sin, const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_k,
+    const std::optional<at::Tensor>& b_v, std::optional<double> scale, const std::optional<at::Tensor>& segment_ids,
+    std::optional<c10::string_view> group_name, const std::optional<at::Tensor>& q_norm,
+    const std::optional<at::Tensor>& k_norm, double norm_eps) {
+  const BelowAutocast<kDevice> cast;
+  return attention_block_attend(cast(x), cast(w_q), cast(w_k), cast(w_v), cast(cos), cast(sin), cast(b_q), cast(b_k),
+                                cast(b_v), scale, segment_ids, group_name, cast(q_norm), cast(k_norm), norm_eps);
 }
 
 // segment_attention runs in the autocast dtype, as the SDPA it stands for does.
@@ -204,7 +255,8 @@ at::Tensor segment_attention_autocast(const at::Tensor& q, const at::Tensor& k, 
   return segment_attention(cast(q), cast(k), cast(v), segment_ids, scale, softcap, sinks, window);
 }
 
-const SharedOpRules attention_block_rules({"attention_block", "segment_attention"}, UnderAutocast::kOwnKernel);
+const SharedOpRules attention_block_rules({"attention_block", "attention_block_attend", "segment_attention"},
+                                          UnderAutocast::kOwnKernel);
 const SharedOpRules attention_block_rules_without_autocast({"attention_block_backward", "segment_attention_backward"},
                                                            UnderAutocast::kOff);
 
@@ -213,6 +265,7 @@ const SharedOpRules attention_block_rules_without_autocast({"attention_block_bac
 
 TORCH_LIBRARY_IMPL(offload, Autograd, m) {
   m.impl("attention_block", &torch_offload::attention_block_autograd);
+  m.impl("attention_block_attend", &torch_offload::attention_block_attend_autograd);
   m.impl("segment_attention", &torch_offload::segment_attention_autograd);
   // Computing gradients of gradients is not supported: an error if backward reaches it.
   m.impl("attention_block_backward", torch::autograd::autogradNotImplementedFallback());
@@ -221,10 +274,12 @@ TORCH_LIBRARY_IMPL(offload, Autograd, m) {
 
 TORCH_LIBRARY_IMPL(offload, AutocastCPU, m) {
   m.impl("attention_block", &torch_offload::attention_block_autocast<c10::DeviceType::CPU>);
+  m.impl("attention_block_attend", &torch_offload::attention_block_attend_autocast<c10::DeviceType::CPU>);
   m.impl("segment_attention", &torch_offload::segment_attention_autocast<c10::DeviceType::CPU>);
 }
 
 TORCH_LIBRARY_IMPL(offload, AutocastCUDA, m) {
   m.impl("attention_block", &torch_offload::attention_block_autocast<c10::DeviceType::CUDA>);
+  m.impl("attention_block_attend", &torch_offload::attention_block_attend_autocast<c10::DeviceType::CUDA>);
   m.impl("segment_attention", &torch_offload::segment_attention_autocast<c10::DeviceType::CUDA>);
 }

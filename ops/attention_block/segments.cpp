@@ -270,4 +270,84 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attend_backward(const AttentionKe
   return {dq, dk, dv};
 }
 
+namespace {
+
+// Whether attend() took q's runs in variable-length calls (attend_packed).
+bool packed_call(const AttentionKernels& kernels, const at::Tensor& q) {
+  return kernels.has_varlen != nullptr && kernels.has_varlen(q);
+}
+
+// A variable-length call's log-sum-exp [heads, its queries' rows], checked: the layout flash attention's
+// variable-length kernels return.
+const at::Tensor& checked_varlen_logsumexp(const at::Tensor& lse, const at::Tensor& q, int64_t queries) {
+  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == q.size(1) && lse.size(1) == queries,
+              "attention_block_attend: the variable-length attention kernel returned a log-sum-exp of shape ",
+              lse.sizes(), "; expected [heads, queries] = [", q.size(1), ", ", queries, "]");
+  return lse;
+}
+
+}  // namespace
+
+void store_logsumexp(const at::Tensor& lse, const AttentionResult& result, const AttentionKernels& kernels,
+                     const at::Tensor& q, const SegmentRuns& runs) {
+  const int64_t tokens = q.size(2);
+  if (runs.empty()) {  // [B, H, T or more] (CUDA's memory-efficient kernel pads the tokens)
+    lse.copy_(result.logsumexp.narrow(2, 0, tokens).transpose(0, 1));
+    return;
+  }
+  if (packed_call(kernels, q)) {
+    const at::Tensor rows = lse.view({lse.size(0), -1});  // [H, B * T]
+    for (const bool padding : {false, true}) {
+      const std::optional<PackedRuns> packed = pack_runs(runs, padding, tokens, q.device());
+      if (!packed) {
+        continue;
+      }
+      const int64_t queries = packed->queries.defined() ? packed->queries.numel() : rows.size(1);
+      const at::Tensor& piece = checked_varlen_logsumexp(result.pieces[padding ? 1 : 0].logsumexp, q, queries);
+      if (packed->queries.defined()) {
+        rows.index_copy_(1, packed->queries, piece);
+      } else {
+        rows.copy_(piece);
+      }
+    }
+    return;
+  }
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const SegmentRun& run = runs[i];
+    if (run.keys >= 0) {  // [1, H, length or more]
+      lse.select(1, run.row)
+          .narrow(1, run.start, run.length)
+          .copy_(result.pieces[i].logsumexp[0].narrow(1, 0, run.length));
+    }
+  }
+}
+
+AttentionResult restored_result(const at::Tensor& lse, const at::Tensor& out, const AttentionKernels& kernels,
+                                const at::Tensor& q, const SegmentRuns& runs) {
+  AttentionResult result{out, at::Tensor(), {}, {}};
+  if (runs.empty()) {
+    result.logsumexp = lse.transpose(0, 1).contiguous();
+    return result;
+  }
+  if (packed_call(kernels, q)) {
+    const at::Tensor rows = lse.reshape({lse.size(0), -1});
+    for (const bool padding : {false, true}) {
+      const std::optional<PackedRuns> packed = pack_runs(runs, padding, q.size(2), q.device());
+      AttentionResult& piece = result.pieces.emplace_back();
+      if (packed) {
+        piece.logsumexp = packed->queries.defined() ? rows.index_select(1, packed->queries) : rows.contiguous();
+      }
+    }
+    return result;
+  }
+  result.pieces.reserve(runs.size());
+  for (const SegmentRun& run : runs) {
+    AttentionResult& piece = result.pieces.emplace_back();
+    if (run.keys >= 0) {
+      piece.logsumexp = lse.select(1, run.row).narrow(1, run.start, run.length).unsqueeze(0).contiguous();
+    }
+  }
+  return result;
+}
+
 }  // namespace torch_offload

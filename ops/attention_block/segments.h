@@ -41,4 +41,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attend_backward(const AttentionKe
                                                                const AttentionResult& result, double scale,
                                                                const SegmentRuns& runs);
 
+// A head group's attend() result's log-sum-exps into lse [heads, B, T] (the group's share of
+// attention_block_attend's logsumexp, which leaves padding that sees no key at 0), from each kernel call's own layout.
+void store_logsumexp(const at::Tensor& lse, const AttentionResult& result, const AttentionKernels& kernels,
+                     const at::Tensor& q, const SegmentRuns& runs);
+// What attend() returned, rebuilt from the group's output out [B, H, T, D] and store_logsumexp's lse, for
+// attend_backward (the kernels' random state is absent: no dropout).
+AttentionResult restored_result(const at::Tensor& lse, const at::Tensor& out, const AttentionKernels& kernels,
+                                const at::Tensor& q, const SegmentRuns& runs);
+
 }  // namespace torch_offload
