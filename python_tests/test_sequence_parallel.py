@@ -428,6 +428,9 @@ APPLIED = {
     "left_padded": ("llama", {}, lambda: [padded("left")], dict(offload=None)),
     "accumulation_num_items": ("llama", {}, accumulation_steps, dict(offload=None)),
     "disk_tier": ("llama", {}, lambda: [documents_crossing_ranks()], dict(offload="disk", min_bytes=0)),
+    # The GPU default's plan on the CPU: whole layers recomputed, each attention forward run once (ATTENTION_ONCE).
+    "cpu_tier": ("llama", {}, lambda: [documents_crossing_ranks()], dict(offload="cpu")),
+    "cpu_tier_qwen3_left_padded": ("qwen3", {}, lambda: [padded("left")], dict(offload="cpu")),
     # Sliding windows shorter than the rows that no token reaches past: every document is shorter (9 tokens);
     # the window covers all 25 real tokens, not shard_batch's padding to 26 (a segment of its own, or a
     # padding run where the batch has an attention_mask).
@@ -459,12 +462,17 @@ EVERY_CALL_FALLS_BACK = {"window_shorter_than_a_document"}
 FOUR_RANKS = ["llama_mha", "llama_one_kv_head", "qwen3", "tokens_1001", "left_padded"]
 
 
+# Cases whose every layer keeps its attention's output and log-sum-exps from the forward for backward.
+ATTENTION_ONCE = {"cpu_tier", "cpu_tier_qwen3_left_padded"}
+
+
 class CountGroupCalls(TorchDispatchMode):
-    """Counts attention_block's forward calls over a group."""
+    """Counts attention_block's forward calls over a group, and attention_block_attend's."""
 
     def __init__(self):
         super().__init__()
         self.forwards = 0
+        self.attends = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         group_name = 13  # its position in the schema; the dispatcher drops trailing arguments left at their defaults
@@ -474,6 +482,8 @@ class CountGroupCalls(TorchDispatchMode):
             and args[group_name] is not None
         ):
             self.forwards += 1
+        if func is torch.ops.offload.attention_block_attend.default and len(args) > 11 and args[11] is not None:
+            self.attends += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -525,6 +535,7 @@ def applied_on_ranks(rank, world_size, cases, path, compiled=False):
             graphs,
             calls.forwards,
             handle.report(),
+            calls.attends,
         )
         handle.remove()
     torch.save(results, f"{path}.{rank}")
@@ -554,6 +565,8 @@ def test_applied_model_on_each_ranks_chunk_equals_one_process_on_the_whole_batch
         calls = parts[0][4]  # every layer's in every step (twice in a layer checkpointed whole), or none
         ops = 0 if case in EVERY_CALL_FALLS_BACK else sum(how == "attention_block" for how in parts[0][2].values())
         assert calls >= ops * len(APPLIED[case][2]()) and (calls > 0) == (ops > 0), case
+        # The attention forward once per layer and step where the layers keep it, else never through attend.
+        assert parts[0][6] == (ops * len(APPLIED[case][2]()) if case in ATTENTION_ONCE else 0), case
         assert_equals_one_process(case, parts)
 
 

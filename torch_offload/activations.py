@@ -186,6 +186,17 @@ def _unpack(saved: Any) -> torch.Tensor:
     return saved.unpack()
 
 
+def keep_for_backward(tensor: torch.Tensor) -> Any:
+    """``tensor`` kept as the innermost active ``offload_activations`` context keeps a saved tensor (through its
+    tier), or as it is outside one; ``restore_kept`` gives it back."""
+    stack = _active_stack()
+    return stack[-1]._pack(tensor) if stack else _saved_as_is(tensor)
+
+
+def restore_kept(kept: Any) -> torch.Tensor:
+    return _unpack(kept)
+
+
 def checkpoint(fn: Callable, *args, offload: bool = True, **kwargs):
     """Non-reentrant ``torch.utils.checkpoint`` whose saved inputs are offloaded.
 

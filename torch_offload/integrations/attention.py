@@ -13,9 +13,10 @@ from torch.func import functional_call
 
 from .. import masking, sequence_parallel
 from ..attention_block import attention_block as attention_block_op
+from ..attention_block import attention_block_attend
 from ..masking import is_segment_ids
 from ..tiled_mlp import _is_plain_linear
-from .checkpointing import _CACHE_ARGUMENTS, _checkpoint_forward
+from .checkpointing import _CACHE_ARGUMENTS, _checkpoint_forward, attention_once
 from .layers import _attention_of
 from .probes import _PROBE_ERRORS, _close, _finite, _probing
 
@@ -299,8 +300,7 @@ def _attention_block_forward(attention: nn.Module, fallback, group: str | None =
         }
         for name in norms:  # a loop: dynamo cannot lift a comprehension's free variables inside checkpoint's subgraph
             weights[f"{name}.weight"] = getattr(attention, name).weight
-        out = attention_block_op(
-            x,
+        arguments = dict(
             cos=rotary[0].to(x.dtype),
             sin=rotary[1].to(x.dtype),
             **_op_weights(attention, layout, weights),
@@ -308,7 +308,14 @@ def _attention_block_forward(attention: nn.Module, fallback, group: str | None =
             segment_ids=segments,
             group_name=group,
         )
-        return out, None
+        # In a checkpointed layer whose tensors go to the offload tier: the attention's output and log-sum-exps
+        # from its forward, kept through the tier, so that neither the recompute nor the op's backward runs the
+        # attention forward again.
+        kept = attention_once(
+            lambda: attention_block_attend(x, **{k: v for k, v in arguments.items() if k not in ("w_o", "b_o")})
+        )
+        saved = {} if kept is None else dict(zip(("attention", "logsumexp"), kept))
+        return attention_block_op(x, **arguments, **saved), None
 
     return forward
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import threading
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +13,7 @@ import torch
 from torch import nn
 
 from ..activations import checkpoint as offloaded_checkpoint
+from ..activations import keep_for_backward, restore_kept
 from .compiled import _random_ops_saved
 from .handle import _ABSENT, _Patch, _put
 
@@ -74,6 +77,9 @@ def warn_empty_cache_dropped(stacklevel: int) -> None:
     )
 
 
+_running = threading.local()  # the checkpointed calls whose forward or recompute runs now, innermost last
+
+
 class _Recompute:
     """One checkpointed call's forward, with the attributes apply patched as that forward found them.
 
@@ -81,14 +87,42 @@ class _Recompute:
     (torch.utils.checkpoint checks the tensors it saves). If those attributes changed in between
     (``handle.remove()``, a module replaced), what the forward found is put back for that call
     alone, and what is there now right after.
+
+    With ``keeps_attention`` (a call whose saved tensors go to an offload tier), what its attention forwards
+    computed (``attention_once``) is kept through the tier for the recompute, which runs none of them again.
     """
 
-    __slots__ = ("forward", "attributes", "found")
+    __slots__ = ("forward", "attributes", "found", "kept", "taken")
 
-    def __init__(self, forward, patches: list[_Patch]):
+    def __init__(self, forward, patches: list[_Patch], keeps_attention: bool = False):
         self.forward = forward
         self.attributes = list({(id(p.store), p.key): (p.store, p.key) for p in patches}.values())
         self.found = None
+        self.kept = [] if keeps_attention else None
+        self.taken = None  # in a recompute: how many kept results it has taken
+
+    @contextlib.contextmanager
+    def _running(self):
+        stack = _running.__dict__.setdefault("calls", [])
+        stack.append(self)
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    def attention(self, attend):
+        """attend()'s tensors: computed and kept in the forward, the kept ones in a recompute, in call order."""
+        if self.taken is None:
+            tensors = attend()
+            self.kept.append([keep_for_backward(t) for t in tensors])
+            return tensors
+        if self.taken == len(self.kept):
+            raise RuntimeError(
+                "torch_offload: backward's recomputation of a checkpointed layer ran more attention calls than its "
+                "forward did (the layer computed something else the second time)"
+            )
+        self.taken += 1
+        return tuple(restore_kept(t) for t in self.kept[self.taken - 1])
 
     def _current(self) -> list:
         return [store.get(key, _ABSENT) for store, key in self.attributes]
@@ -101,9 +135,11 @@ class _Recompute:
         now = self._current()
         if self.found is None:  # the forward
             self.found = now
-            return self.forward(*args, **kwargs)
+            with self._running():
+                return self.forward(*args, **kwargs)
         # Backward's recomputation, named in a profile (bench/gpu_llama.py --profile splits a step's time by it).
-        with torch.profiler.record_function("torch_offload.recompute"):
+        with torch.profiler.record_function("torch_offload.recompute"), self._running():
+            self.taken = 0
             if all(a is b for a, b in zip(now, self.found)):
                 return self.forward(*args, **kwargs)
             self._set(self.found)
@@ -111,6 +147,17 @@ class _Recompute:
                 return self.forward(*args, **kwargs)
             finally:
                 self._set(now)
+
+
+def attention_once(attend):
+    """attend()'s tensors (an attention's output and log-sum-exps) for the innermost checkpointed call running now:
+    computed in its forward and kept through its offload tier, then handed back to its recompute, so that backward
+    runs no attention forward again. None outside such a call (attend() is not called): the caller recomputes."""
+    if torch.compiler.is_compiling():  # the compiled backward recomputes from its own graph
+        return None
+    calls = getattr(_running, "calls", None)
+    call = calls[-1] if calls else None
+    return None if call is None or call.kept is None else call.attention(attend)
 
 
 def _checkpoint_forward(handle: OffloadHandle, module: nn.Module, offload: bool):
@@ -128,6 +175,12 @@ def _checkpoint_forward(handle: OffloadHandle, module: nn.Module, offload: bool)
                 # apply's graph hooks offload in compiled graphs (see compiled._offload_in_compiled_graphs).
                 return offloaded_checkpoint(original, *args, offload=False, context_fn=_random_ops_saved, **kwargs)
             return offloaded_checkpoint(original, *args, offload=offload, **kwargs)
-        return offloaded_checkpoint(_Recompute(original, handle._patches), *args, offload=offload, **kwargs)
+        return offloaded_checkpoint(
+            # Layers kept on the device beside offloaded ones keep their attention too: every layer's runs once.
+            _Recompute(original, handle._patches, keeps_attention=offload or handle.context is not None),
+            *args,
+            offload=offload,
+            **kwargs,
+        )
 
     return forward
