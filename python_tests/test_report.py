@@ -233,8 +233,11 @@ def test_rows_and_reasons_follow_the_options(tmp_path, caplog):
     assert text[0] == "torch_offload.apply(LlamaForCausalLM): 3 layers at model.layers"
     assert text[1].split() == ["layers", "mlp", "attention", "recomputed", "saved", "to"]
     assert text[2].split() == ["0", "own", "[1]", "attention_block", "attention", "disk"]
-    assert text[3].split() == ["1-2", "own", "[1]", "attention_block", "layer", "in", "place", "[2]"]
-    assert text[4:6] == ["  [1] tiled_mlp=False", f"  [2] {rows[1]['why']['saved']}"]
+    # Recomputed whole beside a tier, they keep their attention's output from the forward.
+    assert text[3].split() == ["1-2", "own", "[1]", "attention_block", "layer", "[2]", "in", "place", "[3]"]
+    assert rows[1]["why"]["recompute"].startswith("not its attention forward")
+    notes = ["tiled_mlp=False", rows[1]["why"]["recompute"], rows[1]["why"]["saved"]]
+    assert text[4:7] == [f"  [{number}] {note}" for number, note in enumerate(notes, 1)]
     handle.remove()
 
     # keep_last's default: none kept under attention-only recompute (a last layer recomputed whole would be the

@@ -46,6 +46,13 @@ def _attention(handle: OffloadHandle, name: str, layer: Any) -> tuple[str, str |
     return "own", why
 
 
+def _recompute_note(handle: OffloadHandle, recompute: str, attention: str) -> str | None:
+    # A layer recomputed whole in a model with a tier keeps its attention's output (checkpointing.attention_once).
+    if recompute == "layer" and attention == "attention_block" and handle.context is not None:
+        return "not its attention forward: attention_block's output and log-sum-exps are kept from the forward"
+    return None
+
+
 def _saved(handle: OffloadHandle, index: int, recompute: str) -> tuple[str, str | None]:
     if index in handle._offloaded:
         return handle.offload, None
@@ -74,7 +81,7 @@ def report(handle: OffloadHandle) -> dict[str, Any]:
         name = f"{handle.layer_path}.{index}"
         recompute = handle.checkpointing.get(name, "none")
         cells = {"mlp": _mlp(handle, name, layer), "attention": _attention(handle, name, layer)}
-        cells["recompute"] = (recompute, None)
+        cells["recompute"] = (recompute, _recompute_note(handle, recompute, cells["attention"][0]))
         cells["saved"] = _saved(handle, index, recompute)
         row = {column: cells[column][0] for column in _COLUMNS}
         row["why"] = {column: cells[column][1] for column in _COLUMNS if cells[column][1] is not None}
