@@ -31,6 +31,10 @@ APPLY_OPTIONS = {
     "apply_packed": {},
     "apply_rms_norm_off": {"rms_norm": False},
     "apply_no_checkpoint": {"checkpoint": False, "keep_last": 0},
+    # The GPU default's plan wherever the model is (on a CPU, offload="cpu" runs it), and whole layers checkpointed in
+    # place without a tier, which recompute each attention forward twice more: on a CPU the two differ only by that.
+    "apply_host": {"offload": "cpu"},
+    "apply_in_place": {"offload": None, "checkpoint": "layer"},
 }
 SHAPES = {
     # Llama 3 8B's layer, a few of them: hidden, heads, kv heads, MLP, vocabulary.

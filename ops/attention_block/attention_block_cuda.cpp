@@ -12,6 +12,7 @@
 #include <ATen/ops/_scaled_dot_product_efficient_attention_backward.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_backward.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
@@ -87,9 +88,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_attention_backward(const at:
                                                             at::Tensor(), at::Tensor(), q.size(2), k.size(2), 0.0,
                                                             causal, seed, offset, scale);
   }
-  auto [dq, dk, dv, unused_bias_grad] = at::_scaled_dot_product_efficient_attention_backward(
-      grad_out, q, k, v, at::Tensor(), result.out, result.logsumexp, seed, offset, 0.0, {true, true, true, false},
-      causal, scale);
+  // The memory-efficient kernels' log-sum-exp has its queries padded to a multiple of 32; one handed back by
+  // attention_block_attend (restored_result) has the queries alone.
+  const int64_t queries = result.logsumexp.size(-1), padded = (q.size(2) + 31) / 32 * 32;
+  const at::Tensor logsumexp =
+      queries < padded ? at::constant_pad_nd(result.logsumexp, {0, padded - queries}) : result.logsumexp;
+  auto [dq, dk, dv, unused_bias_grad] =
+      at::_scaled_dot_product_efficient_attention_backward(grad_out, q, k, v, at::Tensor(), result.out, logsumexp, seed,
+                                                           offset, 0.0, {true, true, true, false}, causal, scale);
   return {dq, dk, dv};
 }
 
