@@ -110,9 +110,10 @@ def attention_block_attend(
     Takes ``attention_block``'s arguments but ``w_o`` and ``b_o``; returns ``(attention, logsumexp)``:
     ``attention`` ``[batch, tokens, heads * head_dim]`` in ``x``'s dtype, every head's output as ``w_o`` takes
     it, and ``logsumexp`` ``[heads / ranks, batch, tokens * ranks]`` (float32, float64 for float64 ``x``), each
-    query's log-sum-exp over its keys (with ``group_name``, the rank's share of the heads over the whole rows;
-    0 for padding that sees no key). Passed to ``attention_block`` with the same arguments, they make its
-    forward the output projection alone and its backward recompute no attention forward.
+    query's log-sum-exp over its keys (with ``group_name``, over the whole rows for the heads this rank attended,
+    head group by head group; 0 for padding that sees no key). Passed to ``attention_block`` with the same
+    arguments on the same device (the head groups depend on both), they make its forward the output projection
+    alone and its backward recompute no attention forward.
     """
     for value, arg in ((x, "x"), (w_q, "w_q"), (w_k, "w_k"), (w_v, "w_v"), (cos, "cos"), (sin, "sin")):
         _require_tensor(value, "attention_block_attend", arg)

@@ -324,7 +324,16 @@ void store_logsumexp(const at::Tensor& lse, const AttentionResult& result, const
 
 AttentionResult restored_result(const at::Tensor& lse, const at::Tensor& out, const AttentionKernels& kernels,
                                 const at::Tensor& q, const SegmentRuns& runs) {
-  AttentionResult result{out, at::Tensor(), {}, {}};
+  // Token-major [B, T, H, D] memory, as attend() gives it: CUDA's memory-efficient backward reads out with a token
+  // stride of H * D whatever its strides say, and a head group's columns of attention_block_attend's output (or an
+  // exchange's result) have another.
+  const bool token_major = out.transpose(1, 2).is_contiguous();
+  const at::Tensor whole_out = token_major
+                                   ? out
+                                   : at::empty({out.size(0), out.size(2), out.size(1), out.size(3)}, out.options())
+                                         .copy_(out.transpose(1, 2))
+                                         .transpose(1, 2);
+  AttentionResult result{whole_out, at::Tensor(), {}, {}};
   if (runs.empty()) {
     result.logsumexp = lse.transpose(0, 1).contiguous();
     return result;
