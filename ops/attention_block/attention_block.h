@@ -27,6 +27,8 @@ struct AttentionResult {
   // When the rows are cut into segments (segment_ids): one result per run, each without
   // its out (a view of the whole out); the whole's logsumexp and aux are then unused.
   std::vector<AttentionResult> pieces;
+  // A variable-length piece's queries: their rows of the group's [B * T] (undefined: every row, in order).
+  at::Tensor rows = {};
 };
 // Many sequences packed in one call's rows: q [total_q, H, D], k and v [total_k, H, D], the i-th
 // sequence's queries rows cut_q[i] to cut_q[i + 1] (int32, on the device), its keys likewise.

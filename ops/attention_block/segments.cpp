@@ -144,6 +144,7 @@ AttentionResult attend_packed(const AttentionKernels& kernels, const at::Tensor&
                                rows_of(v_rows, packed->keys), packed->sequences, scale, /*causal=*/!padding);
     out = out.defined() ? out.index_copy_(0, packed->queries, piece.out) : piece.out;
     piece.out = at::Tensor();
+    piece.rows = packed->queries;
     whole.pieces.push_back(std::move(piece));
   }
   whole.out = as_heads(out, q);
@@ -172,6 +173,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attend_packed_backward(const Atte
     }
     AttentionResult piece = result.pieces[padding ? 1 : 0];
     piece.out = rows_of(out_rows, packed->queries);
+    // A log-sum-exp handed back by attention_block_attend has every row's (restored_result): this call's queries'.
+    if (packed->queries.defined() && piece.logsumexp.size(1) != packed->queries.numel()) {
+      piece.logsumexp = piece.logsumexp.index_select(1, packed->queries);
+    }
     const auto [piece_dq, piece_dk, piece_dv] = kernels.varlen_backward(
         rows_of(grad_rows, packed->queries), rows_of(q_rows, packed->queries), rows_of(k_rows, packed->keys),
         rows_of(v_rows, packed->keys), piece, packed->sequences, scale, /*causal=*/!padding);
@@ -297,17 +302,16 @@ void store_logsumexp(const at::Tensor& lse, const AttentionResult& result, const
   }
   if (packed_call(kernels, q)) {
     const at::Tensor rows = lse.view({lse.size(0), -1});  // [H, B * T]
-    for (const bool padding : {false, true}) {
-      const std::optional<PackedRuns> packed = pack_runs(runs, padding, tokens, q.device());
-      if (!packed) {
+    for (const AttentionResult& piece : result.pieces) {
+      if (!piece.logsumexp.defined()) {  // no run of its kind
         continue;
       }
-      const int64_t queries = packed->queries.defined() ? packed->queries.numel() : rows.size(1);
-      const at::Tensor& piece = checked_varlen_logsumexp(result.pieces[padding ? 1 : 0].logsumexp, q, queries);
-      if (packed->queries.defined()) {
-        rows.index_copy_(1, packed->queries, piece);
+      const int64_t queries = piece.rows.defined() ? piece.rows.numel() : rows.size(1);
+      const at::Tensor& piece_lse = checked_varlen_logsumexp(piece.logsumexp, q, queries);
+      if (piece.rows.defined()) {
+        rows.index_copy_(1, piece.rows, piece_lse);
       } else {
-        rows.copy_(piece);
+        rows.copy_(piece_lse);
       }
     }
     return;
@@ -339,14 +343,11 @@ AttentionResult restored_result(const at::Tensor& lse, const at::Tensor& out, co
     return result;
   }
   if (packed_call(kernels, q)) {
-    const at::Tensor rows = lse.reshape({lse.size(0), -1});
-    for (const bool padding : {false, true}) {
-      const std::optional<PackedRuns> packed = pack_runs(runs, padding, q.size(2), q.device());
-      AttentionResult& piece = result.pieces.emplace_back();
-      if (packed) {
-        piece.logsumexp = packed->queries.defined() ? rows.index_select(1, packed->queries) : rows.contiguous();
-      }
-    }
+    // Every row's for both calls (sequences, padding): attend_packed_backward takes its queries', as it packs the
+    // runs anyway (each packing copies its indices to the device).
+    const at::Tensor rows = lse.reshape({lse.size(0), -1}).contiguous();
+    result.pieces.resize(2);
+    result.pieces[0].logsumexp = result.pieces[1].logsumexp = rows;
     return result;
   }
   result.pieces.reserve(runs.size());
