@@ -51,3 +51,24 @@ def test_cuda_attend_is_refused_under_graph_capture_with_segment_ids_by_name():
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="attention_block_attend"), torch.cuda.graph(graph):
         torch_offload.attention_block_attend(x.detach(), w_q, w_k, w_v, cos, sin, segment_ids=segments)
+
+
+def host_to_device_copies(run):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        run()
+        torch.cuda.synchronize()
+    return sum("HtoD" in event.name for event in profile.events())
+
+
+@pytest.mark.skipif(not FLASH_GPU, reason="flash attention's variable-length kernels are built for sm80 and sm90")
+def test_cuda_packed_rows_copy_their_segment_indices_to_the_device_once_per_thread():
+    inputs = to_cuda(make_inputs(batch=3, tokens=13, h=64, heads=4, kv_heads=2, head_dim=16), torch.bfloat16)
+    segments = SEGMENTS.cuda()
+    x, w_q, w_k, w_v, _, cos, sin = (t.detach() if t is not None else None for t in inputs[:7])
+
+    def attend():
+        torch_offload.attention_block_attend(x, w_q, w_k, w_v, cos, sin, segment_ids=segments)
+
+    attend()  # the indices of both variable-length calls (documents, padding) packed and copied
+    # Every later layer and head group of the step: the same runs on the same stream, nothing copied again.
+    assert host_to_device_copies(attend) == 0

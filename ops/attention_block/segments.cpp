@@ -8,7 +8,9 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros_like.h>
+#include <c10/core/Stream.h>
 #include <c10/core/TensorImpl.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include "ops/common/checks.h"
@@ -109,6 +111,33 @@ std::optional<PackedRuns> pack_runs(const SegmentRuns& runs, bool padding, int64
   return packed;
 }
 
+// pack_runs' result, made once per thread for the runs read last: every layer and head group of a step packs the same
+// runs, and each packing copies its indices to the device (from pageable memory: a stream sync each). Read-only
+// tensors, used only on the stream they were made on: the caching allocator may hand their memory to that stream's
+// later work once they are replaced.
+std::optional<PackedRuns> packed_runs(const SegmentRuns& runs, bool padding, int64_t tokens, c10::Device device) {
+  struct Packed {
+    SegmentRuns runs;
+    int64_t tokens = 0;
+    std::optional<c10::Stream> stream;
+    std::optional<PackedRuns> kinds[2];  // the sequences', the padding's
+    bool made[2] = {false, false};
+  };
+  thread_local Packed last;
+  const c10::Stream stream = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
+  if (last.runs != runs || last.tokens != tokens || last.stream != stream) {
+    last = Packed();
+    last.runs = runs;
+    last.tokens = tokens;
+    last.stream = stream;
+  }
+  if (!last.made[padding]) {
+    last.kinds[padding] = pack_runs(runs, padding, tokens, device);
+    last.made[padding] = true;
+  }
+  return last.kinds[padding];
+}
+
 // t [B, H, T, D] as [B * T, H, D] rows (a view when t is token-major).
 at::Tensor as_rows(const at::Tensor& t) {
   return t.transpose(1, 2).reshape({-1, t.size(1), t.size(3)});
@@ -134,7 +163,7 @@ AttentionResult attend_packed(const AttentionKernels& kernels, const at::Tensor&
   at::Tensor out = any_padding ? at::zeros_like(q_rows) : at::Tensor();
   AttentionResult whole;
   for (const bool padding : {false, true}) {
-    const std::optional<PackedRuns> packed = pack_runs(runs, padding, q.size(2), q.device());
+    const std::optional<PackedRuns> packed = packed_runs(runs, padding, q.size(2), q.device());
     if (!packed) {
       whole.pieces.emplace_back();
       continue;
@@ -167,7 +196,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attend_packed_backward(const Atte
     dv = at::zeros_like(v_rows);
   }
   for (const bool padding : {false, true}) {
-    const std::optional<PackedRuns> packed = pack_runs(runs, padding, q.size(2), q.device());
+    const std::optional<PackedRuns> packed = packed_runs(runs, padding, q.size(2), q.device());
     if (!packed) {
       continue;
     }

@@ -24,6 +24,8 @@ struct SegmentRun {
   int64_t row, start, length;
   bool padding;
   int64_t keys;  // the run whose tokens are its keys: itself, the one padding sees, or -1 (none)
+
+  bool operator==(const SegmentRun&) const = default;
 };
 using SegmentRuns = std::vector<SegmentRun>;
 
