@@ -55,6 +55,14 @@ CASES = {
     "packed_and_padded": (lambda: make_inputs(batch=3, tokens=13, bias=True, dtype=torch.float64), SEGMENTS),
     "per_head_norms": (lambda: make_norm_inputs(batch=3, tokens=13, dtype=torch.float64), SEGMENTS),
     "whole_row_norms": (lambda: make_row_norm_inputs(batch=3, tokens=13, dtype=torch.float64), None),
+    # One sequence of 4096 tokens or more: the CPU backward's query chunks (the recomputing op merges each chunk's
+    # own keys and the keys before it; attending once hands each chunk the forward's output and log-sum-exps).
+    "query_chunks": (
+        lambda: make_inputs(
+            batch=1, tokens=4100, h=16, heads=4, kv_heads=2, head_dim=8, bias=True, dtype=torch.float64
+        ),
+        None,
+    ),
     # One head, odd batch x heads: the CPU kernels' balanced pieces, merged by their log-sum-exps.
     "balanced_pieces": (
         lambda: make_inputs(batch=1, tokens=1024, h=8, heads=1, kv_heads=1, head_dim=8, dtype=torch.float64),
@@ -70,7 +78,8 @@ def test_attending_once_gives_the_recomputing_ops_output_and_gradients(case):
     want = output_and_grads(recomputing, inputs, segment_ids)
     got = output_and_grads(attending_once, inputs, segment_ids)
     for w, g in zip(want, got):
-        # The same kernels on the same numbers, but for the output projection's one GEMM over every head.
+        # The same kernels on the same numbers, but for the output projection's one GEMM over every head and the
+        # query chunks' merged log-sum-exps.
         torch.testing.assert_close(g, w, rtol=1e-13, atol=1e-13)
 
 

@@ -630,9 +630,7 @@ AttentionBlockGradients attention_block_backward_impl(
     // One causal sequence a row on the CPU: the queries' side a chunk of rows at a time (query_chunks.h), so that
     // a group holds its keys and values and their gradients whole but not its queries, output and their gradients.
     const int64_t query_chunk =
-        x.is_cpu() && !shards.active() && runs.empty() && l.batch == 1 && want_inner && !saved.defined()
-            ? query_chunk_rows(l.tokens)
-            : 0;
+        x.is_cpu() && !shards.active() && runs.empty() && l.batch == 1 && want_inner ? query_chunk_rows(l.tokens) : 0;
     const auto chunk_layout = [&](int64_t length) {
       Layout chunk = l;
       chunk.tokens = length;
@@ -666,11 +664,22 @@ AttentionBlockGradients attention_block_backward_impl(
         };
         steps.output_gradient = [&](int64_t start, int64_t length, const at::Tensor& out) {
           const at::Tensor grad_chunk = grad_rows.narrow(0, start, length);
-          if (want_w_o) {
+          if (want_w_o && !saved.defined()) {
             accumulate_mm(grad_w_o.narrow(1, g.q_start, g.q_rows), grad_chunk.t(), as_rows(out, chunk_layout(length)));
           }
           return at::mm(grad_chunk, w_o_group).view({l.batch, length, -1, l.head_dim}).transpose(1, 2);
         };
+        if (saved.defined()) {  // the forward's output and log-sum-exps of the chunk's queries, over all their keys
+          steps.saved = [&](int64_t start, int64_t length) {
+            return restored_result(
+                saved_logsumexp.narrow(0, g.q_start / l.head_dim, g.q_rows / l.head_dim).narrow(2, start, length),
+                saved.narrow(1, start, length)
+                    .narrow(2, g.q_start, g.q_rows)
+                    .view({l.batch, length, -1, l.head_dim})
+                    .transpose(1, 2),
+                kernels, g.k, runs);
+          };
+        }
         steps.query_gradient = [&](int64_t start, int64_t length, const at::Tensor& dq) {
           const at::Tensor grad = rotary_backward(dq.to(x.scalar_type()), chunk_layout(length),
                                                   cos.narrow(1, start, length), sin.narrow(1, start, length));

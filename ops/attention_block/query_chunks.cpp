@@ -61,7 +61,7 @@ std::tuple<at::Tensor, at::Tensor> attend_backward_in_query_chunks(const Attenti
   for (int64_t start = 0; start < tokens; start += chunk) {
     const int64_t length = std::min(chunk, tokens - start);
     at::Tensor q = steps.queries(start, length);
-    AttentionResult result = attend_chunk(kernels, q, k, v, scale, start);
+    AttentionResult result = steps.saved ? steps.saved(start, length) : attend_chunk(kernels, q, k, v, scale, start);
     const at::Tensor grad_out = steps.output_gradient(start, length, result.out);
     auto [dq_own, dk_own, dv_own] = kernels.backward(grad_out, q, k.narrow(2, start, length),
                                                      v.narrow(2, start, length), result, scale, /*causal=*/true);

@@ -21,6 +21,9 @@ struct QueryChunkSteps {
   std::function<at::Tensor(int64_t start, int64_t length, const at::Tensor& out)> output_gradient;
   // Takes the chunk's queries' gradient (float32 for bf16/fp16 queries) back through their projection.
   std::function<void(int64_t start, int64_t length, const at::Tensor& dq)> query_gradient;
+  // The chunk's output and log-sum-exp over all of its keys as the forward computed them (attention_block_attend's);
+  // empty: recomputed from its own keys and the keys before them.
+  std::function<AttentionResult(int64_t start, int64_t length)> saved;
 };
 
 // Rows per query chunk of a causal call over `tokens` rows, about an eighth of them; 0 where the call is too short
