@@ -179,3 +179,23 @@ def test_checkpointing_in_place_without_a_tier_keeps_recomputing_the_attention()
     assert_close_runs(want, got)
     assert forwards == 3 * 3  # forward, the layer's recompute, the op's backward
     handle.remove()
+
+
+def test_whole_layers_with_the_disk_tier_keep_their_attention_there_the_last_layer_too(tmp_path):
+    # checkpoint="layer" with the disk tier: the layers offloaded to disk and the last one kept in memory (keep_last)
+    # keep their attention's output through the tier alike.
+    model, inputs = make_model("llama").double(), BATCHES["packed"]()
+    want = step(model, inputs)
+    handle = torch_offload.apply(
+        model, offload="disk", checkpoint="layer", spill_directory=str(tmp_path), min_bytes=0, num_shards=2
+    )
+    assert [row["saved"] for row in handle.report()["layers"]] == ["disk", "in place"]
+    packed_before = handle.stats()["packed_bytes"]
+    got, forwards, _ = kernel_calls(model, inputs)
+    assert_close_runs(want, got)
+    assert forwards == 3 * KERNEL_CALLS["packed"]
+    # To the file: the offloaded layers' inputs and every layer's attention output, [24, 32] float64 each (without
+    # the attention outputs, 15,744 bytes in all).
+    assert handle.stats()["packed_bytes"] - packed_before >= (2 + 3) * 24 * 32 * 8
+    assert handle.stats()["live_entries"] == 0  # freed with the graph
+    handle.remove()

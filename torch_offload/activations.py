@@ -156,6 +156,11 @@ class offload_activations:
         if not self._hooks:
             self._store.clear_skipped_storages()
 
+    def keep(self, tensor: torch.Tensor) -> Any:
+        """``tensor`` kept for backward as this context keeps a saved tensor (through its tier, or where it is when the
+        tier leaves it there), inside the context or not; ``restore_kept`` gives it back."""
+        return self._pack(tensor)
+
     def stats(self) -> dict[str, int]:
         """Counters: pack_calls (saved tensors that reached the store), packed_bytes
         (host and disk), unpacked_bytes (read back), live_bytes (served from the original
@@ -186,14 +191,8 @@ def _unpack(saved: Any) -> torch.Tensor:
     return saved.unpack()
 
 
-def keep_for_backward(tensor: torch.Tensor) -> Any:
-    """``tensor`` kept as the innermost active ``offload_activations`` context keeps a saved tensor (through its
-    tier), or as it is outside one; ``restore_kept`` gives it back."""
-    stack = _active_stack()
-    return stack[-1]._pack(tensor) if stack else _saved_as_is(tensor)
-
-
 def restore_kept(kept: Any) -> torch.Tensor:
+    """What ``offload_activations.keep`` kept, back where it was."""
     return _unpack(kept)
 
 

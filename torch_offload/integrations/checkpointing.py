@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..activations import checkpoint as offloaded_checkpoint
-from ..activations import keep_for_backward, restore_kept
+from ..activations import offload_activations, restore_kept
 from .compiled import _random_ops_saved
 from .handle import _ABSENT, _Patch, _put
 
@@ -88,17 +88,19 @@ class _Recompute:
     (``handle.remove()``, a module replaced), what the forward found is put back for that call
     alone, and what is there now right after.
 
-    With ``keeps_attention`` (a call whose saved tensors go to an offload tier), what its attention forwards
-    computed (``attention_once``) is kept through the tier for the recompute, which runs none of them again.
+    With a ``keeper`` (the offload tier of apply's layers), what its attention forwards computed
+    (``attention_once``) is kept through that tier for the recompute, which runs none of them again: in layers kept
+    on the device too, whose inputs stay there.
     """
 
-    __slots__ = ("forward", "attributes", "found", "kept", "taken")
+    __slots__ = ("forward", "attributes", "found", "keeper", "kept", "taken")
 
-    def __init__(self, forward, patches: list[_Patch], keeps_attention: bool = False):
+    def __init__(self, forward, patches: list[_Patch], keeper: offload_activations | None = None):
         self.forward = forward
         self.attributes = list({(id(p.store), p.key): (p.store, p.key) for p in patches}.values())
         self.found = None
-        self.kept = [] if keeps_attention else None
+        self.keeper = keeper
+        self.kept = [] if keeper is not None else None
         self.taken = None  # in a recompute: how many kept results it has taken
 
     @contextlib.contextmanager
@@ -114,7 +116,7 @@ class _Recompute:
         """attend()'s tensors: computed and kept in the forward, the kept ones in a recompute, in call order."""
         if self.taken is None:
             tensors = attend()
-            self.kept.append([keep_for_backward(t) for t in tensors])
+            self.kept.append([self.keeper.keep(t) for t in tensors])
             return tensors
         if self.taken == len(self.kept):
             raise RuntimeError(
@@ -176,8 +178,8 @@ def _checkpoint_forward(handle: OffloadHandle, module: nn.Module, offload: bool)
                 return offloaded_checkpoint(original, *args, offload=False, context_fn=_random_ops_saved, **kwargs)
             return offloaded_checkpoint(original, *args, offload=offload, **kwargs)
         return offloaded_checkpoint(
-            # Layers kept on the device beside offloaded ones keep their attention too: every layer's runs once.
-            _Recompute(original, handle._patches, keeps_attention=offload or handle.context is not None),
+            # Without a tier, keeping every layer's attention output would double what the checkpoints hold.
+            _Recompute(original, handle._patches, keeper=handle.context),
             *args,
             offload=offload,
             **kwargs,
