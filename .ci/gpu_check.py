@@ -10,6 +10,8 @@ benches, and print one summary table.
                                            # the torch range's wheel of the machines' torch, carried: no build
     make gpu-check GPU_CHECK_FLAGS="--tests test_rms_norm_cuda.py --benches plan-review --bench-after 600"
                                            # issue 72's comparison of apply()'s GPU settings, profiled
+    make gpu-check GPU_CHECK_FLAGS="--tests test_chunk_recurrent_cuda.py --benches step --bench-after 600"
+                                           # issue 73's: the chunk-recurrent step's tests, then its bench
 
 It needs no package index: packages the machine lacks (expecttest, for opcheck) can be put as
 wheels in .whl/, which is installed into build/gpu-check/site first. Exits non-zero if a step fails.
@@ -134,6 +136,14 @@ BENCHES = {
             *("--configs", "plain,apply,apply_rms_norm_off,apply_no_checkpoint"),
         ]
         for layers in (2, 4)
+    },
+    # Issue 73's: the chunk-recurrent step against plain training and apply() at 32K tokens, then its device memory
+    # from 128K to 512K tokens and doubling past it (to a million) while a step runs within the minutes given.
+    "step": {
+        "bench/gpu_llama.py (the step at 32K)": ["--tokens", "32768", "--configs", "plain,apply,step"],
+        "bench/gpu_llama.py (the step, 128K-512K and longer)": [
+            *("--tokens", "131072,524288", "--configs", "step", "--longest-seconds", "240"),
+        ],
     },
 }
 

@@ -1,17 +1,24 @@
 """One training step of a Llama-8B-shaped model in bf16 on a GPU: peak device memory per token and step time for
-plain training, transformers' activation checkpointing with offload, and apply() with every default (one sequence,
-and packed documents); ratios against plain training of the same run; the longest context each fits, by running it.
+plain training, transformers' activation checkpointing with offload, apply() with every default (one sequence, and
+packed documents) and the chunk-recurrent step (``chunk_recurrent_loss``: its store in pinned host memory up to the
+pinned arena's budget, past it on disk); ratios against plain training of the same run, the step's against apply()'s
+too; the longest context each fits, by running it.
 
     python bench/gpu_llama.py [--tokens 8192,16384,32768] [--layers 2] [--longest-seconds 60] [--write]
     python bench/gpu_llama.py --configs plain,apply,apply_rms_norm_off,apply_no_checkpoint --profile  # the review's
 
-`--configs` may also name apply() with one setting changed (APPLY_OPTIONS). `--profile` adds, per point, a third step
-run under torch.profiler and its time split (bench/time_split.py: forward, recompute, attention backward, copies), and
-the plan apply() chose (`print(handle)`: its route line in the table, the whole of it above).
+`--configs` may also name apply() with one setting changed (APPLY_OPTIONS), and the step on packed documents
+(`step_packed`) or, on the CPU, with its store in host memory (`step_host`: the GPU step's test mode). `--profile`
+adds, per point, a third step run under torch.profiler and its time split (bench/time_split.py: forward, recompute,
+attention backward, copies), and the plan apply() chose (`print(handle)`: its route line in the table, the whole of it
+above).
 
 Each point is one step (SGD: no optimizer state) in a fresh process after a warm-up step; the peak is
-`torch.cuda.max_memory_allocated()` over what the model held before the step. `--shape tiny` runs the same on the CPU
-(resident set) to check the script where no GPU is.
+`torch.cuda.max_memory_allocated()` over what the model held before the step; the step's host bytes are the pinned
+arena's reserved bytes, its disk bytes the spill file's largest size. `--shape tiny` runs the same on the CPU
+(resident set, the host store's included) to check the script where no GPU is. Under the table, the step's projection
+to 32 layers: its device peak, its host and disk bytes and its time grown by the layers (the optimizer's state on the
+host is not counted).
 """
 
 import argparse
@@ -24,7 +31,8 @@ from measure import measured_step, worker_env, write_section
 from real_batches import batch
 from time_split import PARTS, profiled_split
 
-CONFIGS = ("plain", "checkpoint_offload", "apply", "apply_packed")
+CONFIGS = ("plain", "checkpoint_offload", "apply", "apply_packed", "step")
+STEP_CONFIGS = ("step", "step_packed", "step_host")  # the chunk-recurrent step; its chunk: the library's default
 # apply()'s options per configuration; "apply_packed" is apply() with every default on packed documents.
 APPLY_OPTIONS = {
     "apply": {},
@@ -60,7 +68,9 @@ def worker(config, tokens, shape, layers, profile=False):
         **SHAPES[shape], num_hidden_layers=layers, max_position_embeddings=tokens, attn_implementation="sdpa"
     )
     with torch.device(device):
-        model = transformers.LlamaForCausalLM(settings).to(torch.bfloat16).train()
+        # The step on the CPU takes float32 (and float64) only: there it checks the script, not bf16's speed.
+        dtype = torch.float32 if config in STEP_CONFIGS and not gpu else torch.bfloat16
+        model = transformers.LlamaForCausalLM(settings).to(dtype).train()
     if config == "checkpoint_offload":
         model.activation_checkpointing_enable(offload=gpu)  # its pinned host copies need a GPU
     plan = None
@@ -71,6 +81,9 @@ def worker(config, tokens, shape, layers, profile=False):
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
 
     def forward():
+        if config in STEP_CONFIGS:  # on the CPU: the disk tier, or host memory (step_host)
+            host_budget = 1 << 50 if config == "step_host" else None
+            return torch_offload.chunk_recurrent_loss(model, **inputs, host_budget=host_budget)
         return model(**inputs, use_cache=False).loss
 
     def rest():
@@ -89,6 +102,9 @@ def worker(config, tokens, shape, layers, profile=False):
     except torch.OutOfMemoryError:
         return {"oom": True}
     result = {"oom": False, "loss": loss, "seconds": seconds, "peak_bytes": peak_bytes, "plan": plan}
+    if config in STEP_CONFIGS:
+        host = torch_offload.pinned_arena_stats()["reserved_bytes"] if gpu else 0
+        result.update(host_bytes=host, disk_bytes=torch_offload.disk_spill_stats()["peak_file_bytes"])
     return result if split is None else dict(result, split=split)
 
 
@@ -118,11 +134,12 @@ def main():
     parser.add_argument("--tokens", default="8192,16384,32768")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--shape", choices=SHAPES, default="llama8b")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS + tuple(APPLY_OPTIONS))}")
+    known = tuple(dict.fromkeys(CONFIGS + STEP_CONFIGS + tuple(APPLY_OPTIONS)))
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join(known)}")
     parser.add_argument("--profile", action="store_true", help="each point's time split and apply()'s plan")
     parser.add_argument("--longest-seconds", type=float, default=0, help="per configuration; 0: not searched")
     parser.add_argument("--write", action="store_true", help="rewrite BENCHMARKS.md's section")
-    parser.add_argument("--worker", choices=CONFIGS + tuple(APPLY_OPTIONS), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=known, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, int(args.tokens), args.shape, args.layers, args.profile)))
@@ -132,12 +149,9 @@ def main():
     device = torch.cuda.get_device_name() if args.shape != "tiny" else "the CPU"
     points = list(map(int, args.tokens.split(",")))
     configs = args.configs.split(",")
-    unknown = set(configs) - set(CONFIGS) - set(APPLY_OPTIONS)
+    unknown = set(configs) - set(known)
     if unknown:
-        parser.error(
-            f"--configs: {', '.join(sorted(unknown))} unknown; expected names of {parser.get_default('configs')}"
-            f" or {', '.join(APPLY_OPTIONS)}"
-        )
+        parser.error(f"--configs: {', '.join(sorted(unknown))} unknown; expected names of {', '.join(known)}")
     results = {c: {t: measure(c, t, args.shape, args.layers, args.profile) for t in points} for c in configs}
     rows = []
     for config in configs:
@@ -151,6 +165,11 @@ def main():
                 cells.append("OOM" if run.get("oom") else run.get("failed", "?"))
                 continue
             ratio = f" ({run['seconds'] / plain['seconds']:.2f}x)" if "seconds" in plain else ""
+            layers_path = results.get("apply", {}).get(t, {})
+            if "host_bytes" in run and "seconds" in layers_path:
+                ratio += f" ({run['seconds'] / layers_path['seconds']:.2f}x apply)"
+            if "host_bytes" in run:
+                ratio += f"; host {run['host_bytes'] / 2**20:.0f} MiB, disk {run['disk_bytes'] / 2**20:.0f} MiB"
             cells.append(f"{run['peak_bytes'] / 2**20:.0f} MiB, {run['seconds']:.2f} s{ratio}")
         fits = (
             longest(config, points[-1], args.shape, args.layers, args.longest_seconds) if args.longest_seconds else None
@@ -168,12 +187,30 @@ def main():
         "| configuration | KiB per token | " + " | ".join(f"{t} tokens" for t in points) + " | longest |\n"
         "| --- | ---: | " + " | ".join("---:" for _ in points) + " | ---: |\n" + "\n".join(rows) + "\n"
     )
+    text += projection(results, points, args.layers)
     if args.profile:
         text += "\n" + split_table(results, points)
     if args.write:
         write_section("Llama-8B-shaped step on a GPU", text)
     else:
         print(text)
+
+
+def projection(results, points, layers):
+    """The step's longest point that ran, grown from ``layers`` to 32 layers: device peak (a layer's working set at a
+    time: unchanged), host and disk bytes and step time (per layer)."""
+    lines = []
+    for config in (c for c in STEP_CONFIGS if c in results):
+        ran = [t for t in points if "peak_bytes" in results[config][t]]
+        if not ran:
+            continue
+        run, grow = results[config][ran[-1]], 32 / layers
+        lines.append(
+            f"- {config} at {ran[-1]} tokens, 32 layers: device {run['peak_bytes'] / 2**30:.1f} GiB over the weights, "
+            f"host {run['host_bytes'] * grow / 2**30:.1f} GiB, disk {run['disk_bytes'] * grow / 2**30:.1f} GiB, "
+            f"{run['seconds'] * grow:.0f} s a step"
+        )
+    return "\nThe step grown to 32 layers:\n\n" + "\n".join(lines) + "\n" if lines else ""
 
 
 def split_table(results, points):

@@ -48,6 +48,22 @@ def more_than_one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def stores(monkeypatch):
+    """The chunk-recurrent step's ChunkStores, in the order the steps (and their probes) make them."""
+    from torch_offload.integrations import chunk_recurrent
+
+    made = []
+
+    class Recorded(chunk_recurrent.ChunkStore):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(chunk_recurrent, "ChunkStore", Recorded)
+    return made
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.module.__name__ in RANK_MODULES:

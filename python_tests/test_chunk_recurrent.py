@@ -316,9 +316,9 @@ BAD_INPUTS = {
         "attention_mask: a row's real tokens are not contiguous",
     ),
     "positions_shape": (dict(position_ids=torch.arange(7)[None]), ValueError, "position_ids: shape"),
-    "zero_chunk": (dict(chunk_tokens=0), ValueError, "chunk_tokens must be a positive int"),
-    "bool_chunk": (dict(chunk_tokens=True), ValueError, "chunk_tokens must be a positive int"),
-    "float_chunk": (dict(chunk_tokens=4.0), ValueError, "chunk_tokens must be a positive int"),
+    "zero_chunk": (dict(chunk_tokens=0), ValueError, "chunk_tokens must be None or a positive int"),
+    "bool_chunk": (dict(chunk_tokens=True), ValueError, "chunk_tokens must be None or a positive int"),
+    "float_chunk": (dict(chunk_tokens=4.0), ValueError, "chunk_tokens must be None or a positive int"),
     "no_directory": (dict(directory="/nonexistent/chunks"), ValueError, "directory '/nonexistent/chunks'"),
 }
 

@@ -6,8 +6,8 @@ row's text, a whole row); padding is no one's key, and a pad query sees the segm
 (output 0): what apply's segment ids give (``attention_block_segment_ids``), and SDPA for a query whose every key is
 masked. A pair of chunks (queries, keys) is cut into blocks, one per segment in both, each a contiguous run of
 queries against a contiguous run of keys: all of it before the queries (another chunk), or causal from the same first
-token (the same chunk). Each block runs through PyTorch's CPU flash-attention kernel unmasked, so no mask is ever
-built, and a pair with no block (documents apart) reads nothing.
+token (the same chunk). Each block runs through an attention kernel unmasked (chunk_kernels.py: PyTorch's flash
+kernels on the CPU and on CUDA), so no mask is ever built, and a pair with no block (documents apart) reads nothing.
 
 Forward joins a chunk of queries' pairs by their log-sum-exps (an online softmax). Backward takes one chunk of
 queries against every chunk of keys up to it, each block given the whole row's output and log-sum-exp, which makes
@@ -21,12 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .chunk_kernels import block_backward, block_forward, kernel_dtype
 from .chunk_store import return_freed_memory
 
 __all__ = ["Heads", "Segments", "attend", "attend_backward"]
-
-_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 @dataclass(frozen=True)
@@ -57,11 +55,12 @@ class Heads:
         _, heads, length, _ = gradient.shape
         return gradient[0, :, :, :dim].reshape(heads // self.groups, self.groups, length, dim).sum(1)
 
-    def before_any_key(self, heads: int, queries: int, dtype: torch.dtype) -> torch.Tensor:
-        """Each query's log-sum-exp before any key, ``[1, heads, queries]``: its head's sink, else -inf."""
+    def before_any_key(self, heads: int, queries: int, like: torch.Tensor) -> torch.Tensor:
+        """Each query's log-sum-exp before any key, ``[1, heads, queries]`` in ``like``'s dtype and device: its
+        head's sink, else -inf."""
         if self.sinks is None:
-            return torch.full((1, heads, queries), float("-inf"), dtype=dtype)
-        return self.sinks.detach().to(dtype)[None, :, None].expand(1, heads, queries).clone()
+            return like.new_full((1, heads, queries), float("-inf"))
+        return self.sinks.detach().to(like)[None, :, None].expand(1, heads, queries).clone()
 
 
 @dataclass(frozen=True)
@@ -153,13 +152,14 @@ def attend(heads: Heads, segments: Segments, chunk: int, q, keys_and_values, rea
     of every chunk up to it (``keys_and_values(chunk)``), block by block, the pairs joined by their log-sum-exps: the
     output ``[heads, C, dv]`` in the queries' dtype and the log-sum-exp (float32, float64 for float64) per head and
     query, the sinks' included; -inf (output 0) for a query that sees no key and no sink. ``read_ahead(chunk)``
-    (where given) is told the chunk whose keys and values come next, before this one's are computed with."""
-    compute = torch.promote_types(q.dtype, torch.float32)
+    (where given) is told the chunk whose keys and values come next, before this one's are computed with. The blocks
+    run in chunk_kernels.kernel_dtype, the pairs are joined in at least float32."""
+    compute, joined = kernel_dtype(q), torch.promote_types(q.dtype, torch.float32)
     value_dim = keys_and_values(chunk)[1].shape[-1]
     width = max(q.shape[-1], value_dim)
     query = F.pad(q.to(compute), (0, width - q.shape[-1]))[None]
-    out = torch.zeros((1, q.shape[0], q.shape[1], value_dim), dtype=compute)
-    log_sum_exp = heads.before_any_key(q.shape[0], q.shape[1], compute)
+    out = query.new_zeros((1, q.shape[0], q.shape[1], value_dim), dtype=joined)
+    log_sum_exp = heads.before_any_key(q.shape[0], q.shape[1], out)
     for earlier, blocks in _pairs(heads, segments, chunk, query, read_ahead):
         k, v = (heads.by_head(t.to(compute), width) for t in keys_and_values(earlier))
         pair_out, pair_log_sum_exp = torch.zeros_like(query), torch.full_like(log_sum_exp, float("-inf"))
@@ -171,7 +171,7 @@ def attend(heads: Heads, segments: Segments, chunk: int, q, keys_and_values, rea
         joined = torch.logaddexp(log_sum_exp, pair_log_sum_exp)
         base = joined.masked_fill(joined == float("-inf"), 0.0)
         out.mul_(log_sum_exp.sub_(base).exp_()[..., None]).add_(
-            pair_out[..., :value_dim].mul_(pair_log_sum_exp.sub_(base).exp_()[..., None])
+            pair_out[..., :value_dim].to(joined).mul_(pair_log_sum_exp.sub_(base).exp_()[..., None])
         )
         log_sum_exp = joined
     return out[0].to(q.dtype), log_sum_exp[0]
@@ -192,19 +192,19 @@ def attend_backward(
     """attend's gradients for one chunk of queries: the queries' gradient ``[heads, C, d]`` and the sinks' share
     (``[heads]``, None without sinks), returned, and for each chunk of keys up to it that a block reads, its share
     of the keys' and values' gradients, handed to ``add_share(earlier, grad k, grad v)`` (``[kv heads, C', d]``, in
-    the compute dtype). ``out`` and ``log_sum_exp`` are the whole row's (attend's), ``grad_out`` their output's
-    gradient."""
-    compute = torch.promote_types(q.dtype, torch.float32)
+    at least float32, as the queries' gradient). ``out`` and ``log_sum_exp`` are the whole row's (attend's),
+    ``grad_out`` their output's gradient."""
+    compute, joined = kernel_dtype(q), torch.promote_types(q.dtype, torch.float32)
     value_dim = out.shape[-1]
     width = max(q.shape[-1], value_dim)
     query = F.pad(q.to(compute), (0, width - q.shape[-1]))[None]
     grad_out, out = (F.pad(t.to(compute), (0, width - value_dim))[None] for t in (grad_out, out))
     log_sum_exp = log_sum_exp[None]
-    grad_q = torch.zeros_like(query)
+    grad_q = query.new_zeros(query.shape, dtype=joined)
     for earlier, blocks in _pairs(heads, segments, chunk, query, read_ahead):
         k, v = keys_and_values(earlier)
         k_heads, v_heads = heads.by_head(k.to(compute), width), heads.by_head(v.to(compute), width)
-        grad_k, grad_v = torch.zeros_like(k_heads), torch.zeros_like(v_heads)
+        grad_k, grad_v = (t.new_zeros(t.shape, dtype=joined) for t in (k_heads, v_heads))
         for block in blocks:
             rows, keys = block.rows, block.keys
             block_grad_q, block_grad_k, block_grad_v = _block_backward(
@@ -224,8 +224,8 @@ def attend_backward(
         return_freed_memory()
     grad_sinks = None
     if heads.sinks is not None:  # d out_i / d sink = -p_sink_i out_i: the sink's gradient -sum_i p_sink_i (dO_i . O_i)
-        sink_share = (heads.sinks.detach().to(compute)[None, :, None] - log_sum_exp).exp()
-        grad_sinks = -(sink_share * (grad_out * out).sum(-1)).sum((0, 2))
+        sink_share = (heads.sinks.detach().to(joined)[None, :, None] - log_sum_exp).exp()
+        grad_sinks = -(sink_share * (grad_out.to(joined) * out.to(joined)).sum(-1)).sum((0, 2))
     return grad_q[0, ..., : q.shape[-1]], grad_sinks
 
 
@@ -254,10 +254,12 @@ def _reach(heads: Heads, block: _Block, query, segments: Segments, keys_chunk: i
 
 
 def _block_forward(heads: Heads, block: _Block, q, k, v):
-    """One block's output and log-sum-exp (queries that see no key of it: 0 and -inf): PyTorch's flash kernel
-    where no score mod touches it, else its scores written out, a piece of its queries at a time (_pieces)."""
+    """One block's output and log-sum-exp (queries that see no key of it: 0 and -inf): an attention kernel
+    (chunk_kernels.py) where no score mod touches it, else its scores written out in at least float32, a piece of its
+    queries at a time (_pieces)."""
     if heads.softcap is None and block.reach(heads, q.shape[2], k.shape[2]) == "all":
-        return _FLASH(q, k, v, 0.0, block.causal, scale=heads.scaling)
+        return block_forward(q, k, v, block.causal, heads.scaling)
+    q, k, v = _at_least_float32(q, k, v)
     out = q.new_zeros((*q.shape[:3], v.shape[-1]))
     log_sum_exp = q.new_full(q.shape[:3], float("-inf"))
     for rows, keys, piece in _pieces(heads, block, q, k):
@@ -272,7 +274,8 @@ def _block_forward(heads: Heads, block: _Block, q, k, v):
 def _block_backward(heads: Heads, block: _Block, grad_out, q, k, v, out, log_sum_exp):
     """One block's share of the gradients of q, k and v, given the whole row's output and log-sum-exp."""
     if heads.softcap is None and block.reach(heads, q.shape[2], k.shape[2]) == "all":
-        return _FLASH_BACKWARD(grad_out, q, k, v, out, log_sum_exp, 0.0, block.causal, scale=heads.scaling)
+        return block_backward(grad_out, q, k, v, out, log_sum_exp, block.causal, heads.scaling)
+    grad_out, q, k, v, out, log_sum_exp = _at_least_float32(grad_out, q, k, v, out, log_sum_exp)
     grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     base = log_sum_exp.masked_fill(log_sum_exp == float("-inf"), 0.0)
     delta = (grad_out * out).sum(-1, keepdim=True)  # each query's dO . O: the softmax's gradient takes it off
@@ -286,6 +289,10 @@ def _block_backward(heads: Heads, block: _Block, grad_out, q, k, v, out, log_sum
         grad_k[:, :, keys] += grad_scores.transpose(-1, -2) @ q[:, :, rows] * heads.scaling
         grad_v[:, :, keys] += probabilities.transpose(-1, -2) @ grad_out[:, :, rows]
     return grad_q, grad_k, grad_v
+
+
+def _at_least_float32(*tensors):
+    return [t.to(torch.promote_types(t.dtype, torch.float32)) for t in tensors]
 
 
 # One piece's scores (backward holds about five tensors of that size at once). At 16 MiB, glibc's heap (its mmap
@@ -316,9 +323,9 @@ def _scores(heads: Heads, block: _Block, q, k):
     if heads.softcap is not None:
         capped = (scores / heads.softcap).tanh()
         scores, slope = capped * heads.softcap, 1 - capped * capped
-    query = torch.arange(q.shape[2])[:, None] + block.query_start
-    key = torch.arange(k.shape[2])[None, :] + block.key_start
-    hidden = key > query if block.causal else torch.zeros((), dtype=torch.bool)
+    query = torch.arange(q.shape[2], device=q.device)[:, None] + block.query_start
+    key = torch.arange(k.shape[2], device=q.device)[None, :] + block.key_start
+    hidden = key > query if block.causal else torch.zeros((), dtype=torch.bool, device=q.device)
     if heads.window is not None:
         hidden = hidden | (key <= query - heads.window)
     return scores.masked_fill(hidden, float("-inf")), slope

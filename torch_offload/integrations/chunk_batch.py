@@ -13,6 +13,8 @@ from ..attention_block import attention_block_segment_ids
 
 __all__ = ["Batch", "batch_of", "checked_rows", "chunk_bounds", "reach_of", "runs_of_real_tokens"]
 
+cpu = torch.device("cpu")
+
 
 @dataclass
 class Batch:
@@ -111,14 +113,17 @@ def reach_of(batch: Batch) -> int:
     return int((positions[seeing] - first[batch.query_segments[seeing]]).max()) + 1
 
 
-def checked_rows(name: str, value, optional: bool, input_ids) -> torch.Tensor | None:
-    """``value`` as ``[rows, T]`` (from ``[T]``), after checking it names what is wrong."""
+def checked_rows(name: str, value, optional: bool, input_ids, device: torch.device) -> torch.Tensor | None:
+    """``value`` as ``[rows, T]`` (from ``[T]``) on the CPU, where the step keeps the batch (a chunk's share goes to
+    the model's ``device`` as it runs), after checking it names what is wrong."""
     if value is None and optional:
         return None
     dtypes = (torch.int64, torch.int32, torch.bool) if name == "attention_mask" else (torch.int64,)
-    if not isinstance(value, torch.Tensor) or value.dtype not in dtypes or value.device.type != "cpu":
+    if not isinstance(value, torch.Tensor) or value.dtype not in dtypes or value.device not in (cpu, device):
         kinds = ", ".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
-        raise TypeError(f"chunk_recurrent_loss: {name} must be an {kinds} CPU tensor")
+        on = "CPU" if device == cpu else f"CPU or {device}"
+        raise TypeError(f"chunk_recurrent_loss: {name} must be an {kinds} {on} tensor")
+    value = value.cpu()
     if value.dim() not in (1, 2) or value.shape[-1] == 0:
         raise ValueError(f"chunk_recurrent_loss: {name} must be [rows, T] or [T] with T > 0, got {list(value.shape)}")
     rows = value if value.dim() == 2 else value[None]

@@ -51,7 +51,8 @@ class StepModel:
         """The decoder's own output ``[C, hidden]`` (after its final norm) for one chunk's ``ids`` at ``positions``,
         beginning at ``place`` in its row."""
         self._place = place
-        output = self.decoder(input_ids=ids[None], position_ids=positions[None], use_cache=False)
+        device = self.head.weight.device  # the batch waits on the host
+        output = self.decoder(input_ids=ids[None].to(device), position_ids=positions[None].to(device), use_cache=False)
         return output.last_hidden_state[0]
 
     def _placed(self, kwargs: dict) -> dict:
@@ -209,14 +210,15 @@ class _ReplayedLayer(torch.autograd.Function):
 
 
 def add_gradients(gradients: dict, parameters, found) -> None:
-    """Add each of ``found`` (None for none) into ``gradients[parameter]``."""
+    """Add each of ``found`` (None for none) into ``gradients[parameter]``, in at least float32: the model's own
+    backward rounds a bfloat16 weight's gradient once, not once a chunk (the step's caller rounds the sum)."""
     for parameter, gradient in zip(parameters, found):
         if gradient is None:
             continue
         if parameter in gradients:
             gradients[parameter].add_(gradient)
         else:
-            gradients[parameter] = gradient
+            gradients[parameter] = gradient.to(torch.promote_types(gradient.dtype, torch.float32))
 
 
 @contextlib.contextmanager

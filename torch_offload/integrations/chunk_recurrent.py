@@ -3,10 +3,11 @@ apply()'s step for training calls with labels (chunk_recurrent_route.py).
 
 Why: a whole training step holds tensors of every token at once (each layer's activations, autograd's gradients of
 ``[T, hidden]``). Here one autograd Function owns the step, and everything that grows with the sequence (each
-layer's output, keys, values, attention output and log-sum-exp, the gradients flowing back) lives in the disk tier's
-unnamed file in chunks of ``chunk_tokens`` tokens (chunk_store.py). The process holds one chunk's working set, one
-chunk of keys and values at a time, the weights' gradients and the batch's token ids, positions and labels: its
-memory grows by a few bytes per token (the batch's own tensors), whatever the context.
+layer's output, keys, values, attention output and log-sum-exp, the gradients flowing back) lives in the step's store
+in chunks of ``chunk_tokens`` tokens (chunk_store.py: by default on the CPU the disk tier's unnamed file; on a GPU
+pinned host memory, past its budget the file). The process (on a GPU, the device) holds one chunk's working set, one
+chunk of keys and values at a time and the weights' gradients, and the host the batch's token ids, positions and
+labels: a few bytes per token, whatever the context.
 
 How: forward runs the decoder's own forward on one chunk after another (chunk_model.py), its attention modules
 calling the step's attention implementation (chunk_seam.py), which attends a chunk's queries to the keys and values
@@ -19,12 +20,14 @@ chunk runs.
 
 What it takes (``step_problem``): a causal LM whose ``get_decoder()`` holds the decoder layers and the input
 embedding and whose output layer is a plain ``nn.Linear`` outside it, every trained parameter in one of the two (or
-one its loss on text does not reach: a vision tower's, which gets no gradient either way), float32 or float64, no
-dropout in training (backward's recomputation would draw other masks), a rotary embedding that does not depend on the
-call's longest position, no embedding that counts tokens (``scale_grad_by_freq``) or whose gradient is sparse; and
-what the seam refuses at run time (``Unsupported``: dropout in attention, a mask composed from overlays, an argument
-it does not know). Rows of tokens on the CPU: one row, several, packed documents (``position_ids`` restarting),
-padded rows (``attention_mask``), read as transformers reads them without a key/value cache (chunk_batch.py).
+one its loss on text does not reach: a vision tower's, which gets no gradient either way), float32 or float64 (on a
+GPU float32, bfloat16 or float16: its attention kernels take no float64; the weights' gradients summed in float32),
+no dropout in training (backward's recomputation would draw other masks), a rotary embedding that does not depend on
+the call's longest position, no embedding that counts tokens (``scale_grad_by_freq``) or whose gradient is sparse;
+and what the seam refuses at run time (``Unsupported``: dropout in attention, a mask composed from overlays, an
+argument it does not know). Rows of tokens (on the CPU or the model's GPU): one row, several, packed documents
+(``position_ids`` restarting), padded rows (``attention_mask``), read as transformers reads them without a key/value
+cache (chunk_batch.py).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..causal_lm_loss import _PROBE_RTOL
 from ..disk import default_spill_directory, spill_directory_in_ram
 from ..linear_cross_entropy import linear_cross_entropy
 from .chunk_attention import Segments
@@ -47,6 +51,11 @@ from .sequence_parallelism import rope_of_the_calls_positions
 __all__ = ["chunk_recurrent_loss"]
 
 CHUNK_TOKENS = 2048  # tokens per chunk: attention's pairs of chunks work in [heads, C, C] blocks
+# On a GPU each pair of chunks reads the earlier chunk's keys and values from host memory: T^2 / (2C) tokens' worth a
+# layer and pass (4 KiB a token at Llama-8B), 1 TiB a layer at a million tokens in chunks of 2048, 64 GiB in chunks
+# of 32768, a few seconds' copying beside the 20-odd seconds of attention's own arithmetic. Its flash kernels write no
+# [C, C] scores.
+GPU_CHUNK_TOKENS = 32768
 _PROBE_TOKENS = 12
 
 
@@ -63,9 +72,16 @@ def step_problem(model: nn.Module, unreached: frozenset | None = frozenset()) ->
     config = getattr(model, "config", None)
     if rope_of_the_calls_positions(config) is not None:
         return f"its rotary embedding ({rope_of_the_calls_positions(config)!r}) depends on a call's longest position"
-    low_precision = sorted({str(p.dtype) for p in model.parameters()} - {"torch.float32", "torch.float64"})
-    if low_precision:  # one matmul over every token, as the model's backward, rounds once
-        return f"parameters in {', '.join(low_precision)}: the step would round each chunk's share of their gradients"
+    dtypes = {p.dtype for p in model.parameters()}
+    on_gpu = all(p.device.type == "cuda" for p in model.parameters())
+    if on_gpu and torch.float64 in dtypes:
+        return "parameters in torch.float64 on a GPU, whose attention kernels take float32, bfloat16 and float16"
+    low_precision = sorted(str(dtype) for dtype in dtypes - {torch.float32, torch.float64})
+    if low_precision and not on_gpu:  # tested against float64 on a GPU only, where users train in them
+        return (
+            f"parameters in {', '.join(low_precision)}: the step would round each chunk's share of their gradients "
+            "(on the CPU it takes float32 and float64; on a GPU bfloat16 and float16 too)"
+        )
     return None
 
 
@@ -88,24 +104,39 @@ def chunk_recurrent_loss(
     position_ids: torch.Tensor | None = None,
     num_items_in_batch: Any = None,
     ignore_index: int = -100,
-    chunk_tokens: int = CHUNK_TOKENS,
+    chunk_tokens: int | None = None,
     directory: str | os.PathLike | None = None,
+    host_budget: int | None = None,
 ) -> torch.Tensor:
     """``model(input_ids=..., labels=..., attention_mask=..., position_ids=..., use_cache=False).loss``,
     differentiable in the model's parameters, in memory that does not grow with the sequence but for the batch's own
     tensors (see the module's docstring).
 
-    ``input_ids`` and ``labels`` are ``[rows, T]`` (or ``[T]``) int64 on the CPU; labels equal to ``ignore_index``
-    are not counted, and ``num_items_in_batch`` divides the summed loss where given (transformers' gradient
-    accumulation). ``attention_mask`` (1 for real tokens, contiguous in each row) and ``position_ids`` (packed
-    documents restart at 0) are transformers'. ``chunk_tokens`` sets the chunk (the working set grows with its square:
-    attention's ``[heads, C, C]`` blocks); ``directory`` where the chunk file lives (the disk tier's default; RAM file
-    systems are refused)."""
+    The model's parameters are on the CPU or on one CUDA GPU; ``input_ids`` and ``labels`` are ``[rows, T]`` (or
+    ``[T]``) int64 on the CPU or that GPU; labels equal to ``ignore_index`` are not counted, and
+    ``num_items_in_batch`` divides the summed loss where given (transformers' gradient accumulation).
+    ``attention_mask`` (1 for real tokens, contiguous in each row) and ``position_ids`` (packed documents restart at
+    0) are transformers'. ``chunk_tokens`` sets the chunk (None: CHUNK_TOKENS on the CPU, where the working set grows
+    with its square, attention's ``[heads, C, C]`` blocks; GPU_CHUNK_TOKENS on a GPU); ``directory`` where the chunk
+    file lives (the disk tier's default; RAM file systems are refused). ``host_budget`` (bytes): the chunks' tensors
+    wait in host memory up to it, the oldest moved to the file past it (chunk_store.py). None: on the CPU every one
+    goes to the file, whose memory stays flat; on a GPU the pinned arena's free budget (a budget past it is refused:
+    its copies would be pageable). On the CPU a budget makes the host tier stand in for a GPU's pinned one: the GPU
+    step's test mode (docs/apply.md)."""
+    devices = {p.device for p in model.parameters()}
+    device = next(iter(devices)) if len(devices) == 1 else None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError("chunk_recurrent_loss: model: its parameters must be on one device, the CPU or a CUDA GPU")
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "chunk_recurrent_loss: a CUDA graph is being captured: the step reads its batch on the host and moves "
+            "its chunks between the device, host memory and disk, which a graph cannot replay"
+        )
     problem = step_problem(model, unreached=None)  # the probe below looks at the parameters outside
     if problem is not None:
         raise ValueError(f"chunk_recurrent_loss: model: {problem}")
     input_ids, labels, attention_mask, position_ids = (
-        checked_rows(name, value, optional, input_ids)
+        checked_rows(name, value, optional, input_ids, device)
         for name, value, optional in (
             ("input_ids", input_ids, False),
             ("labels", labels, False),
@@ -115,18 +146,19 @@ def chunk_recurrent_loss(
     )
     if attention_mask is not None and bool((runs_of_real_tokens(attention_mask) > 1).any()):
         raise ValueError("chunk_recurrent_loss: attention_mask: a row's real tokens are not contiguous")
+    if chunk_tokens is None:
+        chunk_tokens = GPU_CHUNK_TOKENS if device.type == "cuda" else CHUNK_TOKENS
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise ValueError(f"chunk_recurrent_loss: chunk_tokens must be a positive int, got {chunk_tokens!r}")
+        raise ValueError(f"chunk_recurrent_loss: chunk_tokens must be None or a positive int, got {chunk_tokens!r}")
     directory = os.fspath(directory) if directory is not None else default_spill_directory()
     if not os.path.isdir(directory):
         raise ValueError(f"chunk_recurrent_loss: directory {directory!r} is not a directory")
     if spill_directory_in_ram(directory):
         raise ValueError(f"chunk_recurrent_loss: directory {directory!r} is on a RAM file system")
-    if any(p.device.type != "cpu" for p in model.parameters()):
-        raise ValueError("chunk_recurrent_loss: model: its parameters must be on the CPU")
+    host_budget = _host_budget(host_budget, device)
     if autocast_on():
         raise RuntimeError("chunk_recurrent_loss: autocast is on: call the step outside torch.autocast")
-    _probe(model, input_ids[0], directory)
+    _probe(model, input_ids[0], directory, host_budget)
     batch = batch_of(
         input_ids,
         labels,
@@ -136,36 +168,61 @@ def chunk_recurrent_loss(
         num_items_in_batch=num_items_in_batch,
         packed=packs_documents(model),
     )
-    return chunk_recurrent_step(model, batch, chunk_tokens, directory)
+    return chunk_recurrent_step(model, batch, chunk_tokens, directory, host_budget)
 
 
-def _probe(model: nn.Module, ids: torch.Tensor, directory: str) -> None:
+def _host_budget(host_budget, device: torch.device) -> int | None:
+    """The store's host budget (chunk_store.py): as given on the CPU; on a GPU at most what the pinned arena has free
+    (past it offload_pack's copies would be pageable, which the step never makes), that by default."""
+    whole_bytes = isinstance(host_budget, int) and not isinstance(host_budget, bool)
+    if host_budget is not None and not (whole_bytes and host_budget >= 0):
+        raise ValueError(f"chunk_recurrent_loss: host_budget must be None or an int >= 0, got {host_budget!r}")
+    if device.type != "cuda":
+        return host_budget
+    arena = torch.ops.offload.pinned_arena_stats()  # budget, reserved, in use, ...
+    free = max(0, arena[0] - arena[2])
+    if host_budget is not None and host_budget > free:
+        raise ValueError(
+            f"chunk_recurrent_loss: host_budget ({host_budget} bytes) is over what the pinned arena has free ({free} "
+            "bytes; torch_offload.set_pinned_budget raises it): past it the copies would be pageable"
+        )
+    return free if host_budget is None else host_budget
+
+
+def _probe(model: nn.Module, ids: torch.Tensor, directory: str, host_budget: int | None) -> None:
     """Refuse a model whose own loss on the sequence's first tokens is not the step's (what only running it shows:
     a call of its attention the seam refuses, a forward across tokens outside attention)."""
     probe = ids[None, :_PROBE_TOKENS]
-    reached = reached_outside(model, dict(input_ids=probe, labels=probe))
+    head = model.get_output_embeddings().weight
+    on_device = probe.to(head.device)
+    reached = reached_outside(model, dict(input_ids=on_device, labels=on_device))
     if reached is not None:
         raise ValueError(f"chunk_recurrent_loss: model: {reached}")
     with torch.no_grad():
-        want = model(input_ids=probe, labels=probe, use_cache=False).loss
+        want = model(input_ids=on_device, labels=on_device, use_cache=False).loss
         try:
-            got = chunk_recurrent_step(model, batch_of(probe, probe), max(1, probe.shape[1] // 2), directory)
+            chunks = max(1, probe.shape[1] // 2)
+            got = chunk_recurrent_step(model, batch_of(probe, probe), chunks, directory, host_budget)
         except Unsupported as error:
             raise ValueError(f"chunk_recurrent_loss: model: {error}") from None
-    if not torch.allclose(got.to(want.dtype), want, rtol=1e-4, atol=1e-5):  # transformers: a float32 loss
+    rtol = _PROBE_RTOL.get(head.dtype, 1e-4)  # transformers: a float32 loss, of bfloat16 logits in a bfloat16 model
+    if not torch.allclose(got.to(want.dtype), want, rtol=rtol, atol=rtol / 10):
         raise ValueError(
             f"chunk_recurrent_loss: model: its own loss on {probe.shape[1]} tokens is {want.item()}, the "
             f"chunk-recurrent step's {got.item()}: its forward differs in chunks"
         )
 
 
-def chunk_recurrent_step(model: nn.Module, batch: Batch, chunk_tokens: int, directory: str) -> torch.Tensor:
+def chunk_recurrent_step(
+    model: nn.Module, batch: Batch, chunk_tokens: int, directory: str, host_budget: int | None = None
+) -> torch.Tensor:
     """The step's loss, differentiable in ``model``'s trained parameters (checked by the caller)."""
     named = dict(model.named_parameters())  # a tied head's weight once
     trained = [p for p in named.values() if p.requires_grad]
     parts = StepModel(model)
     read_again = _ReadAgain(model, batch.ids if _trained(parts.embed.parameters()) else None)
-    return _ChunkRecurrentStep.apply(parts, batch, chunk_tokens, directory, (trained, read_again), *trained)
+    store = ChunkStore(directory, host_budget=host_budget, device=parts.head.weight.device)
+    return _ChunkRecurrentStep.apply(parts, batch, chunk_tokens, store, (trained, read_again), *trained)
 
 
 class _ReadAgain:
@@ -189,10 +246,9 @@ class _ReadAgain:
 
 class _ChunkRecurrentStep(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, parts, batch, chunk_tokens, directory, trained_and_read_again, *parameters):
+    def forward(ctx, parts, batch, chunk_tokens, store, trained_and_read_again, *parameters):
         trained, read_again = trained_and_read_again
         bounds = chunk_bounds(batch, chunk_tokens, within_rows=parts.places_from_cache)
-        store = ChunkStore(directory)
         segments = Segments(bounds, batch.query_segments, batch.key_segments, batch.chunked_places)
         seam = StepAttention(store, segments, reach_of(batch), parts.layer_of)
         wants_gradients = any(ctx.needs_input_grad[5:])
@@ -204,7 +260,8 @@ class _ChunkRecurrentStep(torch.autograd.Function):
                     "eager attention gives a query that sees no key (a left pad) a softmax over its whole row, "
                     "later keys too, and its label is counted"
                 )
-        loss = torch.zeros((), dtype=torch.promote_types(parts.head.weight.dtype, torch.float32))
+        weight = parts.head.weight
+        loss = weight.new_zeros((), dtype=torch.promote_types(weight.dtype, torch.float32))
         gradients: dict = {}
         head = _trained(p for p in (parts.head.weight, parts.head.bias) if p is not None) if wants_gradients else []
 
@@ -303,6 +360,7 @@ class _ChunkRecurrentStep(torch.autograd.Function):
         grads = [gradients.get(p) for p in trained]
         if scale is not None:
             grads = [g if g is None else g.mul_(scale) for g in grads]
+        grads = [g if g is None else g.to(p.dtype) for g, p in zip(grads, trained)]  # summed in at least float32
         return (None, None, None, None, None, *grads)
 
 
@@ -310,7 +368,7 @@ def _chunk_loss(parts, hidden, batch, start, end, wants_gradients, head, gradien
     """One chunk's share of the loss (its summed fused loss over ``batch.count``) and, ``wants_gradients``, its
     hidden states' gradient (for a loss gradient of 1), that of the head's trained parameters ``head`` added into
     ``gradients``; else None."""
-    targets = batch.targets[start:end]
+    targets = batch.targets[start:end].to(hidden.device)
     count = batch.count
     with torch.set_grad_enabled(wants_gradients):
         hidden = hidden.detach().requires_grad_(wants_gradients)
@@ -347,9 +405,11 @@ def _embedding_rows(embed: nn.Embedding, store, chunks: int, gradients: dict) ->
             ids = store.pop(("embedded ids", chunk, call))
             if embed.padding_idx is not None:  # its row gets no gradient
                 grad_rows[ids == embed.padding_idx] = 0
-            if embed.weight not in gradients:
-                gradients[embed.weight] = torch.zeros_like(embed.weight)
-            gradients[embed.weight].index_add_(0, ids, grad_rows.to(embed.weight.dtype))
+            if embed.weight not in gradients:  # summed in at least float32 (add_gradients)
+                gradients[embed.weight] = torch.zeros_like(
+                    embed.weight, dtype=torch.promote_types(embed.weight.dtype, torch.float32)
+                )
+            gradients[embed.weight].index_add_(0, ids, grad_rows.to(gradients[embed.weight].dtype))
             call += 1
 
 

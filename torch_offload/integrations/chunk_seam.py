@@ -255,7 +255,7 @@ class _ChunkAttention(torch.autograd.Function):
         if keys_layer == layer:
             grads = []
             for name, tensor in (("k", k), ("v", v)):
-                total = own.get(name, torch.zeros(tensor.shape, dtype=grad_q.dtype))
+                total = own.get(name, grad_q.new_zeros(tensor.shape))
                 if store.has((f"grad {name}", layer, chunk)):  # the later chunks' (and later layers') shares
                     total = total + store.pop((f"grad {name}", layer, chunk))
                 grads.append(total.to(tensor.dtype))

@@ -1,7 +1,12 @@
 """Where the chunk-recurrent step (chunk_recurrent.py) keeps what grows with the sequence: ``ChunkStore``, tensors by
-key in the disk tier (torch_offload.disk: the process's unnamed spill file, written by its I/O threads with
-checksums and O_DIRECT where the file system takes it, its freed extents given back); and ``return_freed_memory``,
-which keeps the heap from holding the chunks' freed blocks."""
+key in two tiers, and ``return_freed_memory``, which keeps the heap from holding the chunks' freed blocks.
+
+The tiers: host memory through ``offload_pack`` (on a GPU the pinned arena, copied on the copy stream; on a CPU a
+copy, the host tier standing in for a GPU's: the GPU step's test mode) up to a host budget, and past it the disk
+tier (torch_offload.disk: the process's unnamed spill file, written by its I/O threads with checksums and O_DIRECT
+where the file system takes it, its freed extents given back), where the oldest host entries go first, never to
+pageable memory. Without a host budget (the CPU step's default) every tensor goes to the file: the process's memory
+then stays flat in the sequence."""
 
 from __future__ import annotations
 
@@ -17,49 +22,94 @@ _MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None 
 
 
 class ChunkStore:
-    """Tensors by key in the disk tier's spill file in ``directory``: each written once, read back as often as asked,
-    prefetched ahead of a read, its disk space freed when released. A tensor changed in place before its write is
-    done fails its checksum when read (the tier's error, as a removed directory's or a full disk's); ``settle()``
-    waits for the writes so far, so that the memory of what is being written stays one chunk's."""
+    """Tensors by key: each written once, read back on ``device`` (default: the CPU) as often as asked, its host
+    memory or disk space freed when released. ``host_budget`` (bytes, or None for none) is the most host memory the
+    store holds; a write past it moves the oldest host entries (in write order) to the spill file in ``directory``, and
+    a tensor larger than the whole budget goes there at once. A tensor changed in place before its write is done
+    fails its checksum when read from the file (the tier's error, as a removed directory's or a full disk's);
+    ``settle()`` waits for the writes to the file so far, so that the memory of what is being written stays one
+    chunk's."""
 
-    def __init__(self, directory: str, allow_tmpfs: bool = False):
+    def __init__(
+        self,
+        directory: str,
+        allow_tmpfs: bool = False,
+        *,
+        host_budget: int | None = None,
+        device: torch.device | None = None,
+    ):
         self._directory, self._allow_tmpfs = directory, allow_tmpfs
-        self._tickets: dict = {}  # key: (ticket, shape, dtype)
+        self._host_budget, self._device = host_budget, device or torch.device("cpu")
+        self._host: dict = {}  # key: its host copy, oldest first
+        self._host_bytes = 0
+        self._tickets: dict = {}  # key: (ticket, shape, dtype), in the file
         self._writing: list = []  # the tickets written since the last settle()
+        self.peak_host_bytes = 0
+        self.disk_bytes = 0  # written to the file
+        self.moved_to_disk = 0  # host entries the budget sent to the file
 
     def write(self, key, tensor: torch.Tensor) -> None:
         self.release(key)
-        ticket = disk_spill(tensor.detach(), directory=self._directory, allow_tmpfs=self._allow_tmpfs)
+        tensor = tensor.detach()
+        if self._host_budget is None or tensor.nbytes > self._host_budget:
+            self._spill(key, tensor)
+            return
+        self._host[key] = torch.ops.offload.offload_pack(tensor, True)
+        self._host_bytes += tensor.nbytes
+        while self._host_bytes > self._host_budget:
+            oldest = next(iter(self._host))
+            self._spill(oldest, self._pop_host(oldest))  # the tier waits for a pending copy before it reads
+            self.moved_to_disk += 1
+        self.peak_host_bytes = max(self.peak_host_bytes, self._host_bytes)
+
+    def _spill(self, key, tensor: torch.Tensor) -> None:
+        ticket = disk_spill(tensor, directory=self._directory, allow_tmpfs=self._allow_tmpfs)
         self._tickets[key] = (ticket, tensor.shape, tensor.dtype)
         self._writing.append(ticket)
+        self.disk_bytes += tensor.nbytes
+
+    def _pop_host(self, key) -> torch.Tensor:
+        packed = self._host.pop(key)
+        self._host_bytes -= packed.nbytes
+        return packed
 
     def settle(self) -> None:
-        """Wait for the writes so far (their tensors held until then)."""
+        """Wait for the writes to the file so far (their tensors held until then)."""
         for ticket in self._writing:
             disk_wait(ticket)
         self._writing.clear()
 
     def read(self, key) -> torch.Tensor:
+        """A new tensor on the store's device with ``key``'s values."""
+        if key in self._host:
+            return torch.ops.offload.offload_unpack(self._host[key], self._device)
         ticket, shape, dtype = self._tickets[key]
-        return disk_read(ticket, shape, dtype, "cpu")
+        return disk_read(ticket, shape, dtype, self._device)
 
     def prefetch(self, key) -> None:
-        """Start reading ``key`` back, so that its next read finds it in memory (nothing where it is not kept)."""
+        """Start reading ``key`` back from the file, so that its next read finds it in memory (nothing where it is
+        not there)."""
         if key in self._tickets:
             disk_prefetch(self._tickets[key][0])
 
     def pop(self, key) -> torch.Tensor:
         """read, then release."""
+        if key in self._host:
+            return torch.ops.offload.offload_unpack(self._pop_host(key), self._device)
         ticket, shape, dtype = self._tickets.pop(key)
-        return disk_restore(ticket, shape, dtype, "cpu")
+        return disk_restore(ticket, shape, dtype, self._device)
 
     def has(self, key) -> bool:
-        return key in self._tickets
+        return key in self._host or key in self._tickets
 
     def release(self, key) -> None:
+        if key in self._host:
+            self._pop_host(key)
         self._tickets.pop(key, None)  # the ticket's extents are freed with it
 
     def close(self) -> None:
+        self._host.clear()
+        self._host_bytes = 0
         self._tickets.clear()
         self._writing.clear()
 
