@@ -18,6 +18,7 @@ import torch_offload
 from torch_offload.integrations import chunk_attention, chunk_recurrent
 from torch_offload.integrations.chunk_batch import batch_of
 from torch_offload.integrations.chunk_model import packs_documents
+from torch_offload.integrations.chunk_store import ChunkStore
 
 WHOLE = 1 << 40  # bytes: every entry stays in host memory
 KINDS = ["one row", "packed documents", "padded rows"]
@@ -50,6 +51,42 @@ def test_every_entry_past_a_zero_budget_goes_to_the_file(stores, tmp_path):
     want = reference(model, ids, labels)
     assert_equal_to_rounding(want, chunked(model, ids, labels, tmp_path, chunk_tokens=5, host_budget=0))
     assert stores[-1].peak_host_bytes == 0 and stores[-1].disk_bytes > 0
+
+
+def test_the_store_keeps_each_entry_through_its_budget_reads_ahead_and_writes_again(tmp_path):
+    store = ChunkStore(str(tmp_path), host_budget=3 * 400)  # three of the entries below
+    kept = {key: torch.randn(50, dtype=torch.float64, generator=torch.Generator().manual_seed(key)) for key in range(5)}
+    for key, tensor in kept.items():
+        store.write(key, tensor)
+    assert (store.moved_to_disk, store.peak_host_bytes, store.disk_bytes) == (2, 1200, 800)  # 0 and 1, the oldest
+    store.prefetch(4)  # in host memory
+    store.prefetch(0)  # in the file
+    mine = store.read(4)
+    mine.add_(1)  # a read is the caller's own
+    for key, tensor in kept.items():
+        assert torch.equal(store.read(key), tensor), key
+    store.prefetch(3)
+    store.write(3, kept[3] * 2)  # written again after a read ahead: its new values
+    assert torch.equal(store.read(3), kept[3] * 2)
+    store.prefetch(2)
+    assert torch.equal(store.pop(2), kept[2]) and not store.has(2)
+    store.settle()
+    store.close()
+    assert not any(store.has(key) for key in kept)
+    changed = torch.ones(4)
+    store.write("changed", changed)
+    changed.add_(1)  # on a GPU its copy to host memory may still be running
+    with pytest.raises(RuntimeError, match="store: changed was modified in place while it was copied"):
+        store.settle()
+
+
+def test_keys_and_values_read_again_move_to_disk_after_the_other_entries(tmp_path):
+    store = ChunkStore(str(tmp_path), host_budget=3 * 400, reread=frozenset({"k"}))
+    for key in [("k", 0), ("out", 0), ("k", 1), ("out", 1)]:
+        store.write(key, torch.zeros(50, dtype=torch.float64))
+    store.write(("out", 2), torch.zeros(50, dtype=torch.float64))
+    assert store.moved_to_disk == 2 and store.disk_bytes == 800  # ("out", 0), then ("out", 1)
+    assert [key for key in store._host] == [("k", 0), ("k", 1), ("out", 2)]
 
 
 def peak_outside_the_store(run) -> int:
@@ -128,7 +165,8 @@ def test_the_gpu_steps_low_precision_arithmetic_is_as_close_to_float64_as_the_mo
     monkeypatch.setattr(chunk_attention, "kernel_dtype", lambda q: q.dtype)  # CUDA's choice (chunk_kernels.py)
     call = dict(batches()[kind])
     ids, labels = call.pop("input_ids"), call.pop("labels")
-    want = reference(float64(build(name)), ids, labels, **call)
+    # The model's own weights as the dtype rounds them, in float64: the errors are the arithmetic's alone.
+    want = reference(float64(build(name).to(dtype)), ids, labels, **call)
     model = build(name).to(dtype)
     own = model(input_ids=ids, labels=labels, use_cache=False, **call)
     own.loss.backward()
@@ -142,5 +180,5 @@ def test_the_gpu_steps_low_precision_arithmetic_is_as_close_to_float64_as_the_mo
     assert got[1].keys() == want[1].keys() and all(g.dtype == dtype for g in got[1].values())
     pairs = [("loss", got[0], own[0], want[0]), *((n, got[1][n], own[1][n], want[1][n]) for n in want[1])]
     for what, mine, theirs, exact in pairs:
-        bound = max(3 * relative_error(theirs, exact), torch.finfo(dtype).eps)
+        bound = max(3 * relative_error(theirs, exact), torch.finfo(dtype).eps / 8)
         assert relative_error(mine, exact) <= bound, (what, relative_error(mine, exact), bound)

@@ -154,11 +154,11 @@ def attend(heads: Heads, segments: Segments, chunk: int, q, keys_and_values, rea
     query, the sinks' included; -inf (output 0) for a query that sees no key and no sink. ``read_ahead(chunk)``
     (where given) is told the chunk whose keys and values come next, before this one's are computed with. The blocks
     run in chunk_kernels.kernel_dtype, the pairs are joined in at least float32."""
-    compute, joined = kernel_dtype(q), torch.promote_types(q.dtype, torch.float32)
-    value_dim = keys_and_values(chunk)[1].shape[-1]
+    compute, join_dtype = kernel_dtype(q), torch.promote_types(q.dtype, torch.float32)
+    value_dim = keys_and_values(chunk)[1].shape[-1]  # the queries' own chunk's: at hand (chunk_seam.py)
     width = max(q.shape[-1], value_dim)
     query = F.pad(q.to(compute), (0, width - q.shape[-1]))[None]
-    out = query.new_zeros((1, q.shape[0], q.shape[1], value_dim), dtype=joined)
+    out = query.new_zeros((1, q.shape[0], q.shape[1], value_dim), dtype=join_dtype)
     log_sum_exp = heads.before_any_key(q.shape[0], q.shape[1], out)
     for earlier, blocks in _pairs(heads, segments, chunk, query, read_ahead):
         k, v = (heads.by_head(t.to(compute), width) for t in keys_and_values(earlier))
@@ -171,7 +171,7 @@ def attend(heads: Heads, segments: Segments, chunk: int, q, keys_and_values, rea
         joined = torch.logaddexp(log_sum_exp, pair_log_sum_exp)
         base = joined.masked_fill(joined == float("-inf"), 0.0)
         out.mul_(log_sum_exp.sub_(base).exp_()[..., None]).add_(
-            pair_out[..., :value_dim].to(joined).mul_(pair_log_sum_exp.sub_(base).exp_()[..., None])
+            pair_out[..., :value_dim].to(join_dtype).mul_(pair_log_sum_exp.sub_(base).exp_()[..., None])
         )
         log_sum_exp = joined
     return out[0].to(q.dtype), log_sum_exp[0]
@@ -194,17 +194,17 @@ def attend_backward(
     of the keys' and values' gradients, handed to ``add_share(earlier, grad k, grad v)`` (``[kv heads, C', d]``, in
     at least float32, as the queries' gradient). ``out`` and ``log_sum_exp`` are the whole row's (attend's),
     ``grad_out`` their output's gradient."""
-    compute, joined = kernel_dtype(q), torch.promote_types(q.dtype, torch.float32)
+    compute, join_dtype = kernel_dtype(q), torch.promote_types(q.dtype, torch.float32)
     value_dim = out.shape[-1]
     width = max(q.shape[-1], value_dim)
     query = F.pad(q.to(compute), (0, width - q.shape[-1]))[None]
     grad_out, out = (F.pad(t.to(compute), (0, width - value_dim))[None] for t in (grad_out, out))
     log_sum_exp = log_sum_exp[None]
-    grad_q = query.new_zeros(query.shape, dtype=joined)
+    grad_q = query.new_zeros(query.shape, dtype=join_dtype)
     for earlier, blocks in _pairs(heads, segments, chunk, query, read_ahead):
         k, v = keys_and_values(earlier)
         k_heads, v_heads = heads.by_head(k.to(compute), width), heads.by_head(v.to(compute), width)
-        grad_k, grad_v = (t.new_zeros(t.shape, dtype=joined) for t in (k_heads, v_heads))
+        grad_k, grad_v = (t.new_zeros(t.shape, dtype=join_dtype) for t in (k_heads, v_heads))
         for block in blocks:
             rows, keys = block.rows, block.keys
             block_grad_q, block_grad_k, block_grad_v = _block_backward(
@@ -224,8 +224,8 @@ def attend_backward(
         return_freed_memory()
     grad_sinks = None
     if heads.sinks is not None:  # d out_i / d sink = -p_sink_i out_i: the sink's gradient -sum_i p_sink_i (dO_i . O_i)
-        sink_share = (heads.sinks.detach().to(joined)[None, :, None] - log_sum_exp).exp()
-        grad_sinks = -(sink_share * (grad_out.to(joined) * out.to(joined)).sum(-1)).sum((0, 2))
+        sink_share = (heads.sinks.detach().to(join_dtype)[None, :, None] - log_sum_exp).exp()
+        grad_sinks = -(sink_share * (grad_out.to(join_dtype) * out.to(join_dtype)).sum(-1)).sum((0, 2))
     return grad_q[0, ..., : q.shape[-1]], grad_sinks
 
 

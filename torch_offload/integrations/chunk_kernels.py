@@ -21,8 +21,8 @@ __all__ = ["block_backward", "block_forward", "kernel_dtype"]
 
 _CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-# What the CUDA kernels' backward takes for the random state of a dropout the step never draws: PyTorch's own
-# forward returns such an empty int64 scalar on the CPU when its dropout is 0.
+# What the CUDA kernels' backward takes for the random state of a dropout the step never draws (read only with
+# dropout: PyTorch's memory-efficient forward returns such an empty int64 scalar on the CPU without one).
 _NO_DROPOUT = torch.empty((), dtype=torch.int64)
 _EFFICIENT_QUERY_ALIGNMENT = 32  # the memory-efficient kernels' log-sum-exp pads its queries to a multiple of it
 
@@ -38,7 +38,6 @@ def block_forward(q, k, v, causal: bool, scale: float):
     """A block's output ``[1, heads, L, dv]`` and log-sum-exp ``[1, heads, L]``."""
     if q.device.type != "cuda":
         return _CPU_FLASH(q, k, v, 0.0, causal, scale=scale)
-    q, k, v = (_token_major(t) for t in (q, k, v))
     if _flash(q, k, causal):
         out, log_sum_exp = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[
             :2
@@ -55,14 +54,15 @@ def block_backward(grad_out, q, k, v, out, log_sum_exp, causal: bool, scale: flo
     ``log_sum_exp``."""
     if q.device.type != "cuda":
         return _CPU_FLASH_BACKWARD(grad_out, q, k, v, out, log_sum_exp, 0.0, causal, scale=scale)
-    # Token-major memory: CUDA's memory-efficient backward reads out with a token stride of heads * d.
-    grad_out, q, k, v, out = (_token_major(t) for t in (grad_out, q, k, v, out))
     log_sum_exp = log_sum_exp.float().contiguous()
     if _flash(q, k, causal):
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             grad_out, q, k, v, out, log_sum_exp, None, None, q.shape[2], k.shape[2], 0.0, causal, _NO_DROPOUT,
             _NO_DROPOUT, scale=scale,
         )  # fmt: skip
+    # Token-major memory: CUDA's memory-efficient backward reads out (and its gradient) with a token stride of
+    # heads * d, whatever their strides say.
+    grad_out, out = _token_major(grad_out), _token_major(out)
     queries = q.shape[2]
     padded = -(-queries // _EFFICIENT_QUERY_ALIGNMENT) * _EFFICIENT_QUERY_ALIGNMENT
     log_sum_exp = F.pad(log_sum_exp, (0, padded - queries))

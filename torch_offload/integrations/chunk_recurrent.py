@@ -127,6 +127,8 @@ def chunk_recurrent_loss(
     device = next(iter(devices)) if len(devices) == 1 else None
     if device is None or device.type not in ("cpu", "cuda"):
         raise ValueError("chunk_recurrent_loss: model: its parameters must be on one device, the CPU or a CUDA GPU")
+    if device.type == "cuda" and torch.version.hip is not None:  # its kernels' log-sum-exp layouts differ
+        raise ValueError("chunk_recurrent_loss: model: it is on a ROCm GPU; the step's GPU kernels are CUDA's")
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "chunk_recurrent_loss: a CUDA graph is being captured: the step reads its batch on the host and moves "
@@ -221,7 +223,9 @@ def chunk_recurrent_step(
     trained = [p for p in named.values() if p.requires_grad]
     parts = StepModel(model)
     read_again = _ReadAgain(model, batch.ids if _trained(parts.embed.parameters()) else None)
-    store = ChunkStore(directory, host_budget=host_budget, device=parts.head.weight.device)
+    # Keys and values are read for every later chunk: past the host budget they move to disk last.
+    device, reread = parts.head.weight.device, frozenset({"k", "v"})
+    store = ChunkStore(directory, host_budget=host_budget, device=device, reread=reread)
     return _ChunkRecurrentStep.apply(parts, batch, chunk_tokens, store, (trained, read_again), *trained)
 
 

@@ -121,9 +121,12 @@ class StepAttention:
         if keys_layer == layer:
             self.store.write(("k", layer, self.chunk), k)
             self.store.write(("v", layer, self.chunk), v)
-        out, log_sum_exp = attend(
-            heads, self.segments, self.chunk, q, self.keys_and_values(keys_layer), self.read_ahead(keys_layer)
-        )
+        earlier = self.keys_and_values(keys_layer)
+
+        def keys_and_values(chunk):  # this chunk's are at hand (another layer's too: the very tensors it passed)
+            return (k, v) if chunk == self.chunk else earlier(chunk)
+
+        out, log_sum_exp = attend(heads, self.segments, self.chunk, q, keys_and_values, self.read_ahead(keys_layer))
         self.store.write(("out", layer, self.chunk), out)
         self.store.write(("lse", layer, self.chunk), log_sum_exp)
         return out

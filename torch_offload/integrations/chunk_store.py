@@ -24,11 +24,13 @@ _MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None 
 class ChunkStore:
     """Tensors by key: each written once, read back on ``device`` (default: the CPU) as often as asked, its host
     memory or disk space freed when released. ``host_budget`` (bytes, or None for none) is the most host memory the
-    store holds; a write past it moves the oldest host entries (in write order) to the spill file in ``directory``, and
-    a tensor larger than the whole budget goes there at once. A tensor changed in place before its write is done
-    fails its checksum when read from the file (the tier's error, as a removed directory's or a full disk's);
-    ``settle()`` waits for the writes to the file so far, so that the memory of what is being written stays one
-    chunk's."""
+    store holds; a write past it first moves the oldest host entries (in write order; those whose key begins with a
+    name in ``reread``, read again for every later chunk, after the others) to the spill file in ``directory`` and
+    waits for those writes (on a GPU their pinned slices are what the new entry takes), and a tensor larger than the
+    whole budget goes there at once. A tensor changed in place before its copy is done fails: in the file its checksum
+    when read (the tier's error, as a removed directory's or a full disk's), in host memory ``settle()``, which waits
+    for the writes to the file so far (so that the memory of what is being written stays one chunk's) and checks that
+    no tensor written to host memory since the last one changed."""
 
     def __init__(
         self,
@@ -37,13 +39,18 @@ class ChunkStore:
         *,
         host_budget: int | None = None,
         device: torch.device | None = None,
+        reread: frozenset = frozenset(),
     ):
         self._directory, self._allow_tmpfs = directory, allow_tmpfs
-        self._host_budget, self._device = host_budget, device or torch.device("cpu")
+        self._host_budget, self._device, self._reread = host_budget, device or torch.device("cpu"), reread
         self._host: dict = {}  # key: its host copy, oldest first
         self._host_bytes = 0
         self._tickets: dict = {}  # key: (ticket, shape, dtype), in the file
+        self._ahead: dict = {}  # key: (its copy on the device, the event its copy's stream records), read ahead
+        # Reads ahead wait for their copies on a stream of their own, the step's stream only when it reads them.
+        self._side = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
         self._writing: list = []  # the tickets written since the last settle()
+        self._copying: list = []  # (key, tensor, its version) copied to host memory since the last settle()
         self.peak_host_bytes = 0
         self.disk_bytes = 0  # written to the file
         self.moved_to_disk = 0  # host entries the budget sent to the file
@@ -54,19 +61,30 @@ class ChunkStore:
         if self._host_budget is None or tensor.nbytes > self._host_budget:
             self._spill(key, tensor)
             return
-        self._host[key] = torch.ops.offload.offload_pack(tensor, True)
-        self._host_bytes += tensor.nbytes
-        while self._host_bytes > self._host_budget:
-            oldest = next(iter(self._host))
-            self._spill(oldest, self._pop_host(oldest))  # the tier waits for a pending copy before it reads
+        moved = []
+        while self._host_bytes + tensor.nbytes > self._host_budget:
+            others = [k for k in self._host if not (isinstance(k, tuple) and k[0] in self._reread)]
+            oldest = others[0] if others else next(iter(self._host))
+            moved.append(self._spill(oldest, self._pop_host(oldest)))  # the tier waits for a pending copy first
             self.moved_to_disk += 1
+        for ticket in moved:  # their host memory back before the new copy takes some
+            disk_wait(ticket)
+        packed = torch.ops.offload.offload_pack(tensor, True)
+        if self._side is not None and not packed.is_pinned():  # the arena had no room left (other users hold it)
+            self._host_budget = self._host_bytes  # the host tier is full from here: no entry waits in pageable memory
+            self._spill(key, packed)
+            return
+        self._host[key] = packed
+        self._host_bytes += tensor.nbytes
+        self._copying.append((key, tensor, tensor._version))
         self.peak_host_bytes = max(self.peak_host_bytes, self._host_bytes)
 
-    def _spill(self, key, tensor: torch.Tensor) -> None:
+    def _spill(self, key, tensor: torch.Tensor) -> torch.Tensor:
         ticket = disk_spill(tensor, directory=self._directory, allow_tmpfs=self._allow_tmpfs)
         self._tickets[key] = (ticket, tensor.shape, tensor.dtype)
         self._writing.append(ticket)
         self.disk_bytes += tensor.nbytes
+        return ticket
 
     def _pop_host(self, key) -> torch.Tensor:
         packed = self._host.pop(key)
@@ -74,28 +92,55 @@ class ChunkStore:
         return packed
 
     def settle(self) -> None:
-        """Wait for the writes to the file so far (their tensors held until then)."""
+        """Wait for the writes to the file so far (their tensors held until then); check the tensors copied to host
+        memory since the last call (held until then too) for an in-place change."""
         for ticket in self._writing:
             disk_wait(ticket)
         self._writing.clear()
+        changed = next((key for key, tensor, version in self._copying if tensor._version != version), None)
+        self._copying.clear()
+        if changed is not None:
+            raise RuntimeError(f"the chunk-recurrent step's store: {changed} was modified in place while it was copied")
 
     def read(self, key) -> torch.Tensor:
         """A new tensor on the store's device with ``key``'s values."""
+        if key in self._ahead:
+            return self._finish_read(*self._ahead.pop(key))
         if key in self._host:
             return torch.ops.offload.offload_unpack(self._host[key], self._device)
         ticket, shape, dtype = self._tickets[key]
         return disk_read(ticket, shape, dtype, self._device)
 
     def prefetch(self, key) -> None:
-        """Start reading ``key`` back from the file, so that its next read finds it in memory (nothing where it is
-        not there)."""
+        """Start reading ``key`` back, so that its next read finds it on the device (a host entry: its copy running
+        on a copy stream while the step computes) or in memory (one in the file); nothing where it is not kept."""
         if key in self._tickets:
             disk_prefetch(self._tickets[key][0])
+        elif key in self._host and key not in self._ahead:
+            self._ahead[key] = self._start_read(self._host[key])
+
+    def _start_read(self, packed: torch.Tensor):
+        if self._side is None:  # the CPU: copied now
+            return torch.ops.offload.offload_unpack(packed, self._device), None
+        with torch.cuda.stream(self._side):  # the side stream, not the step's, waits for the copy
+            tensor = torch.ops.offload.offload_unpack(packed, self._device)
+            ready = torch.cuda.Event()
+            ready.record(self._side)
+        return tensor, ready
+
+    def _finish_read(self, tensor: torch.Tensor, ready) -> torch.Tensor:
+        if ready is not None:
+            stream = torch.cuda.current_stream(self._device)
+            stream.wait_event(ready)
+            tensor.record_stream(stream)  # its memory is the copy's stream's
+        return tensor
 
     def pop(self, key) -> torch.Tensor:
         """read, then release."""
-        if key in self._host:
-            return torch.ops.offload.offload_unpack(self._pop_host(key), self._device)
+        if key in self._ahead or key in self._host:
+            tensor = self.read(key)
+            self.release(key)
+            return tensor
         ticket, shape, dtype = self._tickets.pop(key)
         return disk_restore(ticket, shape, dtype, self._device)
 
@@ -103,11 +148,14 @@ class ChunkStore:
         return key in self._host or key in self._tickets
 
     def release(self, key) -> None:
+        self._ahead.pop(key, None)
         if key in self._host:
             self._pop_host(key)
         self._tickets.pop(key, None)  # the ticket's extents are freed with it
 
     def close(self) -> None:
+        self._ahead.clear()
+        self._copying.clear()
         self._host.clear()
         self._host_bytes = 0
         self._tickets.clear()
