@@ -117,14 +117,15 @@ class StepModel:
             yield
 
     @contextlib.contextmanager
-    def layers_replayed(self, read, gradients: dict, handed_on):
+    def layers_replayed(self, read, gradients: dict, handed_on, read_ahead=None):
         """Each layer's forward, while backward's pass runs: the output ``read(layer)`` gives (forward's), and the
         entries ``handed_on(layer)`` gives ((name, key, value): what it set in forward) set again for the layers
         after it; its backward recomputes the layer's own forward and adds its parameters' gradients into
-        ``gradients``. A layer whose input is the layer before's output, untouched, reads it again in backward rather
-        than hold it: one chunk's outputs of every layer would otherwise stay alive through backward's pass. Yields a
-        list of the inputs that did not require a gradient (a frozen embedding's output), made leaves that do, so
-        that autograd runs back through every layer: the caller asks for their gradients too."""
+        ``gradients``, first telling ``read_ahead(layer)`` (where given) the layer whose backward comes next. A layer
+        whose input is the layer before's output, untouched, reads it again in backward rather than hold it: one
+        chunk's outputs of every layer would otherwise stay alive through backward's pass. Yields a list of the inputs
+        that did not require a gradient (a frozen embedding's output), made leaves that do, so that autograd runs back
+        through every layer: the caller asks for their gradients too."""
         last, entries = [None], []  # the output the last layer handed on; the leaves made
 
         def wrapped(index, own):
@@ -145,7 +146,8 @@ class StepModel:
                     hidden = hidden.detach().requires_grad_()
                     entries.append(hidden)
                 again = (lambda: read(index - 1)) if index and hidden is last[0] else None
-                layer = _LayerReplay(self.layers[index], run, read(index), again, gradients)
+                below = (lambda: read_ahead(index - 1)) if read_ahead is not None and index else None
+                layer = _LayerReplay(self.layers[index], run, read(index), again, gradients, below)
                 last[0] = _ReplayedLayer.apply(layer, hidden, *(leaves[i] for i in tensors))
                 return last[0]
 
@@ -172,10 +174,12 @@ class _ChunkPlace:
 
 class _LayerReplay:
     """What _ReplayedLayer needs of one layer in one chunk: the layer, its forward as a function of its tensors,
-    the output forward kept, how to read its input again (None: hold it), where its parameters' gradients go."""
+    the output forward kept, how to read its input again (None: hold it), where its parameters' gradients go, and
+    what to read ahead for the layer below (None: nothing)."""
 
-    def __init__(self, layer: nn.Module, run, output: torch.Tensor, input_again, gradients: dict):
+    def __init__(self, layer: nn.Module, run, output: torch.Tensor, input_again, gradients: dict, read_ahead=None):
         self.layer, self.run, self.output, self.input_again, self.gradients = layer, run, output, input_again, gradients
+        self.read_ahead = read_ahead
 
 
 class _ReplayedLayer(torch.autograd.Function):
@@ -193,6 +197,8 @@ class _ReplayedLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         replay = ctx.replay
+        if replay.read_ahead is not None:  # the layer below's reads, while this one computes
+            replay.read_ahead()
         saved = ctx.saved_tensors
         if replay.input_again is None:
             *tensors, hidden = saved

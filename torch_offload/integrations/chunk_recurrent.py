@@ -324,7 +324,12 @@ class _ChunkRecurrentStep(torch.autograd.Function):
             def read(layer):
                 return store.read(("output", layer, seam.chunk))
 
-            with running(seam, parts.configs), parts.layers_replayed(read, gradients, seam.handed_on) as entries:
+            def read_ahead(layer):  # what the layer's backward reads first: its input, its attention's results
+                for key in (("output", layer - 1, seam.chunk), ("out", layer, seam.chunk), ("lse", layer, seam.chunk)):
+                    store.prefetch(key)
+
+            replayed = parts.layers_replayed(read, gradients, seam.handed_on, read_ahead)
+            with running(seam, parts.configs), replayed as entries:
                 for chunk in reversed(range(len(seam.segments.bounds))):
                     start, end = seam.segments.bounds[chunk]
                     seam.start(chunk, backward=True)
@@ -333,6 +338,7 @@ class _ChunkRecurrentStep(torch.autograd.Function):
                         hidden = parts.hidden(
                             batch.ids[start:end], batch.positions[start:end], start % batch.row_length
                         )
+                        read_ahead(len(parts.layers) - 1)  # backward begins with the last layer
                         embedded = [output for _, output in seen] if plain else []
                         found = torch.autograd.grad(
                             hidden,

@@ -219,20 +219,21 @@ class _ChunkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step, layers, heads, q, k, v, sinks):
         ctx.step, (ctx.layer, ctx.keys_layer), ctx.heads, ctx.chunk = step, layers, heads, step.chunk
-        ctx.save_for_backward(q, k, v)
-        return step.store.read(("out", ctx.layer, step.chunk)).to(q.dtype)
+        out = step.store.read(("out", ctx.layer, step.chunk))  # in q's dtype (StepAttention.forward's)
+        ctx.save_for_backward(q, k, v, out)  # backward's, not read again
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         step, layer, keys_layer, chunk, store = ctx.step, ctx.layer, ctx.keys_layer, ctx.chunk, ctx.step.store
         store.settle()
-        q, k, v = ctx.saved_tensors
+        q, k, v, out = ctx.saved_tensors
         earlier = step.keys_and_values(keys_layer)
 
         def keys_and_values(keys_chunk):  # another layer's: as forward kept them, whatever the recomputation got
             return (k, v) if keys_chunk == chunk and keys_layer == layer else earlier(keys_chunk)
 
-        out, log_sum_exp = store.read(("out", layer, chunk)), store.read(("lse", layer, chunk))
+        log_sum_exp = store.read(("lse", layer, chunk))
         own = {}
 
         def add_share(keys_chunk, share_k, share_v):
