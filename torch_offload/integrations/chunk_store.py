@@ -111,11 +111,13 @@ class ChunkStore:
         ticket, shape, dtype = self._tickets[key]
         return disk_read(ticket, shape, dtype, self._device)
 
-    def prefetch(self, key) -> None:
+    def prefetch(self, key, from_file: bool = True) -> None:
         """Start reading ``key`` back, so that its next read finds it on the device (a host entry: its copy running
-        on a copy stream while the step computes) or in memory (one in the file); nothing where it is not kept."""
+        on a copy stream while the step computes) or in memory (one in the file, unless not ``from_file``); nothing
+        where it is not kept."""
         if key in self._tickets:
-            disk_prefetch(self._tickets[key][0])
+            if from_file:
+                disk_prefetch(self._tickets[key][0])
         elif key in self._host and key not in self._ahead:
             self._ahead[key] = self._start_read(self._host[key])
 
