@@ -54,7 +54,7 @@ def test_every_entry_past_a_zero_budget_goes_to_the_file(stores, tmp_path):
 
 
 def test_the_store_keeps_each_entry_through_its_budget_reads_ahead_and_writes_again(tmp_path):
-    store = ChunkStore(str(tmp_path), host_budget=3 * 400)  # three of the entries below
+    store = ChunkStore(str(tmp_path), host_budget=3 * 400, watched=frozenset({"changed"}))  # three entries below
     kept = {key: torch.randn(50, dtype=torch.float64, generator=torch.Generator().manual_seed(key)) for key in range(5)}
     for key, tensor in kept.items():
         store.write(key, tensor)
@@ -73,11 +73,28 @@ def test_the_store_keeps_each_entry_through_its_budget_reads_ahead_and_writes_ag
     store.settle()
     store.close()
     assert not any(store.has(key) for key in kept)
-    changed = torch.ones(4)
+    mine, changed = torch.ones(4), torch.ones(4)
+    store.write("mine", mine)  # not watched: the step's own, not held for the check
     store.write("changed", changed)
+    mine.add_(1)
     changed.add_(1)  # on a GPU its copy to host memory may still be running
     with pytest.raises(RuntimeError, match="store: changed was modified in place while it was copied"):
         store.settle()
+
+
+def test_an_entry_read_ahead_then_moved_to_disk_reads_back_its_values(tmp_path):
+    store = ChunkStore(str(tmp_path), host_budget=2 * 400)
+    first, second, third = (torch.full((50,), float(i), dtype=torch.float64) for i in range(3))
+    store.write("first", first)
+    store.write("second", second)
+    store.prefetch("first")
+    store.prefetch("second")
+    store.write("third", third)  # past the budget: "first" to the file, its copy read ahead kept
+    assert store.moved_to_disk == 1
+    assert torch.equal(store.read("first"), first)  # the copy read ahead
+    assert torch.equal(store.read("first"), first)  # from the file
+    assert torch.equal(store.pop("second"), second) and torch.equal(store.pop("first"), first)
+    assert not store.has("first") and not store.has("second") and store.has("third")
 
 
 def test_keys_and_values_read_again_move_to_disk_after_the_other_entries(tmp_path):
@@ -136,7 +153,9 @@ def test_nothing_per_token_stays_outside_the_store_beyond_one_layers_keys_and_va
 
     (short, short_store), (long, long_store) = step(128), step(384)
     growth = (long - short) / 256
-    assert growth <= keys_and_values, f"{growth:.0f} bytes a token outside the store"
+    # The bound is one layer's keys and values; the step holds one chunk's at a time, nothing per token
+    # (measured: 0 bytes); half of that bound is the keys alone.
+    assert growth < keys_and_values / 2, f"{growth:.0f} bytes a token outside the store"
     # What the store holds grows with the sequence: the measurement would see it if it were held outside.
     assert (long_store - short_store) / 256 > 4 * keys_and_values
 

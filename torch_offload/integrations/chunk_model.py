@@ -121,12 +121,14 @@ class StepModel:
         """Each layer's forward, while backward's pass runs: the output ``read(layer)`` gives (forward's), and the
         entries ``handed_on(layer)`` gives ((name, key, value): what it set in forward) set again for the layers
         after it; its backward recomputes the layer's own forward and adds its parameters' gradients into
-        ``gradients``, first telling ``read_ahead(layer)`` (where given) the layer whose backward comes next. A layer
+        ``gradients``, first telling ``read_ahead(layer, reads its input again)`` (where given) of the layer whose
+        backward comes next. A layer
         whose input is the layer before's output, untouched, reads it again in backward rather than hold it: one
         chunk's outputs of every layer would otherwise stay alive through backward's pass. Yields a list of the inputs
         that did not require a gradient (a frozen embedding's output), made leaves that do, so that autograd runs back
         through every layer: the caller asks for their gradients too."""
         last, entries = [None], []  # the output the last layer handed on; the leaves made
+        reads_input = {}  # layer: whether its backward reads its input again (else holds it)
 
         def wrapped(index, own):
             def forward(hidden, *args, **kwargs):
@@ -146,8 +148,13 @@ class StepModel:
                     hidden = hidden.detach().requires_grad_()
                     entries.append(hidden)
                 again = (lambda: read(index - 1)) if index and hidden is last[0] else None
-                below = (lambda: read_ahead(index - 1)) if read_ahead is not None and index else None
-                layer = _LayerReplay(self.layers[index], run, read(index), again, gradients, below)
+                reads_input[index] = again is not None
+
+                def below():  # what the layer below's backward reads first
+                    read_ahead(index - 1, reads_input[index - 1])
+
+                ahead = below if read_ahead is not None and index else None
+                layer = _LayerReplay(self.layers[index], run, read(index), again, gradients, ahead)
                 last[0] = _ReplayedLayer.apply(layer, hidden, *(leaves[i] for i in tensors))
                 return last[0]
 

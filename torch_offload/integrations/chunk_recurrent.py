@@ -188,7 +188,8 @@ def _host_budget(host_budget, device: torch.device) -> int | None:
             f"chunk_recurrent_loss: host_budget ({host_budget} bytes) is over what the pinned arena has free ({free} "
             "bytes; torch_offload.set_pinned_budget raises it): past it the copies would be pageable"
         )
-    return free if host_budget is None else host_budget
+    # By default a sixteenth less: a slice does not cross the arena's chunks, whose ends go unused.
+    return free - free // 16 if host_budget is None else host_budget
 
 
 def _probe(model: nn.Module, ids: torch.Tensor, directory: str, host_budget: int | None) -> None:
@@ -223,9 +224,11 @@ def chunk_recurrent_step(
     trained = [p for p in named.values() if p.requires_grad]
     parts = StepModel(model)
     read_again = _ReadAgain(model, batch.ids if _trained(parts.embed.parameters()) else None)
-    # Keys and values are read for every later chunk: past the host budget they move to disk last.
-    device, reread = parts.head.weight.device, frozenset({"k", "v"})
-    store = ChunkStore(directory, host_budget=host_budget, device=device, reread=reread)
+    # Keys and values are read for every later chunk: past the host budget they move to disk last. What the model's
+    # own code holds too (its keys, values, attention output, layers' outputs) is watched for an in-place change
+    # during its copy; the step's own buffers are not, nor held for it.
+    device, reread, watched = parts.head.weight.device, frozenset({"k", "v"}), frozenset({"k", "v", "out", "output"})
+    store = ChunkStore(directory, host_budget=host_budget, device=device, reread=reread, watched=watched)
     return _ChunkRecurrentStep.apply(parts, batch, chunk_tokens, store, (trained, read_again), *trained)
 
 
@@ -324,9 +327,11 @@ class _ChunkRecurrentStep(torch.autograd.Function):
             def read(layer):
                 return store.read(("output", layer, seam.chunk))
 
-            def read_ahead(layer):  # what the layer's backward reads first: its input, its attention's results
-                for key in (("output", layer - 1, seam.chunk), ("out", layer, seam.chunk), ("lse", layer, seam.chunk)):
-                    # From host memory only: from the file it held 34 MiB more at 8K tokens on the CPU, no faster.
+            def read_ahead(layer, input_too):  # what the layer's backward reads first: its attention's results, its
+                # input where it reads it again; from host memory only (from the file the CPU's step held 34 MiB more
+                # at 8K tokens, no faster)
+                keys = [("out", layer, seam.chunk), ("lse", layer, seam.chunk)]
+                for key in keys + ([("output", layer - 1, seam.chunk)] if input_too else []):
                     store.prefetch(key, from_file=False)
 
             replayed = parts.layers_replayed(read, gradients, seam.handed_on, read_ahead)
@@ -339,7 +344,7 @@ class _ChunkRecurrentStep(torch.autograd.Function):
                         hidden = parts.hidden(
                             batch.ids[start:end], batch.positions[start:end], start % batch.row_length
                         )
-                        read_ahead(len(parts.layers) - 1)  # backward begins with the last layer
+                        read_ahead(len(parts.layers) - 1, False)  # backward begins with the last layer
                         embedded = [output for _, output in seen] if plain else []
                         found = torch.autograd.grad(
                             hidden,

@@ -19,18 +19,22 @@ from ..disk import disk_prefetch, disk_read, disk_restore, disk_spill, disk_wait
 __all__ = ["ChunkStore", "return_freed_memory"]
 
 _MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None with another C library
+_ARENA_ALIGNMENT = 256  # bytes: the pinned arena's slices (ops/common/pinned_arena.h, kAlignment)
 
 
 class ChunkStore:
     """Tensors by key: each written once, read back on ``device`` (default: the CPU) as often as asked, its host
     memory or disk space freed when released. ``host_budget`` (bytes, or None for none) is the most host memory the
-    store holds; a write past it first moves the oldest host entries (in write order; those whose key begins with a
-    name in ``reread``, read again for every later chunk, after the others) to the spill file in ``directory`` and
-    waits for those writes (on a GPU their pinned slices are what the new entry takes), and a tensor larger than the
-    whole budget goes there at once. A tensor changed in place before its copy is done fails: in the file its checksum
-    when read (the tier's error, as a removed directory's or a full disk's), in host memory ``settle()``, which waits
-    for the writes to the file so far (so that the memory of what is being written stays one chunk's) and checks that
-    no tensor written to host memory since the last one changed."""
+    store holds (on a GPU counted in the pinned arena's slices); a write past it first moves the oldest host entries
+    (in write order; those whose key begins with a name in ``reread``, read again for every later chunk, after the
+    others) to the spill file in ``directory`` and waits for those writes (on a GPU their pinned slices are what the
+    new entry takes), and a tensor larger than the whole budget goes there at once. On a GPU an entry the arena has
+    no room for (other users hold it) goes to the file too, and the oldest host entry with it, so that none waits in
+    pageable memory. A tensor changed in place before its copy is done fails: in the file its checksum when read (the
+    tier's error, as a removed directory's or a full disk's); in host memory, for the keys whose name is in
+    ``watched`` (what the model's own code holds too), ``settle()``, which waits for the writes to the file so far
+    (so that the memory of what is being written stays one chunk's) and checks that none of those tensors written
+    since the last one changed by then."""
 
     def __init__(
         self,
@@ -40,17 +44,20 @@ class ChunkStore:
         host_budget: int | None = None,
         device: torch.device | None = None,
         reread: frozenset = frozenset(),
+        watched: frozenset = frozenset(),
     ):
         self._directory, self._allow_tmpfs = directory, allow_tmpfs
-        self._host_budget, self._device, self._reread = host_budget, device or torch.device("cpu"), reread
+        self._host_budget, self._device = host_budget, device or torch.device("cpu")
+        self._reread, self._watched = reread, watched
         self._host: dict = {}  # key: its host copy, oldest first
+        self._moved_first: dict = {}  # the keys of _host not in reread, oldest first (values unused)
         self._host_bytes = 0
         self._tickets: dict = {}  # key: (ticket, shape, dtype), in the file
         self._ahead: dict = {}  # key: (its copy on the device, the event its copy's stream records), read ahead
         # Reads ahead wait for their copies on a stream of their own, the step's stream only when it reads them.
         self._side = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
         self._writing: list = []  # the tickets written since the last settle()
-        self._copying: list = []  # (key, tensor, its version) copied to host memory since the last settle()
+        self._copying: list = []  # (key, tensor, its version) of watched keys copied to host memory since then
         self.peak_host_bytes = 0
         self.disk_bytes = 0  # written to the file
         self.moved_to_disk = 0  # host entries the budget sent to the file
@@ -58,26 +65,41 @@ class ChunkStore:
     def write(self, key, tensor: torch.Tensor) -> None:
         self.release(key)
         tensor = tensor.detach()
-        if self._host_budget is None or tensor.nbytes > self._host_budget:
+        held = self._held(tensor.nbytes)
+        if self._host_budget is None or held > self._host_budget:
             self._spill(key, tensor)
             return
         moved = []
-        while self._host_bytes + tensor.nbytes > self._host_budget:
-            others = [k for k in self._host if not (isinstance(k, tuple) and k[0] in self._reread)]
-            oldest = others[0] if others else next(iter(self._host))
-            moved.append(self._spill(oldest, self._pop_host(oldest)))  # the tier waits for a pending copy first
-            self.moved_to_disk += 1
-        for ticket in moved:  # their host memory back before the new copy takes some
-            disk_wait(ticket)
+        while self._host_bytes + held > self._host_budget:
+            moved.append(self._move_oldest())
+        self._wait(moved)
         packed = torch.ops.offload.offload_pack(tensor, True)
-        if self._side is not None and not packed.is_pinned():  # the arena had no room left (other users hold it)
-            self._host_budget = self._host_bytes  # the host tier is full from here: no entry waits in pageable memory
+        if self._side is not None and tensor.numel() and not packed.is_pinned():  # the arena had no room left
             self._spill(key, packed)
+            self._wait([self._move_oldest()] if self._host else [])  # room for the next one
             return
         self._host[key] = packed
-        self._host_bytes += tensor.nbytes
-        self._copying.append((key, tensor, tensor._version))
+        if _name(key) not in self._reread:
+            self._moved_first[key] = None
+        self._host_bytes += held
+        if _name(key) in self._watched:
+            self._copying.append((key, tensor, tensor._version))
         self.peak_host_bytes = max(self.peak_host_bytes, self._host_bytes)
+
+    def _held(self, nbytes: int) -> int:
+        """The host memory an entry of ``nbytes`` holds: on a GPU, the pinned arena's slices round up."""
+        return nbytes if self._side is None else -(-nbytes // _ARENA_ALIGNMENT) * _ARENA_ALIGNMENT
+
+    def _move_oldest(self) -> torch.Tensor:
+        """The oldest host entry (not reread, where there is one) to the file; its ticket."""
+        key = next(iter(self._moved_first)) if self._moved_first else next(iter(self._host))
+        self.moved_to_disk += 1
+        return self._spill(key, self._pop_host(key))  # the tier waits for a pending copy before it reads
+
+    @staticmethod
+    def _wait(tickets) -> None:
+        for ticket in tickets:  # their host memory back before a new copy takes some
+            disk_wait(ticket)
 
     def _spill(self, key, tensor: torch.Tensor) -> torch.Tensor:
         ticket = disk_spill(tensor, directory=self._directory, allow_tmpfs=self._allow_tmpfs)
@@ -88,14 +110,14 @@ class ChunkStore:
 
     def _pop_host(self, key) -> torch.Tensor:
         packed = self._host.pop(key)
-        self._host_bytes -= packed.nbytes
+        self._moved_first.pop(key, None)
+        self._host_bytes -= self._held(packed.nbytes)
         return packed
 
     def settle(self) -> None:
-        """Wait for the writes to the file so far (their tensors held until then); check the tensors copied to host
-        memory since the last call (held until then too) for an in-place change."""
-        for ticket in self._writing:
-            disk_wait(ticket)
+        """Wait for the writes to the file so far (their tensors held until then); check the watched tensors copied to
+        host memory since the last call (held until then too) for an in-place change."""
+        self._wait(self._writing)
         self._writing.clear()
         changed = next((key for key, tensor, version in self._copying if tensor._version != version), None)
         self._copying.clear()
@@ -159,9 +181,14 @@ class ChunkStore:
         self._ahead.clear()
         self._copying.clear()
         self._host.clear()
+        self._moved_first.clear()
         self._host_bytes = 0
         self._tickets.clear()
         self._writing.clear()
+
+
+def _name(key) -> object:
+    return key[0] if isinstance(key, tuple) else key
 
 
 def return_freed_memory() -> None:
